@@ -1,0 +1,16 @@
+"""radixserve: a small, faithful LLM serving engine built around SGLang's RadixAttention."""
+
+from radixserve.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "SamplingParams", "ServerArgs"]
+
+
+def __getattr__(name: str):
+    # NOTE: Engine pulls in torch and the model code; keep `import radixserve` light.
+    if name == "Engine":
+        from radixserve.entrypoints.engine import Engine
+
+        return Engine
+    raise AttributeError(name)

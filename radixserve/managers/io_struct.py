@@ -1,0 +1,61 @@
+"""Messages between the front end (Engine or HTTP tokenizer manager) and the scheduler.
+
+Plain dataclasses so they pickle over ZMQ and pass through in-process queues alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    extra_key: Any = None  # hashable namespace; different values never share KV
+    stream: bool = False
+    return_logprob: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheOut:
+    success: bool
+    tokens_freed: int = 0
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateOut:
+    state: dict[str, Any]
+
+
+@dataclass
+class BatchTokenIDOut:
+    """Incremental output of one scheduler step: for each request, its new token ids since the last message."""
+
+    rids: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]  # None while running; {"type": "stop"|"length"|"abort", ...}
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_logprobs: list[list[float] | None] = field(default_factory=list)

@@ -1,0 +1,70 @@
+"""ForwardBatch: everything one model forward needs, as tensors on the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum, auto
+
+import torch
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill, possibly over a cached prefix (extend_prefix_lens > 0)
+    DECODE = auto()  # one new token per request
+    IDLE = auto()
+
+    def is_extend(self) -> bool:
+        return self == ForwardMode.EXTEND
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    """One forward. `out_cache_loc` holds the KV slots this forward writes, one per input token.
+
+    The model writes new K/V into `out_cache_loc`, then each request attends over
+    `req_to_token[req_pool_indices[i], :seq_lens[i]]`: cached prefix slots and new ones alike.
+    Token-level tensors are flat over the batch, requests in order.
+    """
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    req_pool_indices: torch.Tensor  # int64 [bs]
+    seq_lens: torch.Tensor  # int64 [bs], prefix + new tokens
+    out_cache_loc: torch.Tensor  # int64 [num_tokens]
+    seq_lens_cpu: list[int]
+    extend_prefix_lens: torch.Tensor | None = None  # int64 [bs], extend only
+    extend_seq_lens: torch.Tensor | None = None  # int64 [bs], extend only
+    extend_prefix_lens_cpu: list[int] | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    # Set by the model runner before the forward: the pools and backend the layers use.
+    req_to_token_pool: object | None = None
+    token_to_kv_pool: object | None = None
+    attn_backend: object | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def for_extend(cls, input_ids: list[int], req_pool_indices: list[int], prefix_lens: list[int],
+                   extend_lens: list[int], out_cache_loc: torch.Tensor, device: torch.device | str) -> ForwardBatch:
+        positions = [p for pre, ext in zip(prefix_lens, extend_lens) for p in range(pre, pre + ext)]
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(ForwardMode.EXTEND, len(req_pool_indices), as_long(input_ids), as_long(positions),
+                   as_long(req_pool_indices), as_long(seq_lens), out_cache_loc.to(device=device, dtype=torch.int64),
+                   seq_lens, as_long(prefix_lens), as_long(extend_lens), list(prefix_lens), list(extend_lens))
+
+    @classmethod
+    def for_decode(cls, input_ids: list[int] | torch.Tensor, req_pool_indices: list[int], seq_lens: list[int],
+                   out_cache_loc: torch.Tensor, device: torch.device | str) -> ForwardBatch:
+        as_long = lambda xs: torch.as_tensor(xs, dtype=torch.int64).to(device)  # noqa: E731
+        positions = [s - 1 for s in seq_lens]
+        return cls(ForwardMode.DECODE, len(req_pool_indices), as_long(input_ids), as_long(positions),
+                   as_long(req_pool_indices), as_long(seq_lens), out_cache_loc.to(device=device, dtype=torch.int64),
+                   list(seq_lens))

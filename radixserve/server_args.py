@@ -1,0 +1,102 @@
+"""One set of server arguments, shared by `Engine(...)` keywords and the CLI flags (SGLang's names)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
+
+
+def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _opt(None, "HF model folder or GGUF file; none means the embedded SmolLM2-135M-Instruct")
+    served_model_name: str | None = _opt(None, "name reported by /v1/models (default: derived from the model path)")
+    dtype: str = _opt("auto", "compute dtype; auto is bfloat16 on CPU and CUDA", DTYPES)
+    device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
+    context_length: int | None = _opt(None, "maximum context; default: the model's own")
+    page_size: int = _opt(1, "tokens per KV page; radix matches are rounded down to a page")
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens; default: from --mem-fraction-static")
+    mem_fraction_static: float | None = _opt(None, "fraction of free device memory for the KV pool")
+    chunked_prefill_size: int = _opt(2048, "largest prefill chunk in tokens; -1 disables chunking")
+    max_prefill_tokens: int = _opt(16384, "prefill token budget of one batch")
+    max_running_requests: int | None = _opt(None, "most requests in the running batch; default: from the pool size")
+    schedule_policy: str = _opt("lpm", "waiting-queue order", SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _opt(1.0, "scales the decode-token reserve; higher retracts less")
+    radix_eviction_policy: str = _opt("lru", "which unlocked leaf the radix cache evicts first", EVICTION_POLICIES)
+    disable_radix_cache: bool = _opt(False, "no prefix reuse; every request computes its whole prompt")
+    disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
+    attention_backend: str = _opt("torch", "attention backend from the registry")
+    random_seed: int | None = _opt(None, "seed for sampling of requests without their own seed")
+    host: str = _opt("127.0.0.1", "HTTP host")
+    port: int = _opt(30000, "HTTP port")
+    api_key: str | None = _opt(None, "comma-separated API keys; each key gets its own cache namespace")
+    log_level: str = _opt("info", "logging level")
+    log_interval: int = _opt(40, "decode steps between decode log lines")
+
+    def __post_init__(self) -> None:
+        for name in ("dtype", "schedule_policy", "radix_eviction_policy"):
+            choices = _choices(name)
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * 2:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens} is too small")
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+
+    @property
+    def api_keys(self) -> list[str]:
+        return [k for k in (self.api_key or "").split(",") if k]
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f"{f.metadata['help']} (default: {f.default})"
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            kind = _cli_type(f.type)
+            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _choices(name: str) -> tuple:
+    return next(f.metadata["choices"] for f in dataclasses.fields(ServerArgs) if f.name == name)
+
+
+def _cli_type(annotation: str) -> type:
+    if annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    return str
