@@ -26,11 +26,13 @@ class ReqToTokenPool:
 
     def free(self, free_index: int | list[int]) -> None:
         indices = [free_index] if isinstance(free_index, int) else list(free_index)
+        free_now = set(self.free_slots)
         for idx in indices:
             if not 1 <= idx <= self.size:
                 raise ValueError(f"request row {idx} is outside 1..{self.size}")
-            if idx in self.free_slots:
+            if idx in free_now:
                 raise ValueError(f"request row {idx} freed twice")
+            free_now.add(idx)
         # NOTE: appended at the tail, so rows are reused in FIFO order, as in SGLang.
         self.free_slots.extend(indices)
 

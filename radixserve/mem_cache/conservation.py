@@ -1,0 +1,139 @@
+"""The KV accounting identity and single ownership of every slot, checked with slot/page ids on failure.
+
+    available + evictable + protected + sum over active requests of
+        (ceil_page(kv_allocated_len) - cache_protected_len)  ==  allocator.size
+
+and every page 1..num_pages is owned exactly once: by the free list, by the tree (a node's
+value), or by one active request (its private row positions [cache_protected_len,
+kv_allocated_len)). Slots collected by an open free group count as free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class ConservationError(AssertionError):
+    """The identity or single ownership failed. `leaked` / `doubly_owned` list page ids (slot ids at page 1)."""
+
+    def __init__(self, message: str, leaked: list[int] | None = None, doubly_owned: list[int] | None = None,
+                 report: dict | None = None) -> None:
+        super().__init__(message)
+        self.leaked = leaked or []
+        self.doubly_owned = doubly_owned or []
+        self.report = report or {}
+
+
+def _unique_active(active_reqs: Sequence[Any]) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for req in active_reqs:
+        if req.req_pool_idx is not None:
+            seen.setdefault(id(req), req)
+    return list(seen.values())
+
+
+def _tree_nodes(tree_cache: Any) -> list[Any]:
+    if tree_cache is None or tree_cache.disable:
+        return []
+    return list(tree_cache._iter_nodes())
+
+
+def _recount_tree(nodes: list[Any], tree_cache: Any) -> None:
+    evictable = sum(len(n.key) for n in nodes if n.lock_ref == 0)
+    protected = sum(len(n.key) for n in nodes if n.lock_ref > 0)
+    if (evictable, protected) != (tree_cache.evictable_size(), tree_cache.protected_size()):
+        raise ConservationError(
+            f"tree counters evictable={tree_cache.evictable_size()} protected={tree_cache.protected_size()} "
+            f"disagree with a recount evictable={evictable} protected={protected}"
+        )
+
+
+def check_conservation(allocator: Any, tree_cache: Any, req_to_token_pool: Any,
+                       active_reqs: Sequence[Any] = ()) -> dict[str, int]:
+    """Check the identity and single ownership; returns the terms, raises ConservationError otherwise.
+
+    With no active requests it also requires every request row free and no tree lock held.
+    """
+    ps = allocator.page_size
+    reqs = _unique_active(active_reqs)
+    nodes = _tree_nodes(tree_cache)
+    if tree_cache is not None and not tree_cache.disable:
+        _recount_tree(nodes, tree_cache)
+    pending = torch.cat(allocator.free_group) if allocator.free_group else torch.empty(0, dtype=torch.int64)
+    pending_pages = torch.unique(pending.cpu() // ps)
+    report = {
+        "available": allocator.available_size(),
+        "pending_free": len(pending_pages) * ps,
+        "evictable": tree_cache.evictable_size() if tree_cache is not None else 0,
+        "protected": tree_cache.protected_size() if tree_cache is not None else 0,
+        "request_private": sum(-(-r.kv_allocated_len // ps) * ps - r.cache_protected_len for r in reqs),
+        "size": allocator.size,
+    }
+    total = sum(v for k, v in report.items() if k != "size")
+    leaked, doubly_owned = _ownership(allocator, nodes, req_to_token_pool, reqs, pending_pages)
+    if total != allocator.size or leaked or doubly_owned:
+        raise ConservationError(
+            f"KV conservation failed: {report} sums to {total}, not {allocator.size}; "
+            f"leaked pages {leaked[:50]}, doubly-owned pages {doubly_owned[:50]} (page_size={ps})",
+            leaked, doubly_owned, report,
+        )
+    _check_rows_reference_owned(allocator, nodes, req_to_token_pool, reqs)
+    if not reqs:
+        _check_idle(tree_cache, req_to_token_pool, report)
+    return report
+
+
+def _ownership(allocator: Any, nodes: list[Any], pool: Any, reqs: list[Any],
+               pending_pages: torch.Tensor) -> tuple[list[int], list[int]]:
+    ps, num_pages = allocator.page_size, allocator.size // allocator.page_size
+    owners = [allocator.free_pages.cpu(), pending_pages]
+    tree_slots = torch.cat([n.value.cpu() for n in nodes]) if nodes else torch.empty(0, dtype=torch.int64)
+    doubly: set[int] = {slot // ps for slot in _repeated(tree_slots)}
+    owners.append(torch.unique(tree_slots // ps))
+    for req in reqs:
+        private = pool.req_to_token[req.req_pool_idx, req.cache_protected_len:req.kv_allocated_len]
+        private = private.to(torch.int64).cpu()
+        doubly.update(p // ps for p in _repeated(private))
+        owners.append(torch.unique(private // ps))
+    counts = torch.bincount(torch.cat(owners), minlength=num_pages + 1)
+    doubly.update(torch.nonzero(counts > 1).flatten().tolist())
+    if counts[0] > 0:
+        doubly.add(0)  # page 0 is reserved: anyone owning it is a bug
+    leaked = (torch.nonzero(counts[1:num_pages + 1] == 0).flatten() + 1).tolist()
+    return leaked, sorted(doubly)
+
+
+def _repeated(values: torch.Tensor) -> list[int]:
+    if values.numel() == 0:
+        return []
+    uniq, counts = torch.unique(values, return_counts=True)
+    return uniq[counts > 1].tolist()
+
+
+def _check_rows_reference_owned(allocator: Any, nodes: list[Any], pool: Any, reqs: list[Any]) -> None:
+    """A request's shared prefix [0, cache_protected_len) must point at tree slots, never at free ones."""
+    if not reqs:
+        return
+    tree_slots = set(torch.cat([n.value for n in nodes]).tolist()) if nodes else set()
+    for req in reqs:
+        shared = pool.req_to_token[req.req_pool_idx, :req.cache_protected_len].tolist()
+        stray = sorted(set(shared) - tree_slots)
+        if stray:
+            raise ConservationError(
+                f"request row {req.req_pool_idx} references slots {stray[:50]} as cached prefix, "
+                "but the tree does not own them", leaked=[], doubly_owned=stray,
+            )
+
+
+def _check_idle(tree_cache: Any, pool: Any, report: dict) -> None:
+    if pool is not None and pool.available_size() != pool.size:
+        raise ConservationError(
+            f"no active request, yet request rows are in use: {pool.size - pool.available_size()} of {pool.size}",
+            report=report,
+        )
+    if report["protected"] != 0:
+        raise ConservationError(f"no active request, yet {report['protected']} tree tokens are locked",
+                                report=report)

@@ -1,0 +1,456 @@
+"""RadixAttention's prefix cache: a radix tree over token ids whose nodes hold KV slot indices.
+
+Ownership (reference section 3): a KV slot is either free (in the allocator), owned by the tree
+(in exactly one node's `value`), or private to one request (row positions
+`[cache_protected_len, kv_allocated_len)` of its `req_to_token` row). The tree frees a slot only
+when it evicts the node holding it; a request frees only its private positions.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import struct
+import sys
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+from radixserve.mem_cache.common import release_kv_cache
+from radixserve.mem_cache.evict_policy import get_eviction_key
+from radixserve.mem_cache.radix_key import RadixKey, common_prefix_len
+
+__all__ = ["MatchResult", "RadixCache", "RadixKey", "TreeNode", "release_kv_cache"]
+
+_node_ids = itertools.count()
+
+
+class TreeNode:
+    """One edge of the tree: `key` (tokens from the parent) and `value` (one KV slot per token)."""
+
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time",
+                 "creation_time", "hit_count", "priority", "id", "in_heap")
+
+    def __init__(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.children: dict[Any, TreeNode] = {}
+        self.parent: TreeNode | None = None
+        self.key: RadixKey | None = None
+        self.value: torch.Tensor | None = None
+        self.lock_ref = 0
+        self.last_access_time = now
+        self.creation_time = now
+        self.hit_count = 0
+        self.priority = 0
+        self.id = next(_node_ids)
+        self.in_heap = False  # NOTE: at most one eviction-heap entry per node
+
+    def __repr__(self) -> str:
+        size = 0 if self.key is None else len(self.key)
+        return f"TreeNode(id={self.id}, len={size}, lock_ref={self.lock_ref})"
+
+
+class MatchResult(NamedTuple):
+    device_indices: torch.Tensor
+    last_node: TreeNode
+
+
+class RadixCache:
+    """The radix tree cache. Usable with no pools (tests): then eviction frees nothing.
+
+    `page_size` > 1 makes every key, match and node a whole number of pages. With `disable=True`
+    nothing is cached (reference 2.9): matches are empty, inserts return 0, locks and eviction do
+    nothing, `cache_unfinished_req` only records the request's own row as its prefix (so chunked
+    prefill continues) and `cache_finished_req` frees the request's private KV.
+    """
+
+    def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
+                 page_size: int = 1, disable: bool = False, eviction_policy: str = "lru") -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.page_size = page_size
+        self.disable = disable
+        self.eviction_policy = eviction_policy
+        self._eviction_key = get_eviction_key(eviction_policy)
+        self._page_struct = struct.Struct(f"{page_size}q")  # unpacks one page: a child key
+        self.device = getattr(token_to_kv_pool_allocator, "device", torch.device("cpu"))
+        self._last_time = -math.inf
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every node (frees nothing: the caller clears the allocator too)."""
+        self.root_node = TreeNode(self._now())
+        self.root_node.key = RadixKey(())
+        self.root_node.value = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.root_node.lock_ref = 1  # NOTE: the root is locked forever, so it is never evicted
+        self.root_node.priority = -sys.maxsize
+        self.evictable_size_ = 0
+        self.protected_size_ = 0
+        self.evictable_leaves: set[TreeNode] = set()
+        self._heap: list[tuple[Any, int, TreeNode]] = []
+        self._empty = MatchResult(self.root_node.value, self.root_node)
+
+    def _now(self) -> float:
+        # NOTE: strictly increasing between operations, so LRU order never depends on clock ties.
+        now = time.monotonic()
+        if now <= self._last_time:
+            now = math.nextafter(self._last_time, math.inf)
+        self._last_time = now
+        return now
+
+    def evictable_size(self) -> int:
+        return self.evictable_size_
+
+    def protected_size(self) -> int:
+        return self.protected_size_
+
+    def total_size(self) -> int:
+        """Tokens held by the tree, recounted by a walk (independent of the two counters)."""
+        return sum(len(node.value) for node in self._iter_nodes())
+
+    def node_count(self) -> int:
+        return sum(1 for _ in self._iter_nodes())
+
+    def _iter_nodes(self):
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def all_values_flatten(self) -> torch.Tensor:
+        values = [node.value for node in self._iter_nodes()]
+        return torch.cat(values) if values else self.root_node.value.clone()
+
+    # ------------------------------------------------------------------ match
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """Longest cached page-aligned prefix of `key`; splits the edge it ends inside; locks nothing.
+
+        `device_indices` may share storage with a node's value: read it, never write into it.
+        """
+        if not isinstance(key, RadixKey):
+            key = RadixKey(key)
+        if self.disable or len(key) < self.page_size:
+            return self._empty
+        tokens = key.page_aligned(self.page_size).packed
+        values, node = self._match_helper(tokens, key.extra_key)
+        if not values:
+            return MatchResult(self._empty.device_indices, node)
+        indices = values[0] if len(values) == 1 else torch.cat(values)
+        return MatchResult(indices, node)
+
+    def _child_key(self, tokens: bytes, pos: int, extra_key: Any) -> Any:
+        # NOTE: same value as RadixKey.child_key (pretty_print asserts it); a full page is always there
+        plain = self._page_struct.unpack_from(tokens, pos * 8)
+        if self.page_size == 1:
+            plain = plain[0]
+        return plain if extra_key is None else (extra_key, plain)
+
+    def _match_helper(self, tokens: bytes, extra_key: Any) -> tuple[list[torch.Tensor], TreeNode]:
+        now = self._now()
+        ps = self.page_size
+        node = self.root_node
+        node.last_access_time = now
+        values: list[torch.Tensor] = []
+        pos, end = 0, len(tokens) // 8
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos, extra_key))
+            if child is None:
+                break
+            child.last_access_time = now
+            edge = child.key.packed
+            matched = common_prefix_len(edge, tokens, pos) // ps * ps
+            if matched * 8 < len(edge):
+                node = self._split_node(child, matched, now)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node = child
+            pos += matched
+        return values, node
+
+    def _split_node(self, child: TreeNode, split_len: int, now: float) -> TreeNode:
+        """Cut `child`'s edge after `split_len` tokens; returns the new upper node."""
+        upper = TreeNode(now)
+        upper.key = child.key[:split_len]
+        upper.value = child.value[:split_len].clone()
+        # NOTE: copying lock_ref keeps evictable/protected counters exact without any update.
+        upper.lock_ref = child.lock_ref
+        upper.priority = child.priority
+        upper.hit_count = child.hit_count
+        upper.parent = child.parent
+        lower_key = child.key[split_len:]
+        upper.children = {lower_key.child_key(self.page_size): child}
+        upper.parent.children[child.key.child_key(self.page_size)] = upper
+        child.parent = upper
+        child.key = lower_key
+        child.value = child.value[split_len:].clone()
+        return upper
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, key: RadixKey, value: torch.Tensor | None = None, priority: int = 0,
+               chunked: bool = False) -> int:
+        """Insert `key` -> `value`; returns how many leading tokens were already cached.
+
+        The tree keeps its own slots for those tokens: the caller must free its duplicates
+        `value[:prefix_len]` (beyond what it already shared). `value=None` stores the token ids.
+        """
+        if not isinstance(key, RadixKey):
+            key = RadixKey(key)
+        if self.disable:
+            return 0
+        key = key.page_aligned(self.page_size)
+        if value is None:
+            value = torch.tensor(key.token_ids, dtype=torch.int64)
+        elif len(value) < len(key):
+            raise ValueError(f"insert: {len(value)} values for a key of {len(key)} tokens")
+        return self._insert_helper(key.packed, key.extra_key, value, priority, chunked)
+
+    def _insert_helper(self, tokens: bytes, extra_key: Any, value: torch.Tensor,
+                       priority: int, chunked: bool) -> int:
+        now = self._now()
+        ps = self.page_size
+        node = self.root_node
+        node.last_access_time = now
+        node.priority = max(node.priority, priority)
+        pos, end = 0, len(tokens) // 8
+        while pos < end:
+            child = node.children.get(self._child_key(tokens, pos, extra_key))
+            if child is None:
+                break
+            child.last_access_time = now
+            matched = common_prefix_len(child.key.packed, tokens, pos) // ps * ps
+            if matched * 8 < len(child.key.packed):
+                child = self._split_node(child, matched, now)
+            child.priority = max(child.priority, priority)
+            if not chunked:  # NOTE: a request's own chunks must not inflate LFU counts
+                child.hit_count += 1
+            node = child
+            pos += matched
+        if pos < end:
+            self._add_leaf(node, tokens[pos * 8:], extra_key, value[pos:end].clone(), priority, chunked, now)
+        return pos
+
+    def _add_leaf(self, parent: TreeNode, tokens: bytes, extra_key: Any, value: torch.Tensor,
+                  priority: int, chunked: bool, now: float) -> TreeNode:
+        leaf = TreeNode(now)
+        leaf.key = RadixKey._trusted(tokens, extra_key)
+        leaf.value = value
+        leaf.parent = parent
+        leaf.priority = priority
+        leaf.hit_count = 0 if chunked else 1
+        parent.children[leaf.key.child_key(self.page_size)] = leaf
+        self.evictable_size_ += len(leaf.key)
+        self._update_leaf_status(parent)
+        self._update_leaf_status(leaf)
+        return leaf
+
+    # ------------------------------------------------------------------ locks
+    def _path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        while node is not self.root_node:
+            if node is None:
+                raise ValueError("node is not in this cache (evicted, reset, or from another tree)")
+            path.append(node)
+            node = node.parent
+        return path
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Protect `node` and its ancestors from eviction; returns the change of evictable size."""
+        if self.disable:
+            return 0
+        delta = 0
+        for n in self._path_to_root(node):
+            n.lock_ref += 1
+            if n.lock_ref == 1:
+                size = len(n.key)
+                self.evictable_size_ -= size
+                self.protected_size_ += size
+                delta -= size
+                self._update_leaf_status(n)
+        return delta
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Release one lock on `node` and its ancestors; returns the change of evictable size."""
+        if self.disable:
+            return 0
+        path = self._path_to_root(node)
+        if path and path[0].lock_ref <= 0:
+            raise ValueError(f"dec_lock_ref on an unlocked node {path[0]!r}")
+        delta = 0
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                size = len(n.key)
+                self.evictable_size_ += size
+                self.protected_size_ -= size
+                delta += size
+                self._update_leaf_status(n)
+        return delta
+
+    # ------------------------------------------------------------------ eviction
+    def _update_leaf_status(self, node: TreeNode) -> None:
+        if node is self.root_node:
+            return
+        if node.lock_ref == 0 and not node.children:
+            if node not in self.evictable_leaves:
+                self.evictable_leaves.add(node)
+                if not node.in_heap:
+                    self._push(node)
+        else:
+            self.evictable_leaves.discard(node)
+
+    def _push(self, node: TreeNode) -> None:
+        node.in_heap = True
+        heapq.heappush(self._heap, (self._eviction_key(node), node.id, node))
+
+    def evict(self, num_tokens: int) -> int:
+        """Evict whole unlocked leaves, lowest policy key first, until `num_tokens` are freed.
+
+        Returns the tokens freed (may overshoot by part of a node). Cost O(k log n) for k nodes:
+        the heap persists between calls; stale entries (node locked, grown, or touched since it
+        was pushed) are dropped or re-pushed with the fresh key when they reach the top.
+        """
+        if self.disable or num_tokens <= 0:
+            return 0
+        evicted = 0
+        freed: list[torch.Tensor] = []
+        heap, leaves, eviction_key = self._heap, self.evictable_leaves, self._eviction_key
+        while evicted < num_tokens and heap:
+            entry_key, _, node = heapq.heappop(heap)
+            node.in_heap = False
+            if node not in leaves:
+                continue
+            if eviction_key(node) != entry_key:
+                self._push(node)
+                continue
+            freed.append(node.value)
+            evicted += len(node.key)  # NOTE: == len(node.value), without a tensor call
+            self._delete_leaf(node)
+        if freed and self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.free(torch.cat(freed))
+        return evicted
+
+    def _delete_leaf(self, node: TreeNode) -> None:
+        parent = node.parent
+        del parent.children[node.key.child_key(self.page_size)]
+        self.evictable_size_ -= len(node.key)
+        self.evictable_leaves.discard(node)
+        node.parent = None
+        self._update_leaf_status(parent)
+
+    # ------------------------------------------------------------------ requests
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        """Hand a finished (or, with is_insert=False, retracted/aborted) request's KV to the tree.
+
+        Inserts the page-aligned first `kv_committed_len` tokens, frees the request's duplicates
+        `[cache_protected_len, prefix_len)` and its unaligned tail, and releases its lock. It does
+        NOT free the over-allocation or the request's row: `release_kv_cache` does both.
+        """
+        pool, alloc = self._pools()
+        row = pool.req_to_token[req.req_pool_idx]
+        committed, cpl = req.kv_committed_len, req.cache_protected_len
+        if self.disable:
+            if committed > cpl:
+                alloc.free(row[cpl:committed].to(torch.int64))
+            return
+        key = RadixKey(_prefix_of(req.origin_input_ids, req.output_ids, committed), req.extra_key)
+        key = key.page_aligned(self.page_size)
+        key_len = len(key)
+        kv_indices = row[:committed].to(torch.int64)
+        if is_insert:
+            prefix_len = self.insert(key, kv_indices[:key_len].clone(), getattr(req, "priority", 0) or 0)
+            self._check_protected_prefix(req, prefix_len)
+            freed_end = prefix_len
+        else:
+            freed_end = key_len
+        # NOTE: [0, cpl) are tree slots the request only referenced; [freed_end, key_len) were just
+        # handed to the tree. Both stay. One free call, so each page is freed exactly once.
+        to_free = torch.cat([kv_indices[cpl:freed_end], kv_indices[key_len:committed]])
+        if len(to_free):
+            alloc.free(to_free)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        """Publish a request's computed prefix (`fill_ids`) mid-flight, keeping it locked.
+
+        After this call the request's row points at the tree's slots for the page-aligned prefix
+        (duplicates freed), `cache_protected_len` is that prefix's length, the lock sits on the
+        new last node, and `prefix_indices` covers every computed token (the unaligned tail stays
+        private to the request).
+        """
+        pool, alloc = self._pools()
+        row = pool.req_to_token[req.req_pool_idx]
+        fill_len = len(req.fill_ids)
+        kv_indices = row[:fill_len].to(torch.int64)
+        if self.disable:
+            req.prefix_indices = kv_indices
+            return
+        cpl = req.cache_protected_len
+        key = RadixKey(req.fill_ids, req.extra_key).page_aligned(self.page_size)
+        key_len = len(key)
+        prefix_len = self.insert(key, kv_indices[:key_len].clone(), getattr(req, "priority", 0) or 0,
+                                 chunked=chunked)
+        self._check_protected_prefix(req, prefix_len)
+        if prefix_len > cpl:
+            alloc.free(kv_indices[cpl:prefix_len])
+        new_indices, new_last_node = self.match_prefix(key)
+        if len(new_indices) != key_len:
+            raise RuntimeError(f"re-match found {len(new_indices)} of {key_len} just-inserted tokens")
+        # NOTE: rewrite the row BEFORE anyone reuses the freed duplicates: a live row must never
+        # reference a free slot.
+        row[cpl:key_len] = new_indices[cpl:].to(row.dtype)
+        self.inc_lock_ref(new_last_node)
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+        req.cache_protected_len = key_len
+        req.prefix_indices = torch.cat([new_indices, kv_indices[key_len:]])
+        req.last_node = new_last_node
+
+    def _pools(self) -> tuple[Any, Any]:
+        if self.req_to_token_pool is None or self.token_to_kv_pool_allocator is None:
+            raise RuntimeError("this RadixCache has no pools; request caching needs both")
+        return self.req_to_token_pool, self.token_to_kv_pool_allocator
+
+    @staticmethod
+    def _check_protected_prefix(req: Any, prefix_len: int) -> None:
+        if prefix_len < req.cache_protected_len:
+            raise RuntimeError(
+                f"request's protected prefix ({req.cache_protected_len} tokens) is no longer in the tree "
+                f"(found {prefix_len}); was the cache reset while it ran?"
+            )
+
+    # ------------------------------------------------------------------ debug
+    def pretty_print(self) -> str:
+        """Depth-first dump (also printed); asserts every child is filed under its own child key."""
+        lines: list[str] = []
+        stack = [(self.root_node, 0)]
+        while stack:
+            node, depth = stack.pop()
+            lines.append(f"{'  ' * depth}{len(node.key)} {list(node.key.token_ids[:10])} "
+                         f"lock_ref={node.lock_ref}")
+            for child_key, child in node.children.items():
+                assert child.key.child_key(self.page_size) == child_key, (child_key, child)
+                stack.append((child, depth + 1))
+        lines.append(f"#tokens: {self.total_size()}")
+        text = "\n".join(lines)
+        print(text)
+        return text
+
+    def available_and_evictable_str(self) -> str:
+        alloc = self.token_to_kv_pool_allocator
+        available = alloc.available_size() if alloc is not None else 0
+        return f"available={available}, evictable={self.evictable_size_}, protected={self.protected_size_}"
+
+
+def _prefix_of(origin: Any, output: Any, length: int) -> Any:
+    """(origin + output)[:length], without a list copy when both are array('q')."""
+    if type(origin) is type(output):
+        return (origin + output)[:length]
+    return (list(origin) + list(output))[:length]
