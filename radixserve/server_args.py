@@ -34,7 +34,7 @@ class ServerArgs:
     radix_eviction_policy: str = _opt("lru", "which unlocked leaf the radix cache evicts first", EVICTION_POLICIES)
     disable_radix_cache: bool = _opt(False, "no prefix reuse; every request computes its whole prompt")
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
-    attention_backend: str = _opt("torch", "attention backend from the registry")
+    attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
     random_seed: int | None = _opt(None, "seed for sampling of requests without their own seed")
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")

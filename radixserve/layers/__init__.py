@@ -1,0 +1,1 @@
+"""Building blocks of the models: norms, rotary embedding, attention (backends), sampling."""

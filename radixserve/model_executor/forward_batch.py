@@ -53,8 +53,8 @@ class ForwardBatch:
     @classmethod
     def for_extend(cls, input_ids: list[int], req_pool_indices: list[int], prefix_lens: list[int],
                    extend_lens: list[int], out_cache_loc: torch.Tensor, device: torch.device | str) -> ForwardBatch:
-        positions = [p for pre, ext in zip(prefix_lens, extend_lens) for p in range(pre, pre + ext)]
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        positions = [p for pre, ext in zip(prefix_lens, extend_lens, strict=True) for p in range(pre, pre + ext)]
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return cls(ForwardMode.EXTEND, len(req_pool_indices), as_long(input_ids), as_long(positions),
                    as_long(req_pool_indices), as_long(seq_lens), out_cache_loc.to(device=device, dtype=torch.int64),

@@ -1,0 +1,206 @@
+"""Attention in plain torch over the paged KV pool (CPU and CUDA), plus the CPU variant with a C decode kernel.
+
+Decode: one gather per layer for the whole batch. Each request's slots are read from
+`req_to_token[row, :max_len]` (rows are padded to the longest request and the padding is masked),
+so the K/V rows of all requests come out of the pool in one `index_select` per buffer. With few kv
+heads the queries are widened over all kv heads instead of transposing K/V (decode_block_diagonal);
+with many, K/V are gathered head-major (decode_head_major). CpuAttnBackend replaces both with a C
+kernel that reads the slots in place (native.py), which removes the gather copy altogether.
+Extend: requests without a cached prefix attend over their own new K/V directly (no gather);
+when some request has a cached prefix, the contexts of all requests are gathered in one
+`index_select` and each request runs causal SDPA over its slice, with the causal diagonal
+shifted by its prefix length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.layers.attention.base import AttentionBackend
+
+if TYPE_CHECKING:
+    from radixserve.layers.radix_attention import RadixAttention
+    from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class DecodeMetadata:
+    kv_indices: torch.Tensor  # [bs * max_len] pool slots, row-major over (request, position)
+    max_len: int
+    mask: torch.Tensor | None  # additive float32 [bs, max_len]; None when all lengths are equal
+
+
+@dataclass
+class ExtendSlice:
+    q_start: int
+    q_len: int
+    kv_start: int  # into the gathered context (or into the new tokens when nothing is gathered)
+    kv_len: int
+    mask: torch.Tensor | None  # bool [q_len, kv_len] when a prefix shifts the diagonal; else causal
+
+
+@dataclass
+class ExtendMetadata:
+    slices: list[ExtendSlice]
+    kv_indices: torch.Tensor | None  # flat context slots of all requests; None: attend to new K/V only
+
+
+# NOTE: up to this many kv heads, decode widens queries over all kv heads (see decode_block_diagonal).
+BLOCK_DIAGONAL_MAX_KV_HEADS = 4
+
+
+class TorchAttnBackend(AttentionBackend):
+    def __init__(self, runner: object) -> None:
+        self.decode_meta: DecodeMetadata | None = None
+        self.extend_meta: ExtendMetadata | None = None
+        self.decode_kernel = None  # set by CpuAttnBackend
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.forward_mode.is_decode():
+            self.decode_meta = _decode_metadata(fb)
+        else:
+            self.extend_meta = _extend_metadata(fb)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       fb: ForwardBatch) -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k_all, v_all = pool.get_kv_buffer(layer.layer_id)
+        meta = self.decode_meta
+        if self.decode_kernel is not None and self.decode_kernel.supports(q, layer.num_kv_heads):
+            out = self.decode_kernel(q, k_all, v_all, meta.kv_indices, fb.seq_lens, meta.max_len, layer.scaling)
+            return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+        if layer.num_kv_heads <= BLOCK_DIAGONAL_MAX_KV_HEADS:
+            return decode_block_diagonal(q, k_all, v_all, meta, layer.scaling)
+        return decode_head_major(q, k_all, v_all, meta, layer.scaling)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
+                       fb: ForwardBatch) -> torch.Tensor:
+        pool = fb.token_to_kv_pool
+        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        meta = self.extend_meta
+        if meta.kv_indices is not None:
+            k_all, v_all = pool.get_kv_buffer(layer.layer_id)
+            k, v = k_all.index_select(0, meta.kv_indices), v_all.index_select(0, meta.kv_indices)
+        out = torch.empty(q.shape[0], layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
+        for s in meta.slices:
+            out[s.q_start : s.q_start + s.q_len] = _causal_sdpa(
+                q[s.q_start : s.q_start + s.q_len], k[s.kv_start : s.kv_start + s.kv_len],
+                v[s.kv_start : s.kv_start + s.kv_len], s.mask, layer.scaling)
+        return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+
+
+class CpuAttnBackend(TorchAttnBackend):
+    """The torch backend with decode attention in a compiled C kernel that reads the pool in place."""
+
+    def __init__(self, runner: object) -> None:
+        from radixserve.layers.attention.native import load_decode_kernel
+
+        super().__init__(runner)
+        self.decode_kernel = load_decode_kernel()
+
+
+def decode_block_diagonal(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: DecodeMetadata,
+                          scaling: float) -> torch.Tensor:
+    """Decode attention reading each token's K/V row (all kv heads) once, with no transposed copy.
+
+    Each query head is widened to all kv heads, zero outside its own, so one batched matmul against
+    the gathered [max_len, kv_heads * dim] rows gives exactly its scores; the output keeps the block of
+    its own kv head. The matmuls do kv_heads times the needed work, cheap next to the KV memory traffic.
+    """
+    bs, heads, dim = q.shape
+    kv_heads = k_all.shape[1]
+    group, width = heads // kv_heads, kv_heads * dim
+    keys = k_all.view(-1, width).index_select(0, meta.kv_indices).view(bs, meta.max_len, width)
+    values = v_all.view(-1, width).index_select(0, meta.kv_indices).view(bs, meta.max_len, width)
+    q_wide = q.new_zeros(bs, kv_heads, group, kv_heads, dim)
+    torch.diagonal(q_wide, dim1=1, dim2=3).copy_(q.view(bs, kv_heads, group, dim).permute(0, 2, 3, 1))
+    scores = torch.bmm(q_wide.view(bs, heads, width), keys.transpose(1, 2)).float().mul_(scaling)
+    if meta.mask is not None:
+        scores.add_(meta.mask.unsqueeze(1))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out_wide = torch.bmm(probs, values).view(bs, kv_heads, group, kv_heads, dim)
+    return torch.diagonal(out_wide, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(bs, heads * dim)
+
+
+def decode_head_major(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: DecodeMetadata,
+                      scaling: float) -> torch.Tensor:
+    """Decode attention on K/V gathered head-major, [kv_heads * bs, max_len, dim] (for many kv heads)."""
+    bs, heads, dim = q.shape
+    kv_heads = k_all.shape[1]
+    group = heads // kv_heads
+    keys = _gather_head_major(k_all, meta.kv_indices).view(kv_heads * bs, meta.max_len, dim)
+    values = _gather_head_major(v_all, meta.kv_indices).view(kv_heads * bs, meta.max_len, dim)
+    queries = q.view(bs, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads * bs, group, dim)
+    scores = torch.bmm(queries, keys.transpose(1, 2)).float().mul_(scaling)
+    if meta.mask is not None:
+        scores = scores.view(kv_heads, bs, group, meta.max_len).add_(meta.mask.view(1, bs, 1, -1)).view_as(scores)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.bmm(probs, values).view(kv_heads, bs, group, dim)
+    return out.transpose(0, 1).reshape(bs, heads * dim)
+
+
+def _gather_head_major(buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """buffer [slots, kv_heads, dim] -> [kv_heads, len(indices), dim], one index_select per head."""
+    slots, kv_heads, dim = buffer.shape
+    out = torch.empty(kv_heads, indices.shape[0], dim, dtype=buffer.dtype, device=buffer.device)
+    for head in range(kv_heads):
+        torch.index_select(buffer[:, head], 0, indices, out=out[head])
+    return out
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 scaling: float) -> torch.Tensor:
+    """q: [n, heads, dim], k/v: [m, kv_heads, dim] -> [n, heads, dim]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _decode_metadata(fb: ForwardBatch) -> DecodeMetadata:
+    lens = fb.seq_lens_cpu
+    max_len = max(lens)
+    table = fb.req_to_token_pool.req_to_token
+    kv_indices = table[fb.req_pool_indices, :max_len].reshape(-1)
+    mask = None
+    if min(lens) != max_len:
+        positions = torch.arange(max_len, device=table.device)
+        beyond = positions.unsqueeze(0) >= fb.seq_lens.unsqueeze(1)
+        mask = torch.zeros(beyond.shape, dtype=torch.float32, device=table.device).masked_fill_(beyond, float("-inf"))
+    return DecodeMetadata(kv_indices, max_len, mask)
+
+
+def _extend_metadata(fb: ForwardBatch) -> ExtendMetadata:
+    prefix_lens, extend_lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
+    device = fb.input_ids.device
+    if not any(prefix_lens):
+        starts = _offsets(extend_lens)
+        return ExtendMetadata([ExtendSlice(s, n, s, n, None) for s, n in zip(starts, extend_lens, strict=True)], None)
+    table = fb.req_to_token_pool.req_to_token
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    rows = table[fb.req_pool_indices, : max(seq_lens)]
+    valid = torch.arange(rows.shape[1], device=device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
+    slices = [
+        ExtendSlice(qs, n, ks, p + n, _shifted_causal_mask(p, n, device) if p else None)
+        for qs, ks, p, n in zip(_offsets(extend_lens), _offsets(seq_lens), prefix_lens, extend_lens, strict=True)
+    ]
+    return ExtendMetadata(slices, rows[valid])
+
+
+def _shifted_causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position prefix_len + i) sees keys 0 .. prefix_len + i."""
+    q_pos = torch.arange(extend_len, device=device).unsqueeze(1) + prefix_len
+    return torch.arange(prefix_len + extend_len, device=device).unsqueeze(0) <= q_pos
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += n
+    return starts

@@ -1,0 +1,120 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, and per-request seeds.
+
+Sampling uses the exponential-race form of the Gumbel-max trick: the sampled token is
+argmax(probs / E) with E ~ Exp(1) drawn per vocabulary entry, which draws from `probs` with no
+host sync. A request with a `seed` draws E from a generator seeded by (seed, output index), so its
+token depends only on its own logits and that pair, whatever batch it runs in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # float32 [bs, 1]; 1.0 for greedy rows (unused there)
+    top_ps: torch.Tensor  # float32 [bs]
+    top_ks: torch.Tensor  # int64 [bs]; 0 means no top-k
+    min_ps: torch.Tensor  # float32 [bs]
+    greedy: torch.Tensor  # bool [bs]
+    seeds: list[int | None]
+    output_lens: list[int]  # how many tokens each request has already produced
+    is_all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    generator_seed: int | None = None  # seeds the Sampler's stream for rows without a seed
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], output_lens: list[int], device: torch.device | str,
+                    default_generator_seed: int | None = None) -> SamplingBatchInfo:
+        """`default_generator_seed` (e.g. the server's random_seed) picks the Sampler's random stream for
+        rows without a seed: one generator per seed, created on first use and advancing from batch to
+        batch, so a run is reproducible without repeating the same noise every step."""
+        greedy = [p.is_greedy for p in params]
+        return cls(
+            temperatures=torch.tensor([[1.0 if g else p.temperature] for p, g in zip(params, greedy, strict=True)],
+                                      dtype=torch.float32, device=device),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seeds=[p.seed for p in params],
+            output_lens=list(output_lens),
+            is_all_greedy=all(greedy),
+            need_top_p=any(p.top_p < 1.0 for p in params),
+            need_top_k=any(p.top_k > 0 for p in params),
+            need_min_p=any(p.min_p > 0 for p in params),
+            generator_seed=default_generator_seed,
+        )
+
+
+class Sampler:
+    """`seed` seeds the stream of unseeded rows when a batch names no `generator_seed`."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._generators: dict[tuple[torch.device, int | None], torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """logits: float [bs, vocab] -> int64 [bs]."""
+        greedy_ids = torch.argmax(logits, dim=-1)
+        if info.is_all_greedy:
+            return greedy_ids
+        probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
+        if info.need_top_k or info.need_top_p or info.need_min_p:
+            probs = _filter_probs(probs, info)
+        noise = self._exponential_noise(probs, info)
+        sampled = torch.argmax(probs / noise, dim=-1)
+        return torch.where(info.greedy, greedy_ids, sampled)
+
+    def _exponential_noise(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        seed = self.seed if info.generator_seed is None else info.generator_seed
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device, seed))
+        for row, row_seed in enumerate(info.seeds):
+            if row_seed is not None:
+                g = torch.Generator(device=probs.device).manual_seed(_mix_seed(row_seed, info.output_lens[row]))
+                noise[row].exponential_(generator=g)
+        return noise
+
+    def _generator(self, device: torch.device, seed: int | None) -> torch.Generator:
+        key = (device, seed)
+        if key not in self._generators:
+            g = torch.Generator(device=device)
+            if seed is None:
+                g.seed()
+            else:
+                g.manual_seed(seed)
+            self._generators[key] = g
+        return self._generators[key]
+
+
+def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zeroes tokens outside top-k, outside the top-p nucleus, or below min_p * max prob."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if info.need_top_k:
+        rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+        drop |= (rank >= info.top_ks.unsqueeze(1)) & (info.top_ks.unsqueeze(1) > 0)
+    if info.need_top_p:
+        # NOTE: a token is kept while the mass *before* it is below top_p, so the top token always stays.
+        drop |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > info.top_ps.unsqueeze(1)
+    if info.need_min_p:
+        drop |= sorted_probs < sorted_probs[:, :1] * info.min_ps.unsqueeze(1)
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _mix_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): nearby seeds and indices give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)

