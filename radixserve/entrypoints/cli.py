@@ -1,0 +1,177 @@
+"""The `radixserve` command: generate, chat, bench, serve.
+
+Every subcommand takes the server arguments (`ServerArgs`, SGLang's names with dashes), e.g.
+`--max-total-tokens 8192 --page-size 4 --disable-radix-cache`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from radixserve.server_args import ServerArgs
+
+
+def _sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                        help="tokens to generate at most (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help="sampling temperature; 0 is greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=-1, help="top-k sampling; -1 is off (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: %(default)s)")
+    parser.add_argument("--stop", action="append", default=None,
+                        help="stop string, repeatable (default: none)")
+
+
+def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+            "top_k": args.top_k, "seed": args.seed, "stop": args.stop or []}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description="An LLM serving engine built around "
+                                     "SGLang's RadixAttention (prefix-sharing KV cache).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,bench,serve}")
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt",
+                         description="Generate for one prompt, with the model's chat template unless --raw.")
+    gen.add_argument("prompt", help="the user message (or the raw prompt with --raw)")
+    gen.add_argument("--raw", action="store_true", default=False,
+                     help="send the prompt as is, without the chat template (default: %(default)s)")
+    gen.add_argument("--system", default=None, help="system message for the chat template (default: none)")
+    gen.add_argument("--no-stream", action="store_true", default=False,
+                     help="print the whole answer at the end instead of streaming it (default: %(default)s)")
+    _sampling_args(gen, 128)
+    ServerArgs.add_cli_args(gen)
+
+    chat = sub.add_parser("chat", help="interactive multi-turn chat that reuses earlier turns' KV",
+                          description="Interactive chat. Each turn resends the whole conversation; the radix "
+                          "cache serves the earlier turns, and the cached-token count is shown per turn. "
+                          "Commands: /reset clears the conversation, /exit quits.")
+    chat.add_argument("--system", default=None, help="system message (default: none)")
+    _sampling_args(chat, 256)
+    ServerArgs.add_cli_args(chat)
+
+    bench = sub.add_parser("bench", help="W1/W2/W3 workloads with the radix cache on and off",
+                           description="Benchmark: W1 shared prefix, W2 no sharing, W3 multi-turn, each with the "
+                           "radix cache on and off; prints a table, writes docs/benchmarks.md and a PNG.")
+    from radixserve.bench.main import add_bench_args
+
+    add_bench_args(bench)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Start the HTTP server (OpenAI-compatible and SGLang's /generate).")
+    from radixserve.launch_server import add_serve_args
+
+    add_serve_args(serve)  # the server arguments plus the HTTP-only flags (docs/server.md)
+    return parser
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    from radixserve.entrypoints.engine import Engine
+
+    server_args = ServerArgs.from_cli_args(args)
+    print(f"loading {server_args.model_path or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
+    return Engine(**dataclasses.asdict(server_args))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    engine = _engine(args)
+    try:
+        if args.raw:
+            ids = engine.tokenizer.encode(args.prompt)
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            ids = engine.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
+        params = _sampling_params(args)
+        if args.no_stream:
+            out = engine.generate(input_ids=ids, sampling_params=params)
+            print(out["text"])
+            meta = out["meta_info"]
+        else:
+            meta = _stream_to_stdout(engine.generate(input_ids=ids, sampling_params=params, stream=True))
+        print(_meta_line(meta), file=sys.stderr)
+    finally:
+        engine.shutdown()
+
+
+def _stream_to_stdout(chunks: Any) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for chunk in chunks:
+        print(chunk["text"], end="", flush=True)
+        meta = chunk["meta_info"]
+    print()
+    return meta
+
+
+def _meta_line(meta: dict[str, Any]) -> str:
+    reason = (meta.get("finish_reason") or {}).get("type")
+    ttft = meta.get("ttft")
+    return (f"[{meta['prompt_tokens']} prompt tokens, {meta['cached_tokens']} cached, "
+            f"{meta['completion_tokens']} generated, finish: {reason}, "
+            f"TTFT {ttft if ttft is None else round(ttft, 3)} s, total {meta['e2e_latency']:.2f} s]")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    engine = _engine(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    print("radixserve chat: /reset clears the conversation, /exit quits.", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("you> ").strip()
+            except EOFError:
+                break
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/reset":
+                messages = list(system)
+                continue
+            if not line:
+                continue
+            messages.append({"role": "user", "content": line})
+            print("assistant> ", end="", flush=True)
+            chunks = engine.generate(input_ids=engine.apply_chat_template(messages),
+                                     sampling_params=_sampling_params(args), stream=True)
+            text, meta = "", {}
+            for chunk in chunks:
+                print(chunk["text"], end="", flush=True)
+                text += chunk["text"]
+                meta = chunk["meta_info"]
+            print()
+            print(_meta_line(meta), file=sys.stderr)
+            messages.append({"role": "assistant", "content": text})
+    finally:
+        engine.shutdown()
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from radixserve.bench.main import run_bench
+
+    run_bench(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    # NOTE: the server and its dependencies load only for `serve` (run_serve imports them).
+    from radixserve.launch_server import run_serve
+
+    run_serve(args)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

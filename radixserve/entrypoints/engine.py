@@ -1,0 +1,223 @@
+"""The offline Engine: the scheduler in a background thread of this process, driven through its queue.
+
+    from radixserve import Engine
+    engine = Engine(max_total_tokens=4096)
+    out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+    print(out["text"], out["meta_info"]["cached_tokens"])
+    engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from radixserve.entrypoints.request_state import RequestHandle, RequestState
+from radixserve.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetInternalStateOut,
+    GetInternalStateReq,
+    TokenizedGenerateReqInput,
+)
+from radixserve.managers.schedule_batch import Req
+from radixserve.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[str] | None
+SamplingArg = SamplingParams | dict[str, Any] | list[SamplingParams | dict[str, Any]] | None
+
+
+class Engine:
+    """`Engine(model_path=None, **server_args)`: the names of `ServerArgs`, as SGLang names them.
+
+    `loaded_model` (a `LoadedModel` of `models.loader.load_model`, e.g. `other_engine.model_runner.loaded`)
+    reuses weights already in memory, to run two configurations without loading twice.
+    """
+
+    def __init__(self, model_path: str | None = None, *, loaded_model: Any = None, **kwargs: Any) -> None:
+        from radixserve.managers.scheduler import Scheduler
+        from radixserve.model_executor.model_runner import ModelRunner
+
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        _configure_logging(self.server_args.log_level)
+        self.model_runner = ModelRunner(self.server_args, loaded_model)
+        self.tokenizer = self.model_runner.tokenizer
+        self._states: dict[str, RequestState] = {}
+        self._lock = threading.Lock()
+        self._control_lock = threading.Lock()
+        self._control_reply: list[Any] = []
+        self._control_event = threading.Event()
+        self._error: BaseException | None = None
+        self.scheduler = Scheduler(self.server_args, self.model_runner, output_sink=self._on_output)
+        self._thread = threading.Thread(target=self._run_scheduler, name="radixserve-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- public API -----------------------------------------------------------------------------
+    def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
+                 input_ids: list[int] | list[list[int]] | None = None, extra_key: Any = None,
+                 stream: bool = False) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (a dict back) or a list (a list back); `stream=True` yields increments."""
+        batch, single = self._normalize_inputs(prompt, input_ids)
+        params = self._normalize_params(sampling_params, len(batch))
+        if stream:
+            if not single or params[0].n != 1:
+                raise ValueError("stream=True takes one prompt with n=1")
+            return self.submit(batch[0], params[0], extra_key, stream=True).stream()
+        handles = [h for ids, p in zip(batch, params, strict=True) for h in self._submit_n(ids, p, extra_key)]
+        results = [h.result() for h in handles]
+        return results[0] if single and len(results) == 1 else results
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingArg = None, extra_key: Any = None,
+             stream: bool = False) -> dict[str, Any] | Iterator[dict[str, Any]]:
+        """Apply the model's chat template to `messages` and generate the assistant's answer."""
+        return self.generate(input_ids=self.apply_chat_template(messages), sampling_params=sampling_params,
+                             extra_key=extra_key, stream=stream)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
+               extra_key: Any = None, stream: bool = False, rid: str | None = None) -> RequestHandle:
+        """Queue one request and return at once; the handle waits for, streams or aborts it."""
+        self._raise_if_dead()
+        params = SamplingParams.from_any(sampling_params)
+        rid = rid or uuid.uuid4().hex
+        error = self.scheduler.validate_request(Req(rid, input_ids, params, extra_key))
+        if error is not None:
+            raise ValueError(error)
+        state = RequestState(rid, list(input_ids), params, self.tokenizer, stream)
+        with self._lock:
+            if rid in self._states:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._states[rid] = state
+        # NOTE: always streamed from the scheduler, so the time of the first token is known (TTFT).
+        self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True))
+        return RequestHandle(state, self)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request at any stage; its KV is released within one scheduler step."""
+        self.scheduler.input_queue.put(AbortReq(rid))
+
+    def flush_cache(self) -> dict[str, Any]:
+        """Empty the radix cache when no request holds KV; says whether it did."""
+        out: FlushCacheOut = self._control(FlushCacheReq())
+        return {"success": out.success, "tokens_freed": out.tokens_freed, "message": out.message}
+
+    def get_internal_state(self) -> dict[str, Any]:
+        """Scheduler counters and pool sizes (prompt/cached/generated/evicted tokens, retractions...)."""
+        out: GetInternalStateOut = self._control(GetInternalStateReq())
+        return out.state
+
+    def shutdown(self) -> None:
+        self.scheduler.stop_event.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        self._fail_all(RuntimeError("the engine was shut down"))
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _normalize_inputs(self, prompt: Prompt, input_ids: Any) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not all(isinstance(t, str) for t in texts):
+                raise TypeError("prompt must be a string or a list of strings")
+            return [self.tokenizer.encode(t) for t in texts], single
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        batch = [list(input_ids)] if single or not input_ids else [list(x) for x in input_ids]
+        return batch, single or not input_ids
+
+    @staticmethod
+    def _normalize_params(sampling_params: SamplingArg, n: int) -> list[SamplingParams]:
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != n:
+                raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
+            return [SamplingParams.from_any(p) for p in sampling_params]
+        return [SamplingParams.from_any(sampling_params)] * n
+
+    def _submit_n(self, ids: list[int], params: SamplingParams, extra_key: Any) -> list[RequestHandle]:
+        if params.n == 1:
+            return [self.submit(ids, params, extra_key)]
+        # NOTE: n samples are n requests; the 2nd..nth hit the first's prompt in the radix cache.
+        seeds = itertools.count(params.seed) if params.seed is not None else itertools.repeat(None)
+        return [self.submit(ids, dataclasses.replace(params, n=1, seed=next(seeds)), extra_key)
+                for _ in range(params.n)]
+
+    def _control(self, msg: Any) -> Any:
+        with self._control_lock:
+            self._raise_if_dead()
+            self._control_event.clear()
+            self.scheduler.input_queue.put(msg)
+            while not self._control_event.wait(timeout=0.5):
+                self._raise_if_dead()
+            self._raise_if_dead()
+            return self._control_reply.pop()
+
+    def _on_output(self, out: Any) -> None:
+        """Called on the scheduler thread for every message it sends."""
+        if isinstance(out, BatchTokenIDOut):
+            now = time.perf_counter()
+            for i, rid in enumerate(out.rids):
+                with self._lock:
+                    state = self._states.get(rid)
+                    if state is not None and out.finished_reasons[i] is not None:
+                        del self._states[rid]
+                if state is not None:
+                    state.on_tokens(out.new_token_ids[i], out.finished_reasons[i], out.prompt_tokens[i],
+                                    out.completion_tokens[i], out.cached_tokens[i], now)
+        else:
+            self._control_reply.append(out)
+            self._control_event.set()
+
+    def _run_scheduler(self) -> None:
+        scheduler = self.scheduler
+        loop = scheduler.event_loop_normal
+        if not self.server_args.disable_overlap_schedule and hasattr(scheduler, "event_loop_overlap"):
+            loop = scheduler.event_loop_overlap
+        try:
+            loop()
+        except BaseException as e:  # noqa: BLE001 - reported to every waiting caller
+            logger.exception("scheduler thread died")
+            self._error = e
+            self._fail_all(e)
+            self._control_event.set()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            states, self._states = list(self._states.values()), {}
+        for state in states:
+            state.fail(error)
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the scheduler thread died: {self._error!r}") from self._error
+        if self.scheduler.stop_event.is_set():
+            raise RuntimeError("the engine was shut down")
+
+
+def _configure_logging(level: str) -> None:
+    root = logging.getLogger("radixserve")
+    root.setLevel(level.upper())
+    if not root.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S"))
+        root.addHandler(handler)

@@ -1,0 +1,160 @@
+"""OpenAI-shaped errors and strict request-body parsing for the HTTP server."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, extra: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.extra = extra or {}
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _STATUS_TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return {"error": error, **self.extra}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unavailable(message: str) -> ApiError:
+    return ApiError(503, message, code="scheduler_unavailable")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"request body of {size} bytes or more is over the limit of {limit} bytes",
+                    code="request_too_large")
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad_request(f"request body is not valid UTF-8 (invalid byte at offset {e.start})",
+                          code="invalid_utf8") from None
+    if not text.strip():
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"could not parse the JSON body: {e.msg} (line {e.lineno}, column {e.colno})",
+                          code="invalid_json") from None
+    except ValueError as e:
+        raise bad_request(f"could not parse the JSON body: {e}", code="invalid_json") from None
+
+
+async def parse_request(request: Request, model: type[ModelT], limit: int) -> ModelT:
+    """Reads, size-checks, UTF-8-decodes, JSON-parses and validates a request body."""
+    data = parse_json(await read_body(request, limit))
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    first = e.errors()[0]
+    loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+    param = ".".join(loc) or None
+    got = first.get("input")
+    shown = json.dumps(got)[:80] if _json_safe(got) else type(got).__name__
+    extra = f" ({len(e.errors())} errors)" if len(e.errors()) > 1 else ""
+    return bad_request(f"invalid value for '{param}': {first['msg']}, got {shown}{extra}", param=param,
+                       code="invalid_type" if first["type"].endswith("_type") else "invalid_value")
+
+
+def _is_union_tag(part: Any) -> bool:
+    # NOTE: pydantic names the union member it tried ("str", "list[int]") in the location; drop it.
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part)
+
+
+def _json_safe(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def check_text(text: str, param: str) -> None:
+    """Rejects strings that are not valid Unicode (lone surrogates from JSON escapes such as \\ud800)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"'{param}' is not valid UTF-8 text (lone surrogate at character {e.start})",
+                          param=param, code="invalid_utf8") from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return bad_request(f"invalid request: {exc.errors()[0].get('msg', exc)}").response()
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request")
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -1,0 +1,123 @@
+"""The Engine's per-request state: tokens arriving from the scheduler thread, waited on by the caller."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from radixserve.managers.text_stream import IncrementalDetokenizer, final_text
+from radixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.entrypoints.engine import Engine
+
+
+class RequestState:
+    """Written by the scheduler thread (`on_tokens`, `fail`), read by the caller's thread."""
+
+    def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, tokenizer: Any,
+                 stream: bool) -> None:
+        self.rid = rid
+        self.input_ids = input_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.output_ids: list[int] = []
+        self.finish_reason: dict[str, Any] | None = None
+        self.prompt_tokens = len(input_ids)
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.increments: queue.Queue | None = queue.Queue() if stream else None
+
+    def on_tokens(self, new_ids: list[int], finish_reason: dict[str, Any] | None, prompt_tokens: int,
+                  completion_tokens: int, cached_tokens: int, now: float) -> None:
+        if new_ids and self.first_token_at is None:
+            self.first_token_at = now
+        self.output_ids.extend(new_ids)
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, completion_tokens, cached_tokens
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            self.finished_at = now
+        if self.increments is not None:
+            self.increments.put((list(new_ids), finish_reason))
+        if finish_reason is not None:
+            self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        if self.increments is not None:
+            self.increments.put(None)
+        self.done.set()
+
+    def meta_info(self) -> dict[str, Any]:
+        end = self.finished_at or time.perf_counter()
+        ttft = None if self.first_token_at is None else self.first_token_at - self.submitted_at
+        return {
+            "id": self.rid,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
+            "e2e_latency": end - self.submitted_at,
+            "ttft": ttft,
+        }
+
+    def result(self) -> dict[str, Any]:
+        return {"text": final_text(self.tokenizer, self.output_ids, self.finish_reason),
+                "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
+
+
+class RequestHandle:
+    """What `Engine.submit` returns: wait for the result, iterate over increments, or abort."""
+
+    def __init__(self, state: RequestState, engine: Engine) -> None:
+        self._state = state
+        self._engine = engine
+
+    @property
+    def rid(self) -> str:
+        return self._state.rid
+
+    def done(self) -> bool:
+        return self._state.done.is_set()
+
+    def abort(self) -> None:
+        self._engine.abort(self.rid)
+
+    def result(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the request finished; {text, output_ids, meta_info}. Raises if the engine failed."""
+        if not self._state.done.wait(timeout):
+            raise TimeoutError(f"request {self.rid} not finished after {timeout} s")
+        self._raise_error()
+        return self._state.result()
+
+    def stream(self) -> Iterator[dict[str, Any]]:
+        """Yield {text, output_ids, finished, meta_info} increments; closing the iterator early aborts."""
+        state = self._state
+        if state.increments is None:
+            raise ValueError("this request was not submitted with stream=True")
+        detok = IncrementalDetokenizer(state.tokenizer, state.params.stop)
+        finished = False
+        try:
+            while not finished:
+                item = state.increments.get()
+                if item is None:
+                    self._raise_error()
+                new_ids, finish_reason = item
+                finished = finish_reason is not None
+                text = detok.finish(new_ids, finish_reason) if finished else detok.feed(new_ids)
+                yield {"text": text, "output_ids": new_ids, "finished": finished, "meta_info": state.meta_info()}
+        finally:
+            if not finished:
+                self.abort()
+
+    def _raise_error(self) -> None:
+        if self._state.error is not None:
+            raise RuntimeError(f"request {self.rid} failed: {self._state.error}") from self._state.error

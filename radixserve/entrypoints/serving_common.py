@@ -1,0 +1,254 @@
+"""Pieces shared by the OpenAI and native endpoints: disconnect watching, SSE, fan-out, sampling params."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, unavailable
+from radixserve.managers.tokenizer_manager import (
+    GenerateOutput,
+    GenerateReq,
+    SchedulerUnavailable,
+    TokenizerManager,
+)
+from radixserve.sampling_params import SamplingParams, SamplingParamsError
+
+T = TypeVar("T")
+END = object()  # sentinel: a stream has no more items
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class DisconnectWatcher:
+    """Races request work against the client going away (Starlette does not cancel plain handlers).
+
+    NOTE: the work runs in its own task and is cancelled on disconnect; a cancelled `generate()`
+    sends AbortReq from its `finally`, so the scheduler drops the request at its next step.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._task: asyncio.Task | None = None
+
+    async def _wait(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+
+    async def run(self, work: Awaitable[T]) -> T:
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._wait())
+        job = asyncio.ensure_future(work)
+        try:
+            done, _ = await asyncio.wait({job, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not job.done():
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+        if job in done:
+            return job.result()
+        raise ClientDisconnected()
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events; stops (and so aborts the request) as soon as the client disconnects."""
+
+    def __init__(self, events: AsyncIterator[bytes], watcher: DisconnectWatcher) -> None:
+        super().__init__(events, headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                         media_type="text/event-stream")
+        self._events = events
+        self._watcher = watcher
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            async with aclosing(self._events) as events:
+                while True:
+                    event = await self._watcher.run(anext(events, END))
+                    if event is END:
+                        break
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (ClientDisconnected, OSError):
+            pass
+        finally:
+            self._watcher.close()
+
+
+def sse(data: Any) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()
+
+
+async def merge_outputs(gens: list[AsyncIterator[GenerateOutput]]) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """Interleaves several requests' outputs as (choice index, output); closing it aborts them all."""
+    if len(gens) == 1:
+        async with aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, gen: AsyncIterator[GenerateOutput]) -> None:
+        try:
+            async with aclosing(gen):
+                async for out in gen:
+                    queue.put_nowait((index, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, END))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one finished choice produced (non-streaming responses)."""
+
+    rid: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    finish_message: str | None = None
+    finish_status: int | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: GenerateOutput) -> None:
+        self.rid = out.rid
+        self.text += out.text_delta
+        self.token_ids += out.token_ids
+        self.finish_reason = out.finish_reason
+        self.finish_message = out.finish_message
+        self.finish_status = out.finish_status
+        self.prompt_tokens = out.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
+
+
+async def collect(outputs: AsyncIterator[tuple[int, GenerateOutput]], num_choices: int) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in range(num_choices)]
+    async with aclosing(outputs) as stream:
+        async for index, out in stream:
+            results[index].add(out)
+    return results
+
+
+def raise_if_aborted(result: ChoiceResult | GenerateOutput) -> None:
+    if result.finish_reason == "abort":
+        status = result.finish_status if result.finish_status in (400, 500, 503) else 500
+        raise ApiError(status, f"request aborted by the scheduler: {result.finish_message or 'no reason given'}",
+                       code="request_aborted")
+
+
+async def guarded(work: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await work()
+    except SchedulerUnavailable as e:
+        raise unavailable(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------- requests in
+
+
+_PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+
+
+def reject_logprobs(param: str) -> ApiError:
+    # NOTE: the scheduler samples on the device and returns token ids only; see docs/server.md.
+    return bad_request(f"'{param}' is not supported by this server (the scheduler returns token ids only)",
+                       param=param, code="unsupported_parameter")
+
+
+def make_sampling_params(openai_names: bool, **values: Any) -> SamplingParams:
+    try:
+        return SamplingParams(**values)
+    except SamplingParamsError as e:
+        param = _PARAM_NAMES.get(e.param, e.param) if openai_names else e.param
+        raise bad_request(f"invalid '{param}': {str(e)[len(e.param) + 1:]}", param=param) from None
+
+
+def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n samples become n requests; with a seed, choice i uses seed + i so the choices differ."""
+    choices = []
+    for i in range(n):
+        seed = None if params.seed is None else params.seed + i
+        choices.append(SamplingParams(**{**params.__dict__, "n": 1, "seed": seed}))
+    return choices
+
+
+def tokenize_text(tm: TokenizerManager, text: str, param: str) -> list[int]:
+    check_text(text, param)
+    return list(tm.tokenizer.encode(text, add_special_tokens=True))
+
+
+def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: list[list[SamplingParams]],
+                 extra_key: Any) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """One request per (prompt, choice); choice index = prompt index * n + choice."""
+    gens = [tm.generate(GenerateReq(ids, params, extra_key))
+            for ids, per_prompt in zip(prompts, choice_params, strict=True) for params in per_prompt]
+    return merge_outputs(gens)
+
+
+def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
+    if not ids:
+        raise bad_request(f"'{param}' is empty; give at least one token", param=param, code="empty_prompt")
+    vocab = tm.info.vocab_size
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad!r} in '{param}' is outside the vocabulary [0, {vocab})", param=param,
+                          code="invalid_token_id")
+
+
+def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None, param: str,
+                       max_param: str = "max_tokens") -> int:
+    """`max_tokens` unset means the rest of the effective context (model context and KV pool)."""
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_request(f"'{max_param}' must be at least 1, got {max_tokens}", param=max_param,
+                          code="invalid_value")
+    info = tm.info
+    limit = info.effective_max_context
+    asked = max_tokens if max_tokens is not None else max(limit - prompt_len, 1)
+    total = prompt_len + asked
+    where = "messages" if param == "messages" else "prompt"
+    culprit = param if prompt_len >= limit else max_param
+    if total > info.context_len:
+        raise bad_request(
+            f"This model's maximum context length is {info.context_len} tokens. However, you requested "
+            f"{total} tokens ({prompt_len} in the {where}, {asked} in the completion). Please reduce the "
+            f"length of the {where} or completion.", param=culprit, code="context_length_exceeded")
+    if total > limit:
+        raise bad_request(
+            f"The KV cache pool holds {info.max_total_num_tokens} tokens, so the longest request this server "
+            f"can finish is {limit} tokens. However, you requested {total} tokens ({prompt_len} in the "
+            f"{where}, {asked} in the completion). Please reduce the length of the {where} or completion.",
+            param=culprit, code="kv_pool_exceeded")
+    return asked

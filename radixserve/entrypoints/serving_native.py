@@ -1,0 +1,119 @@
+"""SGLang's native POST /generate: `text` or `input_ids`, a `sampling_params` dict, `meta_info` per output."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from radixserve.entrypoints.http_errors import bad_request, check_text
+from radixserve.entrypoints.openai_protocol import GenerateRequest
+from radixserve.entrypoints.serving_common import (
+    ChoiceResult,
+    ClientDisconnected,
+    DisconnectWatcher,
+    check_prompt,
+    collect,
+    generate_all,
+    guarded,
+    make_sampling_params,
+    per_choice_params,
+    raise_if_aborted,
+    reject_logprobs,
+    resolve_max_tokens,
+    tokenize_text,
+)
+from radixserve.entrypoints.serving_openai import CLIENT_CLOSED, stream_response
+from radixserve.managers.tokenizer_manager import GenerateOutput, TokenizerManager
+from radixserve.sampling_params import SamplingParams
+
+_MAX_PARAM = "sampling_params.max_new_tokens"
+
+
+def _prompts(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[list[int]], bool, str]:
+    if (req.text is None) == (req.input_ids is None):
+        raise bad_request("give exactly one of 'text' and 'input_ids'", param="text")
+    if req.text is not None:
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        prompts = [tokenize_text(tm, t, "text") for t in texts]
+        batch, param = isinstance(req.text, list), "text"
+    else:
+        ids = req.input_ids
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts, param = ([list(p) for p in ids] if batch else [list(ids)]), "input_ids"
+    if batch and not prompts:
+        raise bad_request(f"'{param}' is an empty batch", param=param, code="empty_prompt")
+    for ids in prompts:
+        check_prompt(tm, ids, param)
+    return prompts, batch, param
+
+
+def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, param: str) -> SamplingParams:
+    known = set(SamplingParams.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise bad_request(f"unknown sampling parameter(s): {', '.join(unknown)}; valid: {', '.join(sorted(known))}",
+                          param="sampling_params")
+    for s in values.get("stop") or []:
+        if isinstance(s, str):
+            check_text(s, "sampling_params.stop")
+    max_new = values.get("max_new_tokens")
+    if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int)):
+        raise bad_request(f"'{_MAX_PARAM}' must be an integer, got {max_new!r}", param=_MAX_PARAM,
+                          code="invalid_type")
+    resolved = resolve_max_tokens(tm, prompt_len, max_new, param, _MAX_PARAM)
+    return make_sampling_params(False, **{**values, "max_new_tokens": resolved})
+
+
+def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float, finish: str | None,
+          message: str | None) -> dict[str, Any]:
+    reason = None if finish is None else {"type": finish} | ({"message": message} if message else {})
+    return {"id": rid, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+            "cached_tokens": r.cached_tokens, "finish_reason": reason, "e2e_latency": time.monotonic() - started}
+
+
+async def generate(tm: TokenizerManager, req: GenerateRequest, extra_key: Any, request: Request) -> Response:
+    started = time.monotonic()
+    if req.return_logprob:
+        raise reject_logprobs("return_logprob")
+    if req.cache_salt is not None:
+        check_text(req.cache_salt, "cache_salt")
+    prompts, batch, param = _prompts(tm, req)
+    params = [_sampling(tm, req.sampling_params, len(p), param) for p in prompts]
+    n = params[0].n
+    choice_params = [per_choice_params(p, n) for p in params]
+    outputs = generate_all(tm, prompts, choice_params, extra_key)
+    if req.stream:
+        if batch or n > 1:
+            await outputs.aclose()
+            raise bad_request("streaming is supported for one prompt with n = 1", param="stream")
+        return await stream_response(request, outputs, _stream_renderer(started), lambda: [])
+    watcher = DisconnectWatcher(request.receive)
+    try:
+        results = await guarded(lambda: watcher.run(collect(outputs, len(prompts) * n)))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        watcher.close()
+    for r in results:
+        raise_if_aborted(r)
+    bodies = [_result_body(r, started) for r in results]
+    return JSONResponse(bodies if batch or n > 1 else bodies[0])
+
+
+def _result_body(r: ChoiceResult, started: float) -> dict[str, Any]:
+    meta = _meta(r.rid, r, started, r.finish_reason, r.finish_message)
+    return {"text": r.text, "output_ids": r.token_ids, "meta_info": meta}
+
+
+def _stream_renderer(started: float):
+    acc = ChoiceResult()
+
+    def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
+        # NOTE: like SGLang, each event carries the whole text and ids so far, not a delta.
+        acc.add(out)
+        meta = _meta(out.rid, out, started, out.finish_reason, out.finish_message)
+        return [{"text": acc.text, "output_ids": list(acc.token_ids), "meta_info": meta}]
+    return render

@@ -1,0 +1,276 @@
+"""/v1/completions and /v1/chat/completions on top of the tokenizer manager."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, unavailable
+from radixserve.entrypoints.openai_protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    TokenizeRequest,
+    UsageInfo,
+    new_id,
+    now,
+)
+from radixserve.entrypoints.serving_common import (
+    END,
+    ChoiceResult,
+    ClientDisconnected,
+    DisconnectWatcher,
+    EventStreamResponse,
+    check_prompt,
+    collect,
+    generate_all,
+    guarded,
+    make_sampling_params,
+    per_choice_params,
+    raise_if_aborted,
+    reject_logprobs,
+    resolve_max_tokens,
+    sse,
+    tokenize_text,
+)
+from radixserve.managers.tokenizer_manager import GenerateOutput, SchedulerUnavailable, TokenizerManager
+
+Render = Callable[[int, GenerateOutput], list[dict[str, Any]]]
+
+CLIENT_CLOSED = 499  # nginx's code; nobody reads it, the client is gone
+
+
+class _Usage:
+    """Usage over all choices: prompts counted once, cached tokens the smallest hit among a prompt's choices."""
+
+    def __init__(self, prompt_lens: list[int], n: int) -> None:
+        self.prompt_lens = prompt_lens
+        self.n = n
+        self.completion = [0] * (len(prompt_lens) * n)
+        self.cached = [0] * (len(prompt_lens) * n)
+
+    def add(self, index: int, out: GenerateOutput) -> None:
+        self.completion[index] = out.completion_tokens
+        self.cached[index] = out.cached_tokens
+
+    def info(self) -> UsageInfo:
+        n = self.n
+        cached = sum(min(self.cached[p * n:(p + 1) * n]) for p in range(len(self.prompt_lens)))
+        return UsageInfo.of(sum(self.prompt_lens), sum(self.completion), cached)
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager) -> None:
+        self.tm = tm
+        self.model_name = tm.info.model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    def _check_common(self, req: Any) -> None:
+        self.check_model(req.model)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) != 0:
+                raise bad_request(f"'{name}' is not supported (only 0)", param=name, code="unsupported_parameter")
+        if req.logit_bias:
+            raise bad_request("'logit_bias' is not supported", param="logit_bias", code="unsupported_parameter")
+        if req.cache_salt is not None:
+            check_text(req.cache_salt, "cache_salt")
+
+    def _sampling(self, req: Any, max_new_tokens: int) -> Any:
+        return make_sampling_params(
+            True, max_new_tokens=max_new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            min_p=req.min_p, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos, seed=req.seed, n=req.n)
+
+    # -------------------------------------------------------------------------- completions
+
+    async def completions(self, req: CompletionRequest, extra_key: Any, request: Request) -> Response:
+        self._check_common(req)
+        if req.echo or req.suffix or (req.best_of or 1) > 1:
+            raise bad_request("'echo', 'suffix' and 'best_of' are not supported", code="unsupported_parameter")
+        if req.logprobs is not None:
+            raise reject_logprobs("logprobs")
+        prompts = self._completion_prompts(req.prompt)
+        params = [self._sampling(req, resolve_max_tokens(self.tm, len(p), req.max_tokens, "prompt"))
+                  for p in prompts]
+        return await self._serve(req, request, prompts, params, extra_key, chat=False)
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [tokenize_text(self.tm, prompt, "prompt")]
+        elif prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [tokenize_text(self.tm, p, "prompt") for p in prompt]
+        elif prompt and all(isinstance(p, list) for p in prompt):
+            prompts = [list(p) for p in prompt]
+        else:
+            prompts = [list(prompt)]
+        for ids in prompts:
+            check_prompt(self.tm, ids, "prompt")
+        return prompts
+
+    # -------------------------------------------------------------------------- chat
+
+    async def chat(self, req: ChatCompletionRequest, extra_key: Any, request: Request) -> Response:
+        self._check_common(req)
+        if req.tools or req.response_format:
+            raise bad_request("'tools' and 'response_format' are not supported", code="unsupported_parameter")
+        if req.logprobs or req.top_logprobs:
+            raise reject_logprobs("logprobs" if req.logprobs else "top_logprobs")
+        ids = self.chat_prompt(req.messages)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = [self._sampling(req, resolve_max_tokens(self.tm, len(ids), max_tokens, "messages", max_param))]
+        return await self._serve(req, request, [ids], params, extra_key, chat=True)
+
+    def chat_prompt(self, chat: list[ChatMessage]) -> list[int]:
+        if not chat:
+            raise bad_request("'messages' must hold at least one message", param="messages", code="empty_prompt")
+        messages = []
+        for i, m in enumerate(chat):
+            check_text(m.text(), f"messages.{i}.content")
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+        try:
+            text = self.tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - template errors are the client's messages
+            raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
+        ids = list(self.tm.tokenizer.encode(text, add_special_tokens=False))
+        check_prompt(self.tm, ids, "messages")
+        return ids
+
+    # -------------------------------------------------------------------------- tokenizer endpoints
+
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+        if req.messages is not None:
+            ids = self.chat_prompt(req.messages)
+        else:
+            check_text(req.prompt, "prompt")
+            ids = list(self.tm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.tm.info.effective_max_context}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        if req.tokens:
+            check_prompt(self.tm, req.tokens, "tokens")
+        return {"prompt": self.tm.tokenizer.decode(req.tokens)}
+
+    # -------------------------------------------------------------------------- shared
+
+    async def _serve(self, req: Any, request: Request, prompts: list[list[int]], params: list[Any],
+                     extra_key: Any, chat: bool) -> Response:
+        choice_params = [per_choice_params(p, req.n) for p in params]
+        outputs = generate_all(self.tm, prompts, choice_params, extra_key)
+        usage = _Usage([len(p) for p in prompts], req.n)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            render = self._chat_renderer(rid, usage) if chat else self._completion_renderer(rid, usage)
+            chunk_type = ChatCompletionChunk if chat else CompletionChunk
+
+            def finale() -> list[dict[str, Any]]:
+                if not include_usage:
+                    return []
+                return [chunk_type(id=rid, created=now(), model=self.model_name, choices=[],
+                                   usage=usage.info()).model_dump()]
+            return await stream_response(request, outputs, render, finale)
+        watcher = DisconnectWatcher(request.receive)
+        try:
+            results = await guarded(lambda: watcher.run(collect(outputs, len(prompts) * req.n)))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            watcher.close()
+        for r in results:
+            raise_if_aborted(r)
+        for i, r in enumerate(results):
+            usage.completion[i], usage.cached[i] = r.completion_tokens, r.cached_tokens
+        build = self._chat_response if chat else self._completion_response
+        return JSONResponse(build(rid, results, usage.info()).model_dump())
+
+    def _completion_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+                   for i, r in enumerate(results)]
+        return CompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
+
+    def _chat_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason)
+                   for i, r in enumerate(results)]
+        return ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
+
+    def _completion_renderer(self, rid: str, usage: _Usage) -> Render:
+        def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
+            usage.add(index, out)
+            choice = CompletionChoice(index=index, text=out.text_delta, finish_reason=out.finish_reason)
+            return [CompletionChunk(id=rid, created=now(), model=self.model_name, choices=[choice]).model_dump()]
+        return render
+
+    def _chat_renderer(self, rid: str, usage: _Usage) -> Render:
+        started: set[int] = set()
+
+        def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
+            usage.add(index, out)
+            choices = []
+            if index not in started:
+                started.add(index)
+                choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            if out.text_delta or out.finish_reason is not None:
+                choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(content=out.text_delta or None),
+                                                finish_reason=out.finish_reason))
+            return [ChatCompletionChunk(id=rid, created=now(), model=self.model_name, choices=[c]).model_dump()
+                    for c in choices]
+        return render
+
+
+async def stream_response(request: Request, outputs: AsyncIterator[tuple[int, GenerateOutput]], render: Render,
+                          finale: Callable[[], list[dict[str, Any]]]) -> Response:
+    """SSE whose status line waits for the first output, so a dead scheduler is still a 503."""
+    watcher = DisconnectWatcher(request.receive)
+    try:
+        first = await guarded(lambda: watcher.run(anext(outputs, END)))
+    except ClientDisconnected:
+        watcher.close()
+        await outputs.aclose()
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException:
+        watcher.close()
+        await outputs.aclose()
+        raise
+
+    async def events() -> AsyncIterator[bytes]:
+        item = first
+        async with aclosing(outputs):
+            try:
+                while item is not END:
+                    index, out = item
+                    raise_if_aborted(out)
+                    for chunk in render(index, out):
+                        yield sse(chunk)
+                    item = await anext(outputs, END)
+                for chunk in finale():
+                    yield sse(chunk)
+            except SchedulerUnavailable as e:
+                yield sse(unavailable(str(e)).body())
+            except ApiError as e:
+                yield sse(e.body())
+        yield sse("[DONE]")
+
+    return EventStreamResponse(events(), watcher)

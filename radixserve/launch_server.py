@@ -1,0 +1,42 @@
+"""`python -m radixserve.launch_server [server args]` (also `radixserve serve`): the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+
+from radixserve.managers.tokenizer_manager import FrontendConfig
+from radixserve.server_args import ServerArgs
+
+_DEFAULTS = FrontendConfig()
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Every ServerArgs flag plus the HTTP-only ones; `radixserve serve` registers the same."""
+    ServerArgs.add_cli_args(parser)
+    group = parser.add_argument_group("HTTP server")
+    group.add_argument("--max-body-bytes", type=int, default=_DEFAULTS.max_body_bytes,
+                       help=f"largest request body; larger ones get 413 (default: {_DEFAULTS.max_body_bytes})")
+    group.add_argument("--health-timeout", type=float, default=_DEFAULTS.health_timeout_s,
+                       help="seconds without an answer from the scheduler before /health fails "
+                            f"(default: {_DEFAULTS.health_timeout_s})")
+    group.add_argument("--heartbeat-interval", type=float, default=_DEFAULTS.heartbeat_interval_s,
+                       help=f"seconds between scheduler liveness probes (default: {_DEFAULTS.heartbeat_interval_s})")
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    from radixserve.entrypoints.http_server import launch_server
+
+    config = FrontendConfig(max_body_bytes=args.max_body_bytes, health_timeout_s=args.health_timeout,
+                            heartbeat_interval_s=args.heartbeat_interval)
+    launch_server(ServerArgs.from_cli_args(args), config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="radixserve serve",
+                                     description="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    add_serve_args(parser)
+    run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,417 @@
+"""The scheduler: continuous batching with radix prefix reuse (reference §3, §4, §5.2).
+
+One step of `event_loop_normal`: receive messages, pick the next batch (a prefill if one can be
+admitted, else a decode of the running batch), run the forward, process its result. Outputs go to
+`output_sink` as io_struct messages. The overlap loop (`event_loop_overlap`) can sit beside the
+normal one: both use `get_next_batch_to_run`, `run_batch` and `process_batch_result`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from radixserve.managers.io_struct import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetInternalStateOut,
+    GetInternalStateReq,
+    TokenizedGenerateReqInput,
+)
+from radixserve.managers.schedule_batch import RETRACT_DECODE_STEPS, FinishReason, Req, ScheduleBatch
+from radixserve.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdder, SchedulePolicy
+from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, prefill_log_line
+from radixserve.managers.scheduler_output_processor import (
+    GenerationBatchResult,
+    SchedulerOutputProcessorMixin,
+)
+from radixserve.managers.scheduler_overlap import SchedulerOverlapMixin
+from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.mem_cache.radix_key import check_namespace
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
+    """Owns the waiting queue, the running batch, the radix cache and the model runner."""
+
+    def __init__(self, server_args: ServerArgs, model_runner: Any = None,
+                 output_sink: Callable[[Any], None] | None = None) -> None:
+        if model_runner is None:
+            from radixserve.model_executor.model_runner import ModelRunner
+
+            model_runner = ModelRunner(server_args)
+        self.server_args = server_args
+        self.model_runner = model_runner
+        self.tokenizer = getattr(model_runner, "tokenizer", None)
+        self.device = model_runner.device
+        self.page_size = model_runner.page_size
+        self.context_len = model_runner.context_len
+        self.max_total_num_tokens = model_runner.max_total_num_tokens
+        self.max_running_requests = model_runner.max_running_requests
+        self.vocab_size = model_runner.model_config.vocab_size
+        self.eos_token_ids = tuple(model_runner.model_config.eos_token_ids)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
+        self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size,
+                                     disable=server_args.disable_radix_cache,
+                                     eviction_policy=server_args.radix_eviction_policy)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
+        self.chunked_prefill_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
+        self.new_token_ratio = NewTokenRatio(server_args.schedule_conservativeness)
+        self.stats = SchedulerStats()
+
+        self.waiting_queue: list[Req] = []
+        self.running_batch = self._new_batch([])
+        self.cur_batch: ScheduleBatch | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.chunked_req: Req | None = None
+        self.in_flight_prefill: list[Req] = []  # the last prefill's requests, for in-batch prefix dedup
+        self.batch_is_full = False
+        self.reqs: dict[str, Req] = {}  # every request not yet finished, by rid
+
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_sink = output_sink or (lambda out: None)
+        self.stop_event = threading.Event()
+        self.decode_throughput = DecodeThroughput()
+        self.strict_checks = os.environ.get("RADIXSERVE_STRICT_CHECKS") == "1"
+        # Test hook (SGLang's SGLANG_TEST_RETRACT): retract one request every N decode steps.
+        self.test_retract_interval = int(os.environ.get("RADIXSERVE_TEST_RETRACT_INTERVAL", "0"))
+        self.decode_steps = 0
+        self._idle_checked = False
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
+                             self.device, self.page_size, self.stats)
+
+    # ---- loop -----------------------------------------------------------------------------------
+    def event_loop_normal(self) -> None:
+        """Run steps until `stop_event` is set (reference §5.2)."""
+        while not self.stop_event.is_set():
+            self.run_step()
+
+    def run_step(self, block_when_idle: bool = True) -> ScheduleBatch | None:
+        """One iteration of the normal loop; returns the batch it ran, or None when idle."""
+        self.process_input_requests(self.recv_requests(block=block_when_idle and self.is_idle()))
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is not None:
+            self._idle_checked = False
+            self.process_batch_result(batch, self.run_batch(batch))
+        else:
+            self.on_idle()
+        self.last_batch = batch
+        return batch
+
+    def run_until_idle(self, max_steps: int = 100_000, on_step: Callable[[], None] | None = None) -> int:
+        """Run steps (without blocking) until nothing is queued or running; returns the steps taken."""
+        for step in range(max_steps):
+            if self.is_idle() and self.input_queue.empty():
+                return step
+            self.run_step(block_when_idle=False)
+            if on_step is not None:
+                on_step()
+        raise RuntimeError(f"not idle after {max_steps} steps")
+
+    def is_idle(self) -> bool:
+        """Nothing queued and nothing holding KV (a prefill batch not yet merged into running counts)."""
+        return not self.waiting_queue and self.chunked_req is None and not self.active_requests()
+
+    def recv_requests(self, block: bool = False) -> list[Any]:
+        msgs = []
+        if block:
+            try:
+                msgs.append(self.input_queue.get(timeout=0.05))
+            except queue.Empty:
+                return msgs
+        while True:
+            try:
+                msgs.append(self.input_queue.get_nowait())
+            except queue.Empty:
+                return msgs
+
+    def on_idle(self) -> None:
+        self.new_token_ratio.reset()
+        self.decode_throughput.take()  # NOTE: idle time must not dilute the next decode log's throughput
+        if not self._idle_checked:
+            self._idle_checked = True
+            self.check_memory()
+
+    # ---- batches --------------------------------------------------------------------------------
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        """Stash the chunk, merge the last prefill into running, then prefill if possible, else decode."""
+        chunked = self.chunked_req
+        if chunked is not None:
+            if chunked.to_abort is not None:
+                self.chunked_req = None
+                self.finish_now(chunked, chunked.to_abort)
+            elif len(chunked.fill_ids) > len(chunked.prefix_indices):
+                with self.stats.timing("cache_ops_s"):
+                    self.tree_cache.cache_unfinished_req(chunked, chunked=True)
+        last = self.last_batch
+        self.in_flight_prefill = []
+        if last is not None and last.forward_mode.is_extend():
+            # NOTE: under overlap its KV reaches the tree only when its result is processed, after this step.
+            self.in_flight_prefill = list(last.reqs)
+            last.filter_batch(drop=self.chunked_req)
+            self.running_batch.merge_batch(last)
+            self.last_batch = None
+        self._finish_marked_aborts(self.running_batch)
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        return self.update_running_batch()
+
+    def _finish_marked_aborts(self, batch: ScheduleBatch) -> None:
+        for req in [r for r in batch.reqs if r.to_abort is not None and not r.finished()]:
+            self.finish_now(req, req.to_abort)
+        batch.filter_batch()
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if self.chunked_req is None and (not self.waiting_queue or self.batch_is_full):
+            return None
+        running = self.running_batch.reqs
+        allocatable = min(self.max_running_requests - len(running), self.req_to_token_pool.available_size())
+        if allocatable <= 0 and self.chunked_req is None:
+            self.batch_is_full = True
+            return None
+        with self.stats.timing("cache_ops_s"):  # NOTE: matching and locking: what the radix cache costs
+            self.policy.calc_priority(self.waiting_queue, in_flight=self.in_flight_prefill)
+            adder = self._admit(running, allocatable)
+        if not adder.can_run_list:
+            return None
+        admitted = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+        batch = self._new_batch(adder.can_run_list)
+        batch.prepare_for_extend()
+        self._count_prefill(batch, adder)
+        return batch
+
+    def _admit(self, running: list[Req], allocatable: int) -> PrefillAdder:
+        """Walk the ordered queue into a PrefillAdder: the continuing chunk first, then until a budget stops."""
+        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool_allocator, running, self.new_token_ratio.value,
+                             self.server_args.max_prefill_tokens, self.chunked_prefill_size, self.page_size)
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input(None)
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if len(adder.can_run_list) >= allocatable:
+                self.batch_is_full = True
+                break
+            if req.rid in self.policy.deprioritized:
+                continue  # NOTE: an earlier request is computing its prefix; next round it hits the cache
+            req.init_next_round_input(self.tree_cache)
+            result = adder.add_one_req(req)
+            if result != AddReqResult.CONTINUE:
+                self.batch_is_full = result == AddReqResult.NO_TOKEN
+                break
+        return adder
+
+    def _count_prefill(self, batch: ScheduleBatch, adder: PrefillAdder) -> None:
+        for req in batch.reqs:
+            if not req.stats_counted and not req.retracted_stain:
+                req.stats_counted = True
+                self.stats.prompt_tokens += len(req.origin_input_ids)
+                self.stats.cached_tokens += req.cached_tokens
+        self.stats.prefill_tokens_computed += batch.prefill_new_tokens
+        self.stats.num_prefill_batches += 1
+        used = self.max_total_num_tokens - self.free_and_evictable()
+        logger.info(prefill_log_line(len(batch.reqs), adder.log_input_tokens, adder.log_hit_tokens,
+                                     used / self.max_total_num_tokens, len(self.running_batch.reqs),
+                                     len(self.waiting_queue)))
+
+    def update_running_batch(self) -> ScheduleBatch | None:
+        """Prepare a decode step of the running batch, retracting requests if the pool is short."""
+        batch = self.running_batch
+        batch.filter_batch()
+        if batch.is_empty():
+            return None
+        self.decode_steps += 1
+        forced = self.test_retract_interval > 0 and self.decode_steps % self.test_retract_interval == 0
+        if batch.check_decode_mem() and not (forced and batch.batch_size() > 1):
+            self.new_token_ratio.on_decode_step()
+        else:
+            self._retract(batch)
+            if not batch.check_decode_mem():
+                self._abort_out_of_memory(batch)
+                return None
+        batch.prepare_for_decode()
+        return batch
+
+    def _retract(self, batch: ScheduleBatch) -> None:
+        old_ratio = self.new_token_ratio.value
+        retracted = batch.retract_decode()
+        if not retracted:
+            return
+        self.new_token_ratio.on_retract(batch.reqs, RETRACT_DECODE_STEPS)
+        self.stats.num_retractions += len(retracted)
+        self.batch_is_full = False
+        # NOTE: they keep their outputs and resume first; their prompts are still in the tree, unlocked.
+        self.waiting_queue[:0] = retracted
+        logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+                    len(retracted), old_ratio, self.new_token_ratio.value)
+
+    def _abort_out_of_memory(self, batch: ScheduleBatch) -> None:
+        for req in list(batch.reqs):
+            needed = req.kv_committed_len + 1
+            message = (f"out of memory even after retracting every other request: this request needs "
+                       f"{needed} KV slots, the pool has {self.max_total_num_tokens}")
+            logger.error("Abort %s: %s", req.rid, message)
+            self.finish_now(req, FinishReason.abort(message, status_code=500))
+        batch.filter_batch()
+
+    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
+        start = time.perf_counter()
+        logits = self.model_runner.forward(batch.forward_batch)
+        next_ids = self.model_runner.sample(logits, self.make_sampling_info(batch)).tolist()
+        elapsed = time.perf_counter() - start  # NOTE: tolist() waits for the device, so this is the forward
+        if batch.forward_mode.is_extend():
+            self.stats.prefill_forward_s += elapsed
+        else:
+            self.stats.decode_forward_s += elapsed
+        return GenerationBatchResult(next_ids)
+
+    def make_sampling_info(self, batch: ScheduleBatch) -> Any:
+        from radixserve.layers.sampler import SamplingBatchInfo
+
+        return SamplingBatchInfo.from_params([r.sampling_params for r in batch.reqs],
+                                             [len(r.output_ids) for r in batch.reqs], self.device)
+
+    # ---- input messages -------------------------------------------------------------------------
+    def process_input_requests(self, msgs: list[Any]) -> None:
+        for msg in msgs:
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.handle_generate_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg.rid)
+            elif isinstance(msg, FlushCacheReq):
+                self.output_sink(self.flush_cache())
+            elif isinstance(msg, GetInternalStateReq):
+                self.output_sink(GetInternalStateOut(self.get_internal_state()))
+            else:
+                logger.error("unknown message %r ignored", type(msg).__name__)
+
+    def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
+        req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.eos_token_ids)
+        error = self.validate_request(req)
+        if msg.rid in self.reqs:
+            error = f"request id {msg.rid!r} is already in use"
+        if error is not None:
+            self.stats.num_rejected += 1
+            logger.warning("Reject %s: %s", msg.rid, error)
+            self.finish_now(req, FinishReason.abort(error, status_code=400))
+            return
+        req.max_new_tokens = min(req.max_new_tokens, self.context_len - len(req.origin_input_ids))
+        self.reqs[req.rid] = req
+        self.waiting_queue.append(req)
+        self.stats.num_requests += 1
+
+    def validate_request(self, req: Req) -> str | None:
+        """Why `req` can never run (with the numbers), or None. Checked on arrival, so it never blocks the queue."""
+        n = len(req.origin_input_ids)
+        ps = self.page_size
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.context_len:
+            return f"the prompt has {n} tokens, the context length is {self.context_len}: it must be shorter"
+        pool_need = -(-n // ps) * ps + ps
+        if pool_need > self.max_total_num_tokens:
+            return (f"the prompt has {n} tokens and needs {pool_need} KV slots, but the KV pool holds "
+                    f"{self.max_total_num_tokens} tokens")
+        bad = [t for t in req.origin_input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+        try:
+            check_namespace(req.extra_key)
+        except TypeError as e:
+            return str(e)
+        return None
+
+    def abort_request(self, rid: str) -> None:
+        """Abort at any stage; unknown or already finished ids are ignored (abort is idempotent)."""
+        req = self.reqs.get(rid)
+        if req is None or req.finished():
+            return
+        reason = FinishReason.abort("aborted by the client", status_code=499)
+        if any(r is req for r in self.waiting_queue):
+            # NOTE: a waiting request holds no lock and no slot; a retracted one released them.
+            self.waiting_queue = [r for r in self.waiting_queue if r is not req]
+            req.forget_prefix_match()
+            self.finish_now(req, reason)
+        else:
+            req.to_abort = reason  # running, mid-chunk or in the batch being run: ended at the next step
+
+    def flush_cache(self) -> FlushCacheOut:
+        """Empty the tree, only when no request holds KV (no lock, no row)."""
+        busy = self.active_requests()
+        if busy:
+            return FlushCacheOut(False, 0, f"{len(busy)} request(s) hold KV: {', '.join(r.rid for r in busy[:8])}")
+        freed = self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.tree_cache.reset()
+        for req in self.waiting_queue:  # NOTE: their unlocked matches point into the old tree
+            req.forget_prefix_match()
+        return FlushCacheOut(True, freed, f"flushed {freed} cached tokens")
+
+    # ---- state and checks -----------------------------------------------------------------------
+    def free_and_evictable(self) -> int:
+        return self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+
+    def active_requests(self) -> list[Req]:
+        """Requests holding KV or locks: running, in the batch just run, or mid-chunk."""
+        seen: dict[int, Req] = {}
+        batches = [self.running_batch, self.cur_batch, self.last_batch]
+        for req in [r for b in batches if b is not None for r in b.reqs] + [self.chunked_req]:
+            if req is not None and not req.finished() and req.req_pool_idx is not None:
+                seen[id(req)] = req
+        return list(seen.values())
+
+    def check_memory(self, strict: bool | None = None) -> dict[str, Any]:
+        """The conservation identity over the pool: its terms, or {"error": ...} with the leaked slot ids.
+
+        Logs a failure; raises it under strict checks (RADIXSERVE_STRICT_CHECKS=1, as in the tests).
+        """
+        from radixserve.mem_cache.conservation import ConservationError, check_conservation
+
+        try:
+            return check_conservation(self.token_to_kv_pool_allocator, self.tree_cache,
+                                      self.req_to_token_pool, self.active_requests())
+        except ConservationError as e:
+            logger.error("KV pool leak detected: %s", e)
+            if self.strict_checks if strict is None else strict:
+                raise
+            return {"error": str(e)}
+
+    def get_internal_state(self) -> dict[str, Any]:
+        """Counters, pool sizes and, when idle, the conservation check's terms (or its error)."""
+        return {
+            "kv_conservation": self.check_memory(strict=False) if self.is_idle() else None,
+            **self.stats.as_dict(),
+            "cache_hit_rate": self.stats.cache_hit_rate,
+            "num_waiting_reqs": len(self.waiting_queue),
+            "num_running_reqs": len(self.active_requests()),
+            "available_tokens": self.token_to_kv_pool_allocator.available_size(),
+            "evictable_tokens": self.tree_cache.evictable_size(),
+            "protected_tokens": self.tree_cache.protected_size(),
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "token_usage": 1 - self.free_and_evictable() / self.max_total_num_tokens,
+            "page_size": self.page_size,
+            "context_len": self.context_len,
+            "max_running_requests": self.max_running_requests,
+            "new_token_ratio": self.new_token_ratio.value,
+            "disable_radix_cache": self.tree_cache.disable,
+            "schedule_policy": self.policy.policy,
+        }
+
+    def shutdown(self) -> None:
+        self.stop_event.set()

@@ -1,0 +1,75 @@
+"""Scheduler counters and the per-batch log lines (SGLang's "Prefill batch." / "Decode batch.")."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    """Monotonic counters since start (never reset by flush_cache); exported by get_internal_state."""
+
+    num_requests: int = 0  # accepted into the waiting queue
+    num_finished: int = 0  # ended with stop or length
+    num_aborts: int = 0  # ended with abort (client abort, rejection, out of memory)
+    num_rejected: int = 0  # of the aborts: refused at admission
+    num_retractions: int = 0
+    prompt_tokens: int = 0  # Σ prompt lengths of admitted requests (first prefill only)
+    cached_tokens: int = 0  # Σ of their cache hits (first prefill only)
+    generated_tokens: int = 0
+    evicted_tokens: int = 0
+    prefill_tokens_computed: int = 0  # every extend token run, re-prefills after retraction included
+    num_prefill_batches: int = 0
+    num_decode_batches: int = 0
+    prefill_forward_s: float = 0.0  # wall time in run_batch (forward + sampling), by batch kind
+    decode_forward_s: float = 0.0
+    cache_ops_s: float = 0.0  # wall time in radix-cache work: matching, locking, inserting, releasing, evicting
+    started_at: float = field(default_factory=time.time)
+
+    def as_dict(self) -> dict[str, float]:
+        return {**dataclasses.asdict(self), "forward_time_s": self.prefill_forward_s + self.decode_forward_s}
+
+    @contextmanager
+    def timing(self, counter: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class DecodeThroughput:
+    """Generated tokens per second over the decode steps since the last decode log line."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.since = time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.tokens += n
+
+    def take(self) -> float:
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.since, 1e-9)
+        self.tokens, self.since = 0, now
+        return rate
+
+
+def prefill_log_line(new_seq: int, new_token: int, cached_token: int, token_usage: float,
+                     running_req: int, queue_req: int) -> str:
+    return (f"Prefill batch. #new-seq: {new_seq}, #new-token: {new_token}, #cached-token: {cached_token}, "
+            f"token usage: {token_usage:.2f}, #running-req: {running_req}, #queue-req: {queue_req}")
+
+
+def decode_log_line(running_req: int, num_tokens: int, token_usage: float, gen_throughput: float,
+                    queue_req: int) -> str:
+    return (f"Decode batch. #running-req: {running_req}, #token: {num_tokens}, token usage: {token_usage:.2f}, "
+            f"gen throughput (token/s): {gen_throughput:.2f}, #queue-req: {queue_req}")

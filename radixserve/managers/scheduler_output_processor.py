@@ -1,0 +1,110 @@
+"""Turning a forward's sampled tokens into request progress, finishes and output messages.
+
+A mixin of `Scheduler` (as in SGLang): it reads and writes the scheduler's state directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, NamedTuple
+
+from radixserve.managers import kv_ops
+from radixserve.managers.io_struct import BatchTokenIDOut
+from radixserve.managers.schedule_batch import FinishReason, Req, ScheduleBatch
+from radixserve.managers.scheduler_metrics import decode_log_line
+
+if TYPE_CHECKING:
+    from radixserve.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationBatchResult(NamedTuple):
+    next_token_ids: list[int]  # one sampled token per request of the batch, in batch order
+
+
+class SchedulerOutputProcessorMixin:
+    def process_batch_result(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        if batch.forward_mode.is_extend():
+            self.process_batch_result_prefill(batch, result)
+        else:
+            self.process_batch_result_decode(batch, result)
+
+    def process_batch_result_prefill(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        for req, token in zip(batch.reqs, result.next_token_ids, strict=True):
+            if req.is_chunked > 0:
+                # NOTE: a non-final chunk samples nothing; its KV is stashed at the next step.
+                req.is_chunked -= 1
+                continue
+            if req.finished():
+                continue
+            if req.to_abort is not None or req.max_new_tokens == 0:
+                # NOTE: an abort that arrived while the batch ran ends it without the sampled token.
+                req.finished_reason = req.to_abort or FinishReason("length", length=0)
+            else:
+                req.output_ids.append(token)
+                self.stats.generated_tokens += 1
+                req.check_finished(self.tokenizer)
+            if req.finished():
+                self.release_finished_req(req)
+            else:
+                with self.stats.timing("cache_ops_s"):
+                    self.tree_cache.cache_unfinished_req(req)
+        self.stream_output(batch.reqs)
+
+    def process_batch_result_decode(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+        for req, token in zip(batch.reqs, result.next_token_ids, strict=True):
+            if req.finished():
+                continue
+            if req.to_abort is None:
+                req.output_ids.append(token)
+                self.stats.generated_tokens += 1
+            req.check_finished(self.tokenizer)
+            if req.finished():
+                self.release_finished_req(req)
+        self.decode_throughput.add(len(batch.reqs))
+        self.stats.num_decode_batches += 1
+        if self.stats.num_decode_batches % max(self.server_args.log_interval, 1) == 0:
+            self.log_decode_stats(len(batch.reqs))
+        self.stream_output(batch.reqs)
+
+    def log_decode_stats(self: Scheduler, running_req: int) -> None:
+        used = self.max_total_num_tokens - self.free_and_evictable()
+        logger.info(decode_log_line(running_req, used, used / self.max_total_num_tokens,
+                                    self.decode_throughput.take(), len(self.waiting_queue)))
+
+    # ---- finishing ------------------------------------------------------------------------------
+    def release_finished_req(self: Scheduler, req: Req) -> None:
+        """Hand a finished request's KV to the tree (not an aborted one's), free the rest, count it."""
+        aborted = req.finished_reason.type == "abort"
+        with self.stats.timing("cache_ops_s"):
+            kv_ops.release(req, self.tree_cache, is_insert=not aborted)
+        self.reqs.pop(req.rid, None)
+        self.batch_is_full = False
+        if aborted:
+            self.stats.num_aborts += 1
+        else:
+            self.stats.num_finished += 1
+
+    def finish_now(self: Scheduler, req: Req, reason: FinishReason) -> None:
+        """End a request outside a batch result (abort, rejection, OOM), release its KV, tell the client."""
+        req.finished_reason = reason
+        self.release_finished_req(req)
+        self.stream_output([req])
+
+    def stream_output(self: Scheduler, reqs: list[Req]) -> None:
+        """Send new tokens of streaming requests, and the rest of every finished request."""
+        out = BatchTokenIDOut([], [], [], [], [], [])
+        for req in reqs:
+            if req.finish_sent or not (req.finished() or (req.stream and len(req.output_ids) > req.sent_output_len)):
+                continue
+            req.finish_sent = req.finished()
+            out.rids.append(req.rid)
+            out.new_token_ids.append(req.output_ids[req.sent_output_len:])
+            req.sent_output_len = len(req.output_ids)
+            out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+        if out.rids:
+            self.output_sink(out)

@@ -1,0 +1,248 @@
+"""The scheduler child process of the HTTP server: model runner + Scheduler behind two ZMQ sockets.
+
+The HTTP process binds a PUSH socket (requests) and a PULL socket (outputs); the child connects a
+PULL and a PUSH to them. Messages are pickled io_struct objects. A receiver thread in the child moves
+requests into `scheduler.input_queue`; the scheduler's `output_sink` pushes its outputs
+(`BatchTokenIDOut`, `FlushCacheOut`, `GetInternalStateOut`) back. Once the model is loaded the
+child sends a `SchedulerInfo` (tokenizer included) through a pipe, so the HTTP process tokenizes with
+exactly the tokenizer the model was loaded with and never loads weights itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from radixserve.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_PARENT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """ZMQ endpoints between the HTTP process and the scheduler process."""
+
+    request_endpoint: str  # HTTP process PUSH (bind) -> scheduler PULL (connect)
+    output_endpoint: str  # scheduler PUSH (connect) -> HTTP process PULL (bind)
+
+    @classmethod
+    def new(cls) -> PortArgs:
+        folder = tempfile.mkdtemp(prefix="radixserve-ipc-")
+        return cls(f"ipc://{folder}/requests", f"ipc://{folder}/outputs")
+
+
+@dataclass(frozen=True)
+class SchedulerInfo:
+    """What the HTTP process needs to know about the loaded model and pools."""
+
+    model_name: str
+    tokenizer: Any
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_total_num_tokens: int
+    page_size: int
+    max_running_requests: int
+    dtype: str
+    device: str
+    pid: int
+
+    @property
+    def effective_max_context(self) -> int:
+        """Longest prompt + completion that can always finish: bounded by the context and the pool."""
+        # NOTE: a request alone must fit the pool, in whole pages, or it would be aborted mid-decode.
+        pool = self.max_total_num_tokens // self.page_size * self.page_size
+        return min(self.context_len, pool)
+
+    def describe(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "tokenizer"} | {
+            "effective_max_context": self.effective_max_context
+        }
+
+
+class _ZmqSink:
+    """The scheduler's `output_sink`: pickles each output onto the PUSH socket."""
+
+    def __init__(self, socket: Any) -> None:
+        self._socket = socket
+        self._lock = threading.Lock()  # NOTE: ZMQ sockets are not thread-safe
+
+    def __call__(self, out: Any) -> None:
+        with self._lock:
+            self._socket.send_pyobj(out)
+
+
+def _forward_requests(socket: Any, input_queue: Any) -> None:
+    import zmq
+
+    while True:
+        try:
+            msg = socket.recv_pyobj()
+        except zmq.ZMQError:
+            return
+        input_queue.put(msg)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(0)  # the HTTP process is gone; nobody can read our outputs
+
+
+def build_scheduler(server_args: ServerArgs, output_sink: Any) -> tuple[Any, SchedulerInfo]:
+    """Loads the model and builds C's Scheduler around it (runs in the child)."""
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.model_executor.model_runner import ModelRunner
+
+    runner = ModelRunner(server_args)
+    scheduler = Scheduler(server_args, model_runner=runner, output_sink=output_sink)
+    _report_kv_accounting(scheduler)
+    return scheduler, _info_from_runner(server_args, runner)
+
+
+def _report_kv_accounting(scheduler: Any) -> None:
+    """Adds the conservation identity's terms to the scheduler's internal state (/get_server_info).
+
+    NOTE: the full check walks the pool (tens of ms on a large one), and liveness probes ask for the
+    state every second while idle; it is recomputed only when the pool or the counters moved.
+    """
+    base = scheduler.get_internal_state
+    last: dict[str, Any] = {}
+
+    def get_internal_state() -> dict[str, Any]:
+        key = _pool_fingerprint(scheduler)
+        if last.get("key") != key:
+            last.update(key=key, value=kv_accounting(scheduler))
+        return base() | {"kv_accounting": last["value"]}
+
+    scheduler.get_internal_state = get_internal_state
+
+
+def _pool_fingerprint(scheduler: Any) -> tuple:
+    stats = scheduler.stats
+    return (stats.num_prefill_batches, stats.num_decode_batches, stats.num_requests, stats.num_aborts,
+            scheduler.token_to_kv_pool_allocator.available_size(), scheduler.tree_cache.evictable_size(),
+            scheduler.tree_cache.protected_size(), scheduler.req_to_token_pool.available_size(),
+            len(scheduler.waiting_queue), scheduler.is_idle())
+
+
+def kv_accounting(scheduler: Any) -> dict[str, Any]:
+    """available + pending_free + evictable + protected + request_private == size, checked page by page.
+
+    NOTE: runs on the scheduler thread (it answers GetInternalStateReq between steps), so it sees a
+    consistent pool; `holds` is what the identity and single ownership say right now.
+    """
+    from radixserve.mem_cache.conservation import ConservationError, check_conservation
+
+    pool = scheduler.req_to_token_pool
+    active = scheduler.active_requests()
+    try:
+        report = check_conservation(scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, pool, active)
+        holds, error = True, None
+    except ConservationError as e:
+        report, holds, error = e.report, False, str(e)
+    except Exception as e:  # noqa: BLE001 - a diagnostic must never take the scheduler down
+        logger.exception("KV accounting failed")
+        report, holds, error = {}, False, f"{type(e).__name__}: {e}"
+    return {**report, "holds": holds, "error": error, "active_requests": len(active),
+            "req_rows_in_use": pool.size - pool.available_size(), "idle": scheduler.is_idle()}
+
+
+def _info_from_runner(server_args: ServerArgs, runner: Any) -> SchedulerInfo:
+    config = runner.model_config
+    loaded_name = getattr(getattr(runner, "loaded", None), "name", None)
+    name = server_args.served_model_name or loaded_name or _name_from_path(server_args.model_path)
+    eos = getattr(config, "eos_token_ids", None) or ()
+    return SchedulerInfo(
+        model_name=str(name),
+        tokenizer=runner.tokenizer,
+        context_len=int(runner.context_len),
+        vocab_size=int(config.vocab_size),
+        eos_token_ids=tuple(int(t) for t in eos),
+        max_total_num_tokens=int(runner.max_total_num_tokens),
+        page_size=int(runner.page_size),
+        max_running_requests=int(runner.max_running_requests),
+        dtype=str(runner.dtype).replace("torch.", ""),
+        device=str(runner.device),
+        pid=os.getpid(),
+    )
+
+
+def _name_from_path(model_path: str | None) -> str:
+    if model_path is None:
+        return "SmolLM2-135M-Instruct"
+    base = os.path.basename(os.path.normpath(model_path))
+    return base.rsplit(".gguf", 1)[0] if base.endswith(".gguf") else base
+
+
+def _run_event_loop(scheduler: Any, server_args: ServerArgs) -> None:
+    overlap = getattr(scheduler, "event_loop_overlap", None)
+    if overlap is not None and not server_args.disable_overlap_schedule:
+        overlap()
+    else:
+        scheduler.event_loop_normal()
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready: Connection) -> None:
+    """Entry point of the child: load, report ready (or the error), then run the event loop forever."""
+    import zmq
+
+    logging.basicConfig(level=server_args.log_level.upper(),
+                        format="[%(asctime)s scheduler] %(levelname)s %(name)s: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    context = zmq.Context()
+    requests = context.socket(zmq.PULL)
+    requests.connect(port_args.request_endpoint)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 0)
+    outputs.connect(port_args.output_endpoint)
+    try:
+        scheduler, info = build_scheduler(server_args, _ZmqSink(outputs))
+    except BaseException:
+        ready.send({"error": traceback.format_exc()})
+        raise
+    ready.send({"info": info})
+    threading.Thread(target=_forward_requests, args=(requests, scheduler.input_queue), daemon=True).start()
+    try:
+        _run_event_loop(scheduler, server_args)
+    except BaseException:
+        logger.exception("scheduler event loop crashed")
+        os._exit(1)
+
+
+def launch_scheduler_process(server_args: ServerArgs, port_args: PortArgs,
+                             timeout_s: float = 600.0) -> tuple[mp.Process, SchedulerInfo]:
+    """Spawns the child and waits until its model is loaded; raises with the child's traceback on failure."""
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer),
+                       name="radixserve-scheduler", daemon=True)
+    proc.start()
+    writer.close()
+    deadline = time.monotonic() + timeout_s
+    while not reader.poll(0.2):
+        if not proc.is_alive():
+            raise RuntimeError(f"scheduler process exited with code {proc.exitcode} before it was ready")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError(f"scheduler process not ready after {timeout_s:.0f} s")
+    try:
+        message = reader.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"scheduler process exited with code {proc.exitcode} before it was ready") from None
+    if "error" in message:
+        proc.join(5)
+        raise RuntimeError("scheduler process failed to start:\n" + message["error"])
+    return proc, message["info"]

@@ -1,0 +1,326 @@
+"""The HTTP process's side of the split: validates, assigns rids, talks to the scheduler over ZMQ, streams.
+
+One `TokenizerManager` per server, living on the server's asyncio loop. `generate()` sends one
+`TokenizedGenerateReqInput` and yields `GenerateOutput`s (text deltas from incremental
+detokenization) until the request ends. Leaving the generator early (client gone, task cancelled)
+sends `AbortReq`, which the scheduler handles at its next step. A watchdog probes the scheduler with
+`GetInternalStateReq`; if the process dies every request in flight fails with `SchedulerUnavailable`
+(HTTP 503), and if it stops answering `health()` reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from radixserve.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetInternalStateOut,
+    GetInternalStateReq,
+    TokenizedGenerateReqInput,
+)
+from radixserve.managers.scheduler_process import PortArgs, SchedulerInfo
+from radixserve.managers.text_stream import IncrementalDetokenizer
+from radixserve.managers.tokenizer_metrics import ServerMetrics
+from radixserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerUnavailable(Exception):
+    """The scheduler process is dead (or did not answer in time); HTTP 503."""
+
+
+def cache_namespace(api_key_id: str | None, cache_salt: str | None, extra_key: str | None) -> tuple | None:
+    """The structured `extra_key` of the radix key: a tuple of (kind, value) pairs, or None (shared).
+
+    NOTE: never concatenate strings here; ("salt", "a") and ("key", "a") differ, and no chosen string
+    can reach another tenant's ("api", id) component, which the server derives from the API key and
+    always puts first, so a client salt can only narrow its own namespace.
+    """
+    parts = []
+    if api_key_id is not None:
+        parts.append(("api", api_key_id))
+    if cache_salt is not None:
+        parts.append(("salt", cache_salt))
+    if extra_key is not None:
+        parts.append(("key", extra_key))
+    return tuple(parts) or None
+
+
+def api_key_id(key: str) -> str:
+    return hashlib.sha256(b"radixserve-namespace\0" + key.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """HTTP-side knobs that are not engine arguments."""
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    health_timeout_s: float = 30.0  # /health fails when the scheduler has been silent this long
+    heartbeat_interval_s: float = 1.0
+    control_timeout_s: float = 30.0  # flush_cache, get_server_info, health_generate
+
+
+@dataclass
+class GenerateReq:
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    extra_key: Any = None
+
+
+@dataclass
+class GenerateOutput:
+    rid: str
+    text_delta: str
+    token_ids: list[int]  # new token ids of this step
+    finish_reason: str | None  # "stop" | "length" | "abort" once finished
+    finish_message: str | None
+    finish_status: int | None  # an abort's HTTP-like status from the scheduler (400, 499, 500)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class _Step:
+    new_ids: list[int]
+    finished: dict[str, Any] | None
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class _ReqState:
+    rid: str
+    prompt_len: int
+    created: float = field(default_factory=time.monotonic)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_token_at: float | None = None
+    cached_tokens: int = 0
+    done: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, info: SchedulerInfo, port_args: PortArgs, process: Any = None,
+                 config: FrontendConfig | None = None) -> None:
+        self.info = info
+        self.tokenizer = info.tokenizer
+        self.config = config or FrontendConfig()
+        self.process = process
+        self.metrics = ServerMetrics(lambda: self.scheduler_state, lambda: self.health()[0])
+        self.scheduler_state: dict[str, Any] = {}
+        self._port_args = port_args
+        self._states: dict[str, _ReqState] = {}
+        self._flush_waiters: deque[asyncio.Future] = deque()
+        self._state_waiters: deque[asyncio.Future] = deque()
+        self._dead: str | None = None
+        self._last_alive = time.monotonic()
+        self._probe_pending = False
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._sync_ctx = zmq.Context()
+        self._send_sock = self._sync_ctx.socket(zmq.PUSH)
+        self._send_sock.setsockopt(zmq.LINGER, 0)
+        self._send_sock.bind(self._port_args.request_endpoint)
+        self._async_ctx = zmq.asyncio.Context()
+        self._recv_sock = self._async_ctx.socket(zmq.PULL)
+        self._recv_sock.setsockopt(zmq.LINGER, 0)
+        self._recv_sock.bind(self._port_args.output_endpoint)
+        self._last_alive = time.monotonic()
+        self._tasks = [asyncio.create_task(self._handle_loop()), asyncio.create_task(self._watchdog_loop())]
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._send_sock.close()
+        self._recv_sock.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._states)
+
+    def in_flight_rids(self) -> list[str]:
+        return list(self._states)
+
+    # ------------------------------------------------------------------------------ requests
+
+    async def generate(self, req: GenerateReq) -> AsyncIterator[GenerateOutput]:
+        """Yields the outputs of one request. Close it (aclosing) to abort the request early."""
+        self._ensure_alive()
+        rid = uuid.uuid4().hex
+        state = _ReqState(rid, len(req.input_ids))
+        # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
+        detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop)
+        self._states[rid] = state
+        try:
+            self._send(TokenizedGenerateReqInput(rid, list(req.input_ids), req.sampling_params, req.extra_key,
+                                                 stream=True))
+            while True:
+                step = await state.queue.get()
+                if isinstance(step, Exception):
+                    raise step
+                finished = step.finished
+                delta = detok.feed(step.new_ids) if finished is None else detok.finish(step.new_ids, finished)
+                yield GenerateOutput(
+                    rid=rid, text_delta=delta, token_ids=step.new_ids,
+                    finish_reason=None if finished is None else str(finished.get("type", "stop")),
+                    finish_message=None if finished is None else finished.get("message"),
+                    finish_status=None if finished is None else finished.get("status_code"),
+                    prompt_tokens=state.prompt_len, completion_tokens=step.completion_tokens,
+                    cached_tokens=step.cached_tokens)
+                if finished is not None:
+                    return
+        finally:
+            self._states.pop(rid, None)
+            if not state.done:
+                self._abort_state(state, count=True)
+
+    def _abort_state(self, state: _ReqState, count: bool) -> None:
+        state.done = True
+        if self._dead is None:
+            self._send(AbortReq(state.rid), quiet=True)
+        if count:
+            self._observe_finished(state, aborted=True)
+
+    # ------------------------------------------------------------------------------ control
+
+    async def flush_cache(self) -> FlushCacheOut:
+        return await self._control(FlushCacheReq(), self._flush_waiters)
+
+    async def get_internal_state(self, timeout_s: float | None = None) -> dict[str, Any]:
+        return await self._control(GetInternalStateReq(), self._state_waiters, timeout_s)
+
+    async def _control(self, msg: Any, waiters: deque, timeout_s: float | None = None) -> Any:
+        self._ensure_alive()
+        future = asyncio.get_running_loop().create_future()
+        waiters.append(future)
+        self._send(msg)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout_s or self.config.control_timeout_s)
+        except asyncio.TimeoutError:
+            raise SchedulerUnavailable(f"scheduler did not answer {type(msg).__name__} in time") from None
+
+    def health(self) -> tuple[bool, str]:
+        if self._dead is not None:
+            return False, self._dead
+        silent = time.monotonic() - self._last_alive
+        if silent > self.config.health_timeout_s:
+            return False, f"scheduler has not answered for {silent:.1f} s (stuck?)"
+        return True, "ok"
+
+    def _ensure_alive(self) -> None:
+        if self._dead is not None:
+            raise SchedulerUnavailable(self._dead)
+
+    def _send(self, msg: Any, quiet: bool = False) -> None:
+        try:
+            self._send_sock.send_pyobj(msg, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if not quiet:
+                raise SchedulerUnavailable(f"cannot reach the scheduler: {e}") from None
+
+    # ------------------------------------------------------------------------------ loops
+
+    async def _handle_loop(self) -> None:
+        while True:
+            out = await self._recv_sock.recv_pyobj()
+            self._last_alive = time.monotonic()
+            if isinstance(out, BatchTokenIDOut):
+                self._dispatch(out)
+            elif isinstance(out, GetInternalStateOut):
+                self.scheduler_state = out.state
+                _resolve_oldest(self._state_waiters, out.state)
+            elif isinstance(out, FlushCacheOut):
+                _resolve_oldest(self._flush_waiters, out)
+            else:
+                logger.warning("unexpected message from the scheduler: %r", type(out).__name__)
+
+    def _dispatch(self, out: BatchTokenIDOut) -> None:
+        now = time.monotonic()
+        for i, rid in enumerate(out.rids):
+            state = self._states.get(rid)
+            if state is None or state.done:
+                continue  # aborted here already; late outputs are dropped
+            new_ids = list(out.new_token_ids[i])
+            self._observe_step(state, len(new_ids), now)
+            state.cached_tokens = out.cached_tokens[i]
+            finished = out.finished_reasons[i]
+            state.queue.put_nowait(_Step(new_ids, finished, out.completion_tokens[i], out.cached_tokens[i]))
+            if finished is not None:
+                state.done = True
+                self._observe_finished(state, aborted=finished.get("type") == "abort")
+
+    def _observe_step(self, state: _ReqState, num_new: int, now: float) -> None:
+        if num_new == 0:
+            return
+        if state.last_token_at is None:
+            self.metrics.observe_first_token(now - state.created)
+            self.metrics.observe_tokens(num_new, None)
+        else:
+            self.metrics.observe_tokens(num_new, now - state.last_token_at)
+        state.last_token_at = now
+
+    def _observe_finished(self, state: _ReqState, aborted: bool) -> None:
+        self.metrics.observe_finished(state.prompt_len, state.cached_tokens, time.monotonic() - state.created,
+                                      aborted)
+
+    async def _watchdog_loop(self) -> None:
+        while self._dead is None:
+            await asyncio.sleep(min(0.2, self.config.heartbeat_interval_s))
+            if self.process is not None and not self.process.is_alive():
+                self._mark_dead(f"scheduler process exited with code {self.process.exitcode}")
+                return
+            quiet_for = time.monotonic() - self._last_alive
+            if not self._probe_pending and quiet_for >= self.config.heartbeat_interval_s:
+                asyncio.create_task(self._probe())
+
+    async def _probe(self) -> None:
+        self._probe_pending = True
+        try:
+            await self.get_internal_state(timeout_s=max(self.config.health_timeout_s * 4, 60.0))
+        except SchedulerUnavailable:
+            pass
+        finally:
+            self._probe_pending = False
+
+    def _mark_dead(self, reason: str) -> None:
+        logger.error("%s; failing %d request(s) in flight", reason, len(self._states))
+        self._dead = reason
+        error = SchedulerUnavailable(reason)
+        for state in list(self._states.values()):
+            if not state.done:
+                state.done = True
+                self._observe_finished(state, aborted=True)
+            state.queue.put_nowait(error)
+        for waiters in (self._flush_waiters, self._state_waiters):
+            while waiters:
+                future = waiters.popleft()
+                if not future.done():
+                    future.set_exception(error)
+
+
+def _resolve_oldest(waiters: deque, value: Any) -> None:
+    # NOTE: the scheduler answers control messages in the order it received them.
+    while waiters:
+        future = waiters.popleft()
+        if not future.done():
+            future.set_result(value)
+            return

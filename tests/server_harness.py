@@ -1,0 +1,162 @@
+"""Starting the real server (`python -m radixserve.launch_server`) on a free loopback port, for tests.
+
+Servers started with the same arguments are shared by every test module of the session (the
+embedded model loads once); `stop()` or interpreter exit ends them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 240.0
+_SHARED: dict[tuple[str, ...], ServerHandle] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    proc: subprocess.Popen
+    base_url: str
+    log_path: str
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers=self.headers, timeout=kwargs.pop("timeout", 60.0),
+                            **kwargs)
+
+    def get(self, path: str, **kwargs: Any) -> httpx.Response:
+        with self.client() as c:
+            return c.get(path, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        with self.client() as c:
+            return c.post(path, **kwargs)
+
+    def info(self) -> dict[str, Any]:
+        r = self.get("/get_server_info")
+        r.raise_for_status()
+        return r.json()
+
+    def scheduler_pid(self) -> int:
+        return int(self.info()["model"]["pid"])
+
+    def metrics(self) -> dict[str, float]:
+        text = self.get("/metrics").text
+        return {s.name + _labels(s.labels): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return Path(self.log_path).read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""
+
+
+def start_server(*args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> ServerHandle:
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="radixserve-server-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    env.setdefault("OMP_NUM_THREADS", "2")
+    # NOTE: the scheduler checks double frees and, when idle, raises on a conservation failure: a
+    # leak kills the scheduler process, so the tests see it as 503s rather than passing quietly.
+    env.setdefault("RADIXSERVE_DEBUG_ALLOC", "1")
+    env.setdefault("RADIXSERVE_STRICT_CHECKS", "1")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log.name, api_key)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log_tail()}")
+        try:
+            if httpx.get(handle.base_url + "/health", timeout=2).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    handle.stop()
+    raise TimeoutError(f"server not healthy after {START_TIMEOUT_S} s:\n{handle.log_tail()}")
+
+
+def shared_server(*args: str) -> ServerHandle:
+    key = tuple(args)
+    server = _SHARED.get(key)
+    if server is None or server.proc.poll() is not None:
+        server = _SHARED[key] = start_server(*args)
+    return server
+
+
+@atexit.register
+def _stop_shared() -> None:
+    for server in _SHARED.values():
+        server.stop()
+
+
+def wait_idle(server: ServerHandle, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Waits until no request is in flight or holds KV; returns the scheduler state then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = server.info()
+        state = info["scheduler_state"]
+        idle = (info["in_flight_requests"] == 0 and state["num_running_reqs"] == 0
+                and state["num_waiting_reqs"] == 0 and state["kv_accounting"]["idle"])
+        if idle:
+            return state
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout_s} s: {state}")
+        time.sleep(0.05)
+
+
+def assert_conservation(state: dict[str, Any]) -> None:
+    """free + evictable + protected + request-private == pool size, and no request row in use."""
+    acc = state["kv_accounting"]
+    assert acc["holds"], acc["error"]
+    terms = acc["available"] + acc["pending_free"] + acc["evictable"] + acc["protected"] + acc["request_private"]
+    assert terms == acc["size"] == state["max_total_num_tokens"], acc
+    assert acc["req_rows_in_use"] == 0, acc
+    assert acc["active_requests"] == 0 and acc["protected"] == 0, acc
+
+
+def check_idle_conservation(server: ServerHandle) -> dict[str, Any]:
+    state = wait_idle(server)
+    assert_conservation(state)
+    return state
+
+
+# The server the API and error tests share: small pool (1024) under a 2048 context, so both the
+# context check and the pool check can be hit, and a 256 KiB body limit.
+API_SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "1024", "--context-length", "2048",
+                   "--max-body-bytes", "262144")

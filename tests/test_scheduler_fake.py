@@ -1,0 +1,273 @@
+"""Fast scheduler tests on a fake model whose next token is a hash of the whole sequence READ FROM KV.
+
+The fake writes each input token id into its "KV" slot and computes the next token from the ids it
+reads back through the request's `req_to_token` row. So a request's outputs equal a plain reference
+loop exactly when every slot it reads is the right one: any row/slot mix-up (a freed slot reused,
+a wrong prefix, a lost chunk) changes the tokens. The real-model tests are in test_scheduler.py.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from radixserve.managers.io_struct import AbortReq, FlushCacheOut, FlushCacheReq, TokenizedGenerateReqInput
+from radixserve.managers.scheduler import Scheduler
+from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixserve.mem_cache.conservation import check_conservation
+from radixserve.mem_cache.memory_pool import ReqToTokenPool
+from radixserve.sampling_params import SamplingParams
+from radixserve.server_args import ServerArgs
+
+VOCAB = 101
+EOS = 0
+
+
+def next_token(seq: list[int]) -> int:
+    h = 0
+    for i, t in enumerate(seq):
+        h = (h * 31 + t * (i + 7)) % 1_000_003
+    return h % VOCAB
+
+
+def reference(prompt: list[int], params: SamplingParams) -> list[int]:
+    seq, out = list(prompt), []
+    while len(out) < params.max_new_tokens:
+        tok = next_token(seq)
+        out.append(tok)
+        seq.append(tok)
+        if tok in params.stop_token_ids or (not params.ignore_eos and tok == EOS):
+            break
+    return out
+
+
+class FakeRunner:
+    def __init__(self, pool_tokens: int, page_size: int = 1, max_running: int = 8, context_len: int = 512) -> None:
+        self.device = torch.device("cpu")
+        self.page_size = page_size
+        self.context_len = context_len
+        self.max_total_num_tokens = pool_tokens
+        self.max_running_requests = max_running
+        self.model_config = SimpleNamespace(vocab_size=VOCAB, eos_token_ids=(EOS,))
+        self.tokenizer = None
+        self.req_to_token_pool = ReqToTokenPool(max_running, context_len + 4)
+        self.token_to_kv_pool_allocator = (TokenToKVPoolAllocator(pool_tokens) if page_size == 1
+                                           else PagedTokenToKVPoolAllocator(pool_tokens, page_size))
+        self.kv = torch.full((pool_tokens + page_size,), -1, dtype=torch.int64)
+        self.forward_calls = 0
+
+    def forward(self, fb) -> torch.Tensor:
+        self.forward_calls += 1
+        self.kv[fb.out_cache_loc] = fb.input_ids
+        table = self.req_to_token_pool.req_to_token
+        logits = torch.zeros(fb.batch_size, VOCAB)
+        for i, (row, n) in enumerate(zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, strict=True)):
+            seq = self.kv[table[row, :n].long()].tolist()
+            logits[i, next_token(seq)] = 1.0
+        return logits
+
+    def sample(self, logits: torch.Tensor, info) -> torch.Tensor:
+        return logits.argmax(-1)
+
+
+class FakeScheduler(Scheduler):
+    def make_sampling_info(self, batch):
+        return None
+
+
+def make_scheduler(pool_tokens=256, page_size=1, max_running=8, chunk=-1, disable_cache=False,
+                   policy="lpm", max_prefill_tokens=16384, conservativeness=1.0):
+    args = ServerArgs(max_total_tokens=pool_tokens, page_size=page_size, chunked_prefill_size=chunk,
+                      disable_radix_cache=disable_cache, schedule_policy=policy,
+                      max_prefill_tokens=max_prefill_tokens, schedule_conservativeness=conservativeness)
+    outputs: dict[str, dict] = {}
+
+    def sink(out):
+        if isinstance(out, FlushCacheOut):
+            outputs["__flush__"] = out
+            return
+        for i, rid in enumerate(out.rids):
+            rec = outputs.setdefault(rid, {"ids": [], "finish": None})
+            rec["ids"].extend(out.new_token_ids[i])
+            rec["finish"] = out.finished_reasons[i]
+            rec["cached"] = out.cached_tokens[i]
+
+    sched = FakeScheduler(args, FakeRunner(pool_tokens, page_size, max_running), output_sink=sink)
+    return sched, outputs
+
+
+def conserve(sched: Scheduler) -> None:
+    check_conservation(sched.token_to_kv_pool_allocator, sched.tree_cache, sched.req_to_token_pool,
+                       sched.active_requests())
+
+
+def submit(sched, rid, prompt, **params):
+    sp = SamplingParams(**params)
+    sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, sp))
+    return sp
+
+
+def drain(sched, max_steps=20_000):
+    sched.run_until_idle(max_steps, on_step=lambda: conserve(sched))
+    conserve(sched)
+    assert sched.tree_cache.protected_size() == 0
+    assert sched.req_to_token_pool.available_size() == sched.req_to_token_pool.size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("disable_cache", [False, True])
+def test_fuzz_outputs_match_reference_under_pressure(page_size, disable_cache):
+    rng = random.Random(1000 + page_size + 10 * disable_cache)
+    # NOTE: a tiny decode reserve (conservativeness 0.05) over-admits, so decode runs out and retracts.
+    sched, outputs = make_scheduler(pool_tokens=192, page_size=page_size, max_running=6, chunk=16,
+                                    disable_cache=disable_cache, conservativeness=0.05)
+    bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(8, 60))] for _ in range(4)]
+    expected, aborted = {}, set()
+    for wave in range(6):
+        for i in range(25):
+            rid = f"w{wave}-{i}"
+            prompt = rng.choice(bases)[:rng.randrange(0, 40)] + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
+            sp = submit(sched, rid, prompt, max_new_tokens=rng.randrange(0, 24), ignore_eos=rng.random() < 0.5,
+                        stop_token_ids=[rng.randrange(1, VOCAB)] if rng.random() < 0.3 else [])
+            expected[rid] = reference(prompt, sp)
+        for _ in range(rng.randrange(1, 30)):
+            sched.run_step(block_when_idle=False)
+            conserve(sched)
+            if rng.random() < 0.3:
+                victim = f"w{wave}-{rng.randrange(25)}"
+                aborted.add(victim)
+                sched.input_queue.put(AbortReq(victim))
+    drain(sched)
+    assert set(outputs) == set(expected)
+    for rid, want in expected.items():
+        got = outputs[rid]
+        if got["finish"]["type"] == "abort":
+            assert rid in aborted and got["ids"] == want[:len(got["ids"])], rid
+        else:
+            assert got["ids"] == want, rid
+    assert sched.stats.num_retractions > 0 and sched.stats.evicted_tokens > (0 if not disable_cache else -1)
+    if not disable_cache:
+        assert sched.stats.cached_tokens > 0
+
+
+def test_in_batch_dedup_computes_a_shared_prefix_once():
+    sched, outputs = make_scheduler(pool_tokens=2048, max_running=16)
+    prefix = list(range(1, 81))
+    for i in range(8):
+        submit(sched, f"r{i}", prefix + [90 + i], max_new_tokens=2, ignore_eos=True)
+    drain(sched)
+    # first batch: r0 alone computes the 80-token prefix; the rest wait a round and hit it
+    assert sched.stats.prefill_tokens_computed == 81 + 7 * 1
+    assert [outputs[f"r{i}"]["cached"] for i in range(8)] == [0] + [80] * 7
+
+
+def test_reject_never_blocks_the_queue():
+    sched, outputs = make_scheduler(pool_tokens=64, max_running=4)
+    submit(sched, "huge", list(range(1, 70)), max_new_tokens=4)
+    submit(sched, "ok", [1, 2, 3], max_new_tokens=4, ignore_eos=True)
+    drain(sched)
+    assert outputs["huge"]["finish"]["type"] == "abort" and "KV pool holds 64" in outputs["huge"]["finish"]["message"]
+    assert outputs["ok"]["finish"]["type"] == "length" and len(outputs["ok"]["ids"]) == 4
+
+
+def test_lone_request_outgrowing_the_pool_is_aborted_with_numbers():
+    sched, outputs = make_scheduler(pool_tokens=32, max_running=4)
+    submit(sched, "big", [5] * 20, max_new_tokens=100, ignore_eos=True)
+    drain(sched)
+    finish = outputs["big"]["finish"]
+    assert finish["type"] == "abort" and "out of memory" in finish["message"] and "32" in finish["message"]
+    assert 0 < len(outputs["big"]["ids"]) < 100
+
+
+def test_flush_refused_while_running_then_done():
+    sched, outputs = make_scheduler(pool_tokens=256)
+    submit(sched, "a", list(range(1, 30)), max_new_tokens=8, ignore_eos=True)
+    sched.run_step(block_when_idle=False)
+    sched.input_queue.put(FlushCacheReq())
+    sched.run_step(block_when_idle=False)
+    assert outputs["__flush__"].success is False
+    drain(sched)
+    sched.input_queue.put(FlushCacheReq())
+    sched.run_step(block_when_idle=False)
+    assert outputs["__flush__"].success and outputs["__flush__"].tokens_freed > 0
+    assert sched.tree_cache.total_size() == 0
+    conserve(sched)
+
+
+def _prefix_in_tree(sched, prefix, rid="warm"):
+    submit(sched, rid, prefix, max_new_tokens=1, ignore_eos=True)
+    drain(sched)
+
+
+def test_abort_at_every_stage_releases_exactly_what_was_held():
+    sched, outputs = make_scheduler(pool_tokens=256, chunk=16)
+    prefix = list(range(1, 41))
+    _prefix_in_tree(sched, prefix)
+    # waiting: aborted before any step
+    submit(sched, "waiting", prefix + [50], max_new_tokens=4, ignore_eos=True)
+    sched.input_queue.put(AbortReq("waiting"))
+    # admitted, locks held, KV allocated: abort lands between scheduling and the forward
+    submit(sched, "admitted", prefix + [51], max_new_tokens=4, ignore_eos=True)
+    sched.process_input_requests(sched.recv_requests())
+    assert "waiting" in outputs and outputs["waiting"]["finish"]["type"] == "abort"
+    batch = sched.get_next_batch_to_run()
+    assert [r.rid for r in batch.reqs] == ["admitted"] and sched.tree_cache.protected_size() == 40
+    sched.abort_request("admitted")
+    sched.process_batch_result(batch, sched.run_batch(batch))
+    sched.last_batch = batch
+    assert outputs["admitted"] == {"ids": [], "finish": outputs["admitted"]["finish"], "cached": 40}
+    assert sched.tree_cache.protected_size() == 0
+    conserve(sched)
+    # mid-chunk: a 60-token prompt in chunks of 16, aborted after its first chunk
+    submit(sched, "chunked", [7] * 60, max_new_tokens=4, ignore_eos=True)
+    sched.run_step(block_when_idle=False)
+    assert sched.chunked_req is not None and sched.chunked_req.rid == "chunked"
+    sched.input_queue.put(AbortReq("chunked"))
+    sched.run_step(block_when_idle=False)
+    assert sched.chunked_req is None and outputs["chunked"]["finish"]["type"] == "abort"
+    conserve(sched)
+    # decoding
+    submit(sched, "decoding", prefix + [52], max_new_tokens=50, ignore_eos=True)
+    for _ in range(4):
+        sched.run_step(block_when_idle=False)
+    sched.input_queue.put(AbortReq("decoding"))
+    sched.run_step(block_when_idle=False)
+    assert outputs["decoding"]["finish"]["type"] == "abort" and 0 < len(outputs["decoding"]["ids"]) < 50
+    # finished, then aborted (not yet read by anyone): a no-op
+    submit(sched, "done", prefix + [53], max_new_tokens=2, ignore_eos=True)
+    drain(sched)
+    sched.input_queue.put(AbortReq("done"))
+    sched.input_queue.put(AbortReq("never-existed"))
+    drain(sched)
+    assert outputs["done"]["finish"]["type"] == "length"
+    assert sched.stats.num_aborts == 4
+    assert sched.tree_cache.evictable_size() + sched.token_to_kv_pool_allocator.available_size() == 256
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "dfs-weight", "lpm"])
+def test_policies_give_reference_outputs(policy):
+    rng = random.Random(7)
+    sched, outputs = make_scheduler(pool_tokens=512, policy=policy, chunk=32)
+    bases = [[rng.randrange(1, VOCAB) for _ in range(40)] for _ in range(3)]
+    expected = {}
+    for i in range(30):
+        prompt = bases[i % 3][:rng.randrange(10, 40)] + [rng.randrange(1, VOCAB)]
+        expected[f"r{i}"] = reference(prompt, submit(sched, f"r{i}", prompt, max_new_tokens=5, ignore_eos=True))
+    drain(sched)
+    assert {rid: outputs[rid]["ids"] for rid in expected} == expected
+    assert sched.stats.cached_tokens > (0 if policy != "fcfs" else -1)
+
+
+def test_forced_eviction_counts_and_keeps_outputs_right():
+    sched, outputs = make_scheduler(pool_tokens=64, max_running=2)
+    expected = {}
+    for i in range(12):
+        prompt = [i + 1] * 30
+        expected[f"r{i}"] = reference(prompt, submit(sched, f"r{i}", prompt, max_new_tokens=3, ignore_eos=True))
+        drain(sched)
+    assert {rid: outputs[rid]["ids"] for rid in expected} == expected
+    # each finished request leaves ~32 tokens in the tree; a 64-token pool must evict to admit the next
+    assert sched.stats.evicted_tokens >= 30 * 10

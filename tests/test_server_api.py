@@ -1,0 +1,284 @@
+"""The real server (scheduler process + embedded SmolLM2) through the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from server_harness import API_SERVER_ARGS, ServerHandle, check_idle_conservation, shared_server
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerHandle:
+    return shared_server(*API_SERVER_ARGS)
+
+
+@pytest.fixture(autouse=True)
+def _conservation_after_each_test(server: ServerHandle):
+    yield
+    check_idle_conservation(server)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerHandle) -> OpenAI:
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client: OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _unique_text(words: int = 40) -> str:
+    """A prompt no other test sent (so its first run cannot hit the cache)."""
+    return f"Note {uuid.uuid4().hex}: " + " ".join(["the river flows past the old mill"] * (words // 7 + 1))
+
+
+def test_models_lists_the_served_model_with_its_effective_context(server: ServerHandle, client: OpenAI) -> None:
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id == "SmolLM2-135M-Instruct"
+    raw = server.get("/v1/models").json()["data"][0]
+    assert raw["max_model_len"] == 1024  # min(context 2048, pool 1024)
+
+
+def test_chat_sync_stream_and_non_stream_agree_and_report_usage(client: OpenAI, model_name: str) -> None:
+    full = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0)
+    choice = full.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = full.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+    stream = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+    final = chunks[-1]
+    assert final.choices == [] and final.usage is not None
+    assert final.usage.completion_tokens == usage.completion_tokens
+    # NOTE: the same prompt again: all but the last prompt token come from the radix cache.
+    assert final.usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+
+def test_streaming_without_include_usage_has_no_usage_chunk(client: OpenAI, model_name: str) -> None:
+    chunks = list(client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=4,
+                                                 temperature=0, stream=True))
+    assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
+def test_completions_async_batch_of_prompts_with_n_and_seed(client: OpenAI, server: ServerHandle,
+                                                            model_name: str) -> None:
+    async def run() -> tuple:
+        aclient = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        prompts = ["The sky is", "My favourite fruit is"]
+        full = await aclient.completions.create(model=model_name, prompt=prompts, n=2, max_tokens=6,
+                                                temperature=0.8, seed=7)
+        again = await aclient.completions.create(model=model_name, prompt=prompts, n=2, max_tokens=6,
+                                                 temperature=0.8, seed=7, stream=True,
+                                                 stream_options={"include_usage": True})
+        texts = ["", "", "", ""]
+        usage = None
+        async for chunk in again:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+            usage = chunk.usage or usage
+        await aclient.close()
+        return full, texts, usage
+
+    full, streamed, usage = asyncio.run(run())
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    assert [c.text for c in full.choices] == streamed  # a seed makes sampling reproducible
+    assert all(c.finish_reason == "length" for c in full.choices)
+    assert full.usage.completion_tokens == 4 * 6 == usage.completion_tokens
+    lengths = [len(server.post("/tokenize", json={"prompt": p}).json()["tokens"])
+               for p in ["The sky is", "My favourite fruit is"]]
+    assert full.usage.prompt_tokens == usage.prompt_tokens == sum(lengths)
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_accept_token_ids_and_match_text_prompt(client: OpenAI, server: ServerHandle,
+                                                            model_name: str) -> None:
+    native = server.post("/generate", json={"text": "The capital of Italy is",
+                                            "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    text = client.completions.create(model=model_name, prompt="The capital of Italy is", max_tokens=8,
+                                     temperature=0).choices[0].text
+    assert text == native["text"]
+    prompt_ids = _tokenize(server, "The capital of Italy is")
+    by_ids = client.completions.create(model=model_name, prompt=prompt_ids, max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == text
+    assert by_ids.usage.prompt_tokens == len(prompt_ids) == native["meta_info"]["prompt_tokens"]
+
+
+def _tokenize(server: ServerHandle, text: str) -> list[int]:
+    r = server.post("/tokenize", json={"prompt": text})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 1024
+    assert server.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"] == text
+    return body["tokens"]
+
+
+def test_cached_tokens_on_repeated_prefix_and_zero_under_another_salt(client: OpenAI, model_name: str) -> None:
+    prompt = _unique_text()
+    salt_a, salt_b = uuid.uuid4().hex, uuid.uuid4().hex
+
+    def cached(**extra: str) -> int:
+        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body=extra or None)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt=salt_a) == 0
+    assert cached(cache_salt=salt_a) > 0  # positive control: same salt, same prompt
+    assert cached(cache_salt=salt_b) == 0  # another salt never shares KV
+    assert cached() == 0  # nor does the unsalted namespace
+    assert cached(extra_key=salt_a) == 0  # ("key", s) is not ("salt", s)
+    assert cached(cache_salt=salt_a, extra_key="x") == 0  # a salt plus a key is a narrower namespace
+    assert cached() > 0
+
+
+def test_native_generate_text_ids_stream_and_meta_info(server: ServerHandle) -> None:
+    body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    first = server.post("/generate", json=body).json()
+    assert len(first["output_ids"]) == 6 and first["meta_info"]["completion_tokens"] == 6
+    assert first["meta_info"]["finish_reason"] == {"type": "length"}
+    meta = server.post("/generate", json=body).json()["meta_info"]
+    assert meta["cached_tokens"] == meta["prompt_tokens"] - 1
+    with server.client() as c, c.stream("POST", "/generate", json=body | {"stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["text"] == first["text"] and last["output_ids"] == first["output_ids"]
+    batch = server.post("/generate", json={"input_ids": [first["output_ids"], [1, 2, 3]],
+                                           "sampling_params": {"max_new_tokens": 2}}).json()
+    assert isinstance(batch, list) and len(batch) == 2
+
+
+def test_max_tokens_unset_means_the_rest_of_the_context(server: ServerHandle) -> None:
+    limit = server.info()["model"]["effective_max_context"]
+    ids = [28120 + i % 50 for i in range(limit - 5)]
+    r = server.post("/v1/completions", json={"prompt": ids, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 5
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_cuts_the_text_and_finishes_with_stop(client: OpenAI, model_name: str) -> None:
+    base = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0)
+    text = base.choices[0].message.content
+    word = "Paris"
+    assert word in text
+    cut = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
+                                         stop=[word])
+    assert cut.choices[0].message.content == text[:text.index(word)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
+                                              stop=[word], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == text[:text.index(word)]
+
+
+def test_health_health_generate_and_server_info(server: ServerHandle) -> None:
+    assert server.get("/health").json() == {"status": "ok"}
+    r = server.get("/health_generate")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    info = server.info()
+    assert info["scheduler_alive"] is True
+    model = info["model"]
+    assert model["max_total_num_tokens"] == 1024 and model["context_len"] == 2048
+    assert model["page_size"] == 1 and model["dtype"] == "float32" and model["vocab_size"] > 0
+    assert info["server_args"]["api_key"] is None
+    state = info["scheduler_state"]
+    for key in ("num_retractions", "evicted_tokens", "cached_tokens", "prompt_tokens", "kv_accounting"):
+        assert key in state
+
+
+def test_flush_cache_409_while_running_then_200_with_tokens_freed(server: ServerHandle, client: OpenAI,
+                                                                  model_name: str) -> None:
+    prompt = _unique_text()
+    client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    body = {"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()  # NOTE: keep it; a dropped iterator closes the connection (an abort)
+        next(lines)  # the request is running now
+        busy = server.post("/flush_cache")
+        assert busy.status_code == 409
+        err = busy.json()
+        assert err["error"]["code"] == "requests_running" and err["in_flight_requests"] >= 1
+    check_idle_conservation(server)
+    done = server.post("/flush_cache")
+    assert done.status_code == 200, done.text
+    assert done.json()["success"] is True and done.json()["tokens_freed"] > 0
+    cold = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0  # the flush really emptied the tree
+
+
+def test_metrics_names_and_counts_add_up(server: ServerHandle, client: OpenAI, model_name: str) -> None:
+    before = server.metrics()
+    r = client.completions.create(model=model_name, prompt=_unique_text(), max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    again = client.completions.create(model=model_name, prompt=_unique_text(), max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    check_idle_conservation(server)
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("radixserve:prompt_tokens_total") == r.usage.prompt_tokens + again.usage.prompt_tokens
+    assert delta("radixserve:generation_tokens_total") == 5 + 3
+    assert delta("radixserve:cached_tokens_total") == (r.usage.prompt_tokens_details.cached_tokens
+                                                       + again.usage.prompt_tokens_details.cached_tokens)
+    assert delta("radixserve:num_requests_total") == 2
+    assert delta("radixserve:num_aborted_requests_total") == 0
+    assert delta("radixserve:time_to_first_token_seconds_count") == 2
+    assert delta("radixserve:e2e_request_latency_seconds_count") == 2
+    assert delta("radixserve:inter_token_latency_seconds_count") == 4 + 2
+    for name in ("radixserve:evicted_tokens_total", "radixserve:num_retractions_total",
+                 "radixserve:num_running_reqs", "radixserve:num_queue_reqs", "radixserve:token_usage"):
+        assert name in after
+    assert after["radixserve:scheduler_up"] == 1.0
+
+
+def test_raw_httpx_chat_has_the_openai_shape(server: ServerHandle) -> None:
+    r = httpx.post(server.base_url + "/v1/chat/completions",
+                   json={"messages": QUESTION, "max_tokens": 3, "temperature": 0}, timeout=60)
+    body = r.json()
+    assert r.status_code == 200
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
+    assert isinstance(body["usage"]["prompt_tokens_details"]["cached_tokens"], int)
+
+
+def test_bench_http_backend_replays_the_workloads_through_the_openai_api(server: ServerHandle) -> None:
+    from radixserve.bench.http_backend import HttpBackend
+    from radixserve.bench.runner import run_workload
+    from radixserve.bench.workloads import build_workloads
+
+    backend = HttpBackend(server.base_url, "on")
+    w1, w3 = build_workloads(backend.tokenizer, ["w1", "w3"], scale=0.1)
+    try:
+        backend.flush_cache()
+        res = run_workload(backend, w1)
+        assert len(res.records) == 3 and res.completion_tokens == 3 * w1.max_new_tokens
+        assert all(0 < r.ttft <= r.e2e for r in res.records)
+        assert res.cached_tokens > 0  # the shared prefix is reused
+        # NOTE: the server's own counter of computed prefill tokens matches what usage reported.
+        assert res.prefill_computed == res.prompt_tokens - res.cached_tokens
+        conv = run_workload(backend, w3)
+        assert len(conv.records) == 8
+        later_turns = [r for i, r in enumerate(conv.records) if i % 4 > 0]
+        assert all(r.cached_tokens > 0 for r in later_turns)  # each turn reuses the previous ones
+    finally:
+        backend.close()
