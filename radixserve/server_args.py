@@ -9,7 +9,7 @@ from typing import Any
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
-EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
