@@ -49,7 +49,10 @@ def _conserve(sched: Scheduler) -> None:
                        sched.active_requests())
 
 
-def _run_big_after_evictable(loaded, overlap: bool, big_len: int) -> tuple[dict[str, list[int]], Scheduler]:
+def _run_big_after_evictable(loaded, overlap: bool, big_len: int,
+                             early_steps: int | None) -> tuple[dict[str, list[int]], Scheduler]:
+    """Five requests sharing a head, then a `big_len` prompt: after they finished (`early_steps=None`)
+    or after `early_steps` steps, while they still run and hold their KV."""
     args = ServerArgs(dtype="float32", device="cpu", disable_overlap_schedule=not overlap, max_total_tokens=POOL)
     outputs: dict[str, list[int]] = {}
 
@@ -66,10 +69,17 @@ def _run_big_after_evictable(loaded, overlap: bool, big_len: int) -> tuple[dict[
         sched.input_queue.put(TokenizedGenerateReqInput(f"early{i}", prompt,
                                                         SamplingParams(max_new_tokens=6, temperature=0.0,
                                                                        ignore_eos=True)))
-    run(5_000, on_step=lambda: _conserve(sched))
-    evictable = sched.tree_cache.evictable_size()
-    free = sched.token_to_kv_pool_allocator.available_size()
-    assert free + evictable == sched.max_total_num_tokens and free < big_len <= free + evictable
+    if early_steps is None:
+        run(5_000, on_step=lambda: _conserve(sched))
+        evictable = sched.tree_cache.evictable_size()
+        free = sched.token_to_kv_pool_allocator.available_size()
+        assert free + evictable == sched.max_total_num_tokens and free < big_len <= free + evictable
+    else:
+        step = sched.run_step_overlap if overlap else sched.run_step
+        for _ in range(early_steps):
+            step(block_when_idle=False)
+            _conserve(sched)
+        assert sched.active_requests(), "the early requests should still be running"
     big = _tokens(rng, big_len)
     sched.input_queue.put(TokenizedGenerateReqInput("big", big, SamplingParams(max_new_tokens=3, temperature=0.0,
                                                                                  ignore_eos=True)))
@@ -81,10 +91,11 @@ def _run_big_after_evictable(loaded, overlap: bool, big_len: int) -> tuple[dict[
     return outputs, sched
 
 
-@pytest.mark.parametrize("big_len", [POOL - 5])
-def test_near_pool_prompt_evicts_earlier_kv_in_both_loops(loaded, big_len):
-    normal, _ = _run_big_after_evictable(loaded, overlap=False, big_len=big_len)
-    overlapped, sched = _run_big_after_evictable(loaded, overlap=True, big_len=big_len)
+@pytest.mark.parametrize("early_steps", [None, 3], ids=["after-idle", "while-running"])
+def test_near_pool_prompt_evicts_earlier_kv_in_both_loops(loaded, early_steps):
+    big_len = POOL - 5
+    normal, _ = _run_big_after_evictable(loaded, overlap=False, big_len=big_len, early_steps=early_steps)
+    overlapped, sched = _run_big_after_evictable(loaded, overlap=True, big_len=big_len, early_steps=early_steps)
     assert set(normal) == set(overlapped) == {f"early{i}" for i in range(5)} | {"big"}
     assert len(normal["big"]) == 3
     assert overlapped == normal
