@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from radixserve.bench.docs import cpu_name, write_doc_section
 from radixserve.layers.attention import create_attention_backend
 from radixserve.model_executor.direct_driver import DirectDriver, DirectRequest
 from radixserve.model_executor.model_runner import ModelRunner
@@ -218,7 +218,7 @@ def render(rows: list[Row], args: argparse.Namespace, load: tuple[float, float],
         "",
         f"Model: {'embedded SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)' if args.model_path is None else args.model_path}"
         f"; dtype {args.dtype}; both engines run the same weights. Machine: {os.cpu_count()} CPUs "
-        f"({_cpu_name()}), torch {torch.__version__}, transformers {_transformers_version()}. "
+        f"({cpu_name()}), torch {torch.__version__}, transformers {_transformers_version()}. "
         f"Load average {load[0]:.1f} at start, {load[1]:.1f} at end: the machine is shared, so rounds "
         "alternate between the engines and the table shows the median round. Decode contexts hold random K/V.",
         "",
@@ -238,14 +238,7 @@ def render(rows: list[Row], args: argparse.Namespace, load: tuple[float, float],
 
 
 def write_docs(section: str) -> None:
-    DOCS.parent.mkdir(exist_ok=True)
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    block = f"{BEGIN}\n{section}\n{END}"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    DOCS.write_text(text)
+    write_doc_section(DOCS, BEGIN, END, section)
 
 
 def plot(rows: list[Row]) -> None:
@@ -273,14 +266,6 @@ def plot(rows: list[Row]) -> None:
 def _short_label(row: Row) -> str:
     workload = row[0].split(" ctx=")[0].replace("decode ", "decode\n")
     return f"{workload}\n{row[1]} thread(s)"
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def _transformers_version() -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from radixserve.bench import report
+from radixserve.bench.docs import write_doc_section
 from radixserve.bench.http_backend import HttpBackend, load_tokenizer
 from radixserve.bench.runner import WorkloadResult, run_workload
 from radixserve.bench.workloads import build_workloads
@@ -100,14 +101,7 @@ def run_all(server_args: list[str], workloads: list, tokenizer: object,
 
 
 def write_section(path: Path, body: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION_START}\n{body.strip()}\n{SECTION_END}"
-    if SECTION_START in text and SECTION_END in text:
-        before, rest = text.split(SECTION_START, 1)
-        text = before + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
+    write_doc_section(path, SECTION_START, SECTION_END, body)
 
 
 def main() -> None:

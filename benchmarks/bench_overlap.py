@@ -28,7 +28,6 @@ import logging
 import os
 import platform
 import random
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from radixserve.bench.docs import cpu_name, write_doc_section  # noqa: E402
 from radixserve.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from radixserve.managers.scheduler import Scheduler  # noqa: E402
 from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -213,23 +213,11 @@ def plot(results: dict[tuple[str, bool], RunResult], path: Path) -> None:
 
 
 def write_docs(section: str, doc: Path) -> None:
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{DOC_START}\n{section.strip()}\n{DOC_END}"
-    if DOC_START in text:
-        text = re.sub(re.escape(DOC_START) + ".*?" + re.escape(DOC_END), lambda _m: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+    write_doc_section(doc, DOC_START, DOC_END, section)
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        found = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-        cpu = found.group(1).strip() if found else cpu
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
+    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ import importlib.abc
 import importlib.machinery
 import platform
 import random
-import re
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from radixserve.bench.docs import cpu_name, write_doc_section  # noqa: E402
 from radixserve.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 VOCAB = 32000
@@ -376,13 +376,7 @@ def _binned_medians(xs: list[int], ys: list[float], width: int) -> tuple[list[fl
 
 
 def write_docs(section: str, doc: Path) -> None:
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    block = f"{DOC_START}\n{section.strip()}\n{DOC_END}"
-    if DOC_START in text:
-        text = re.sub(re.escape(DOC_START) + ".*?" + re.escape(DOC_END), lambda _m: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    doc.write_text(text)
+    write_doc_section(doc, DOC_START, DOC_END, section)
 
 
 def main() -> None:
@@ -409,7 +403,7 @@ def main() -> None:
 
     versions = (f"Python {platform.python_version()}, torch {torch.__version__}"
                 + (f", SGLang {sglang_version} (pure-Python RadixCache)" if sglang_version else ""))
-    machine = f"{platform.machine()}, {platform.processor() or 'cpu'}, {_cpu_name()}"
+    machine = f"{platform.machine()}, {platform.processor() or 'cpu'}, {cpu_name()}"
     command = "python benchmarks/bench_radix.py " + " ".join(sys.argv[1:])
     prompt_tokens = sum(len(r.prompt) for r in trace)
     section = "\n\n".join([
@@ -437,15 +431,6 @@ def main() -> None:
         plot(results, evictions, ROOT / "docs" / "bench_radix.png")
         write_docs(section, ROOT / "docs" / "benchmarks.md")
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import platform
-import re
 from pathlib import Path
 
+from radixserve.bench.docs import cpu_name, write_doc_section
 from radixserve.bench.runner import WorkloadResult
 
 SECTION_START = "<!-- radixserve-bench:start -->"
@@ -96,13 +96,7 @@ def machine_line() -> str:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        match = re.search(r"model name\s*:\s*(.+)", text)
-        cpu = match.group(1).strip() if match else cpu
-    except OSError:
-        pass
+    cpu = cpu_name()
     import os
 
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -113,17 +107,7 @@ def machine_line() -> str:
 
 def write_section(path: str | Path, body: str) -> None:
     """Replace our section of `path` (between the markers), or append it."""
-    path = Path(path)
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION_START}\n{body.strip()}\n{SECTION_END}"
-    if SECTION_START in text and SECTION_END in text:
-        before, rest = text.split(SECTION_START, 1)
-        after = rest.split(SECTION_END, 1)[1]
-        text = before + section + after
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    write_doc_section(path, SECTION_START, SECTION_END, body)
 
 
 def plot(results: dict[tuple[str, str], WorkloadResult], path: str | Path) -> None:
