@@ -90,6 +90,10 @@ class PagedTokenToKVPoolAllocator:
         pages = self._pages_of(free_index)
         if self.debug:
             self._page_is_free[pages.cpu()] = True
+        self._release_pages(pages)
+
+    def _release_pages(self, pages: torch.Tensor) -> None:
+        # NOTE: freed pages go to the head, so paged reuse is LIFO, as in SGLang.
         self.free_pages = torch.cat([pages, self.free_pages])
 
     def _pages_of(self, slots: torch.Tensor) -> torch.Tensor:
@@ -188,18 +192,8 @@ class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def alloc(self, need_size: int) -> torch.Tensor | None:
         return self._take_pages(need_size)
 
-    def free(self, free_index: torch.Tensor) -> None:
-        if free_index.numel() == 0:
-            return
-        free_index = free_index.to(device=self.device, dtype=torch.int64)
-        if self.debug:
-            self._check_free(free_index)
-        if not self.is_not_in_free_group:
-            self.free_group.append(free_index)
-            return
-        if self.debug:
-            self._page_is_free[free_index.cpu()] = True
-        self.free_pages = torch.cat([self.free_pages, free_index])
+    def _release_pages(self, pages: torch.Tensor) -> None:
+        self.free_pages = torch.cat([self.free_pages, pages])
 
 
 def _ceil_div(a: int, b: int) -> int:
