@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 
 import pytest
-import torch
 
 from radixserve.entrypoints import cli
 from radixserve.server_args import ServerArgs
@@ -33,22 +32,12 @@ def test_every_option_of_every_subcommand_documents_its_default():
     assert "--max-total-tokens" in text and "40960" in text  # the bench's own default, stated
 
 
-@pytest.fixture(scope="module")
-def loaded_once():
-    from radixserve.models.loader import load_model
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(None, torch.float32, "cpu")
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture
-def fast_load(monkeypatch, loaded_once):
+def fast_load(monkeypatch, loaded):
     """Every Engine the CLI builds reuses one loaded model."""
     import radixserve.models.loader as loader
 
-    monkeypatch.setattr(loader, "load_model", lambda *a, **k: loaded_once)
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: loaded)
 
 
 def test_generate_raw_and_chat_template(fast_load, capsys):

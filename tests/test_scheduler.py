@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from radixserve.managers.scheduler import Scheduler
@@ -20,18 +19,6 @@ from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    from radixserve.models.loader import load_model
-
-    # NOTE: one intra-op thread: on a shared 2-core machine, OpenMP threads of several processes
-    # spinning at barriers make small forwards ~6x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(None, torch.float32, "cpu")
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.managers.scheduler import Scheduler
@@ -22,17 +21,6 @@ from radixserve.server_args import ServerArgs
 pytestmark = pytest.mark.slow
 
 POOL = 1024
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    from radixserve.models.loader import load_model
-
-    # NOTE: one intra-op thread: OpenMP spin-waits on a shared 2-core machine (see test_scheduler.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_model(None, torch.float32, "cpu")
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
