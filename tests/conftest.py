@@ -1,7 +1,6 @@
 """Shared test setup: double-free detection on for every test; the embedded model, loaded once per module."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
@@ -12,6 +11,8 @@ def _debug_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def loaded():
     """The embedded SmolLM2 in float32 on the CPU, with one intra-op thread while the module runs."""
+    import torch
+
     from radixserve.models.loader import load_model
 
     # NOTE: one intra-op thread: on a shared 2-core machine, OpenMP threads of several processes
