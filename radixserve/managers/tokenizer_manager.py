@@ -39,6 +39,8 @@ from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_SEND_TIMEOUT_MS = 2000
+
 
 class SchedulerUnavailable(Exception):
     """The scheduler process is dead (or did not answer in time); HTTP 503."""
@@ -138,6 +140,9 @@ class TokenizerManager:
         self._sync_ctx = zmq.Context()
         self._send_sock = self._sync_ctx.socket(zmq.PUSH)
         self._send_sock.setsockopt(zmq.LINGER, 0)
+        # NOTE: a PUSH socket with no connected peer refuses a send at once (EAGAIN); the scheduler's
+        # ipc connection can be (re)establishing for a moment, so a send may wait that long, no longer.
+        self._send_sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
         self._send_sock.bind(self._port_args.request_endpoint)
         self._async_ctx = zmq.asyncio.Context()
         self._recv_sock = self._async_ctx.socket(zmq.PULL)
@@ -232,7 +237,7 @@ class TokenizerManager:
 
     def _send(self, msg: Any, quiet: bool = False) -> None:
         try:
-            self._send_sock.send_pyobj(msg, flags=zmq.NOBLOCK)
+            self._send_sock.send_pyobj(msg)
         except zmq.ZMQError as e:
             if not quiet:
                 raise SchedulerUnavailable(f"cannot reach the scheduler: {e}") from None
