@@ -35,6 +35,8 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "no prefix reuse; every request computes its whole prompt")
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
     attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
+    disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
+    torch_threads: int | None = _opt(None, "torch intra-op threads for the forward; default: torch's own choice")
     random_seed: int | None = _opt(None, "seed for sampling of requests without their own seed")
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
@@ -55,6 +57,8 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
 
     @property
     def api_keys(self) -> list[str]:

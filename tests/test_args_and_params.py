@@ -25,6 +25,8 @@ def test_server_args_reject_bad_sizes_and_unknown_keywords():
         ServerArgs(page_size=0)
     with pytest.raises(ValueError):
         ServerArgs(chunked_prefill_size=0)
+    with pytest.raises(ValueError, match="torch_threads"):
+        ServerArgs(torch_threads=0)
     with pytest.raises(TypeError, match="unknown server argument"):
         ServerArgs.from_kwargs(max_total_token=10)
 
@@ -32,9 +34,11 @@ def test_server_args_reject_bad_sizes_and_unknown_keywords():
 def test_cli_flags_round_trip_and_document_defaults():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--page-size", "4", "--disable-radix-cache", "--max-total-tokens", "512"])
+    ns = parser.parse_args(["--page-size", "4", "--disable-radix-cache", "--max-total-tokens", "512",
+                            "--torch-threads", "1"])
     args = ServerArgs.from_cli_args(ns)
     assert (args.page_size, args.disable_radix_cache, args.max_total_tokens) == (4, True, 512)
+    assert args.torch_threads == 1
     assert "(default: lpm)" in parser.format_help()
 
 

@@ -101,3 +101,15 @@ def test_idle_forward_and_sample(tiny):
 def test_pool_too_small(tiny):
     with pytest.raises(ValueError, match="raise --max-total-tokens"):
         _runner(tiny, mem_fraction_static=1e-12)
+
+
+def test_torch_threads_is_applied_only_when_asked(tiny):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _runner(tiny, max_total_tokens=64)
+        assert torch.get_num_threads() == 2
+        _runner(tiny, max_total_tokens=64, torch_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -33,9 +33,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="shrink every workload length and count by this factor, for a smoke run "
                              "(default: %(default)s)")
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="intra-op threads of this process; on a shared machine 1 can be faster "
-                             "(default: torch's own choice)")
     parser.add_argument("--backend", choices=("engine", "http"), default="engine",
                         help="engine: in-process Engine per mode; http: a running server at --base-url "
                              "(default: %(default)s)")
@@ -115,10 +112,6 @@ def run_bench(args: argparse.Namespace) -> dict[tuple[str, str], WorkloadResult]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("on", "off") for m in modes):
         raise SystemExit(f"--modes must list on and/or off, got {args.modes!r}")
-    if args.torch_threads:
-        import torch
-
-        torch.set_num_threads(args.torch_threads)  # NOTE: a script's choice, never the library's
     if args.backend == "engine":
         backends: Any = _FreshEngines(ServerArgs.from_cli_args(args))
     else:

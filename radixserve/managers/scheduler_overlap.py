@@ -67,6 +67,10 @@ class LaunchedBatch:
     next_token_ids: Future  # host tensor, complete once copy_done has completed
     copy_done: Event
     job: DeviceJob
+    # NOTE: the forward's device tensor of sampled ids, held until copy_done has completed: freed
+    # earlier, the CUDA caching allocator could hand its memory to the next forward on the forward
+    # stream while the copy stream still reads it.
+    device_token_ids: Future | None = None
 
 
 @dataclass
@@ -237,7 +241,7 @@ class SchedulerOverlapMixin:
         copy = batch.empty_copy(reqs)
         copy.forward_mode = batch.forward_mode
         self.overlap_counters.launched += 1
-        return LaunchedBatch(copy, rows, host_ids, copy_done, job)
+        return LaunchedBatch(copy, rows, host_ids, copy_done, job, forward_done)
 
     def _sampling_info(self: Scheduler, reqs: list[Req]) -> Any:
         from radixserve.layers.sampler import SamplingBatchInfo

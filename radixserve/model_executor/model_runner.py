@@ -51,6 +51,9 @@ class ModelRunner:
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype)
         self.page_size = server_args.page_size
+        if server_args.torch_threads is not None:
+            # NOTE: process-wide; set only when asked (on a busy machine 1 thread can beat 2)
+            torch.set_num_threads(server_args.torch_threads)
         if loaded is None:
             from radixserve.models.loader import load_model
 
