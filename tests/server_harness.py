@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0
+_POLL_S = 0.05
 _SHARED: dict[tuple[str, ...], ServerHandle] = {}
 
 
@@ -101,14 +102,28 @@ def start_server(*args: str, api_key: str | None = None, env: dict[str, str] | N
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{handle.log_tail()}")
-        try:
-            if httpx.get(handle.base_url + "/health", timeout=2).status_code == 200:
-                return handle
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
+        if _healthy(handle):
+            return _reachable_at_once(handle)
+        time.sleep(_POLL_S)
     handle.stop()
     raise TimeoutError(f"server not healthy after {START_TIMEOUT_S} s:\n{handle.log_tail()}")
+
+
+def _healthy(handle: ServerHandle) -> bool:
+    try:
+        return httpx.get(handle.base_url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _reachable_at_once(handle: ServerHandle) -> ServerHandle:
+    """A server that answers /health must reach its scheduler from its first request on."""
+    # NOTE: asked right after the first 200 (polled every 50 ms), so a server that went live before
+    # the scheduler's connection existed fails here instead of in a random test with a 503.
+    if not handle.info()["scheduler_alive"]:
+        handle.stop()
+        raise RuntimeError(f"server healthy but its scheduler unreachable:\n{handle.log_tail()}")
+    return handle
 
 
 def shared_server(*args: str) -> ServerHandle:

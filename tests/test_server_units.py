@@ -1,16 +1,30 @@
-"""Server pieces that need no model: namespaces, body parsing, usage aggregation, max_tokens resolution."""
+"""Server pieces that need no model: namespaces, body parsing, usage aggregation, max_tokens resolution,
+and the ZMQ link to the scheduler (with a fake scheduler thread)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
+import zmq
 
 from radixserve.entrypoints.http_errors import ApiError, parse_json
 from radixserve.entrypoints.serving_common import per_choice_params, resolve_max_tokens
 from radixserve.entrypoints.serving_openai import _Usage
-from radixserve.managers.scheduler_process import SchedulerInfo
-from radixserve.managers.tokenizer_manager import GenerateOutput, api_key_id, cache_namespace
+from radixserve.managers.io_struct import GetInternalStateOut, GetInternalStateReq
+from radixserve.managers.scheduler_process import PortArgs, SchedulerInfo
+from radixserve.managers.tokenizer_manager import (
+    GenerateOutput,
+    SchedulerLink,
+    SchedulerUnavailable,
+    TokenizerManager,
+    api_key_id,
+    cache_namespace,
+)
 from radixserve.mem_cache.radix_key import check_namespace
 from radixserve.sampling_params import SamplingParams
 
@@ -79,3 +93,88 @@ def test_n_choices_get_distinct_seeds_only_when_seeded() -> None:
     seeded = per_choice_params(SamplingParams(seed=5, n=3), 3)
     assert [p.seed for p in seeded] == [5, 6, 7] and all(p.n == 1 for p in seeded)
     assert [p.seed for p in per_choice_params(SamplingParams(n=2), 2)] == [None, None]
+
+
+class _FakeScheduler:
+    """Connects like the scheduler child (PULL requests, PUSH outputs) and answers GetInternalStateReq."""
+
+    def __init__(self, port_args: PortArgs) -> None:
+        self._ctx = zmq.Context()
+        self._port_args = port_args
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        # NOTE: the sockets live on this thread only; close() terms the context, which ends recv here.
+        requests, outputs = self._ctx.socket(zmq.PULL), self._ctx.socket(zmq.PUSH)
+        requests.connect(self._port_args.request_endpoint)
+        outputs.connect(self._port_args.output_endpoint)
+        try:
+            while True:
+                if isinstance(requests.recv_pyobj(), GetInternalStateReq):
+                    outputs.send_pyobj(GetInternalStateOut({"fake": True}))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            requests.close(linger=0)
+            outputs.close(linger=0)
+
+    def close(self) -> None:
+        self._ctx.term()
+        self._thread.join(5)
+
+
+def _info() -> SchedulerInfo:
+    return SchedulerInfo("m", None, 512, 100, (0,), 512, 1, 8, "float32", "cpu", 1)
+
+
+async def _first_request_right_after_start(link: SchedulerLink) -> dict:
+    tm = TokenizerManager(_info(), link)
+    await tm.start()
+    try:
+        return await tm.get_internal_state(timeout_s=5.0)
+    finally:
+        await tm.shutdown()
+
+
+def test_a_scheduler_that_connected_before_the_bind_is_reachable_once_start_returns() -> None:
+    # The child connects before its model loads; if that was before the bind, ZMQ retries the connect
+    # only on its reconnect timer (100-200 ms). Requests sent in that gap used to fail with 503.
+    port_args = PortArgs.new()
+    fake = _FakeScheduler(port_args)
+    time.sleep(0.3)
+    try:
+        assert asyncio.run(_first_request_right_after_start(SchedulerLink(port_args))) == {"fake": True}
+    finally:
+        fake.close()
+
+
+def test_a_scheduler_connecting_after_the_bind_is_connected_without_a_retry() -> None:
+    link = SchedulerLink()
+    fake = _FakeScheduler(link.port_args)
+    try:
+        deadline = time.monotonic() + 0.05  # far below ZMQ's 100 ms reconnect interval
+        while not link.connected():
+            assert time.monotonic() < deadline, "no peer yet: the connect was not accepted at once"
+            time.sleep(0.001)
+        assert asyncio.run(_first_request_right_after_start(link)) == {"fake": True}
+    finally:
+        fake.close()
+
+
+def test_start_fails_when_the_scheduler_never_connects_and_a_drop_is_counted() -> None:
+    link = SchedulerLink()
+    with pytest.raises(SchedulerUnavailable, match="did not connect"):
+        asyncio.run(link.wait_connected(timeout_s=0.2))
+    fake = _FakeScheduler(link.port_args)
+    try:
+        asyncio.run(link.wait_connected(timeout_s=5.0))
+        assert link.disconnects() == 0
+    finally:
+        fake.close()
+    deadline = time.monotonic() + 5
+    while (drops := link.disconnects()) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert drops == 1
+    link.close()
+    assert not os.path.exists(link.port_args.folder)

@@ -32,10 +32,11 @@ from radixserve.entrypoints.openai_protocol import (
 )
 from radixserve.entrypoints.serving_common import guarded
 from radixserve.entrypoints.serving_openai import OpenAIServing
-from radixserve.managers.scheduler_process import PortArgs, launch_scheduler_process
+from radixserve.managers.scheduler_process import launch_scheduler_process
 from radixserve.managers.tokenizer_manager import (
     FrontendConfig,
     GenerateReq,
+    SchedulerLink,
     SchedulerUnavailable,
     TokenizerManager,
     api_key_id,
@@ -205,18 +206,24 @@ def launch_server(server_args: ServerArgs, config: FrontendConfig | None = None)
 
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s http] %(levelname)s %(name)s: %(message)s")
-    port_args = PortArgs.new()
-    proc, info = launch_scheduler_process(server_args, port_args)
+    # NOTE: bind before the scheduler process starts, so its connects succeed at once (SchedulerLink).
+    link = SchedulerLink()
+    try:
+        proc, info = launch_scheduler_process(server_args, link.port_args)
+    except BaseException:
+        link.close()
+        raise
     logger.info("serving model=%s dtype=%s device=%s kv_pool_tokens=%d page_size=%d max_running_requests=%d "
                 "context_len=%d effective_max_context=%d on http://%s:%d", info.model_name, info.dtype,
                 info.device, info.max_total_num_tokens, info.page_size, info.max_running_requests,
                 info.context_len, info.effective_max_context, server_args.host, server_args.port)
-    tm = TokenizerManager(info, port_args, proc, config)
+    tm = TokenizerManager(info, link, proc, config)
     app = create_app(tm, server_args)
     try:
         uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
                     timeout_keep_alive=5, access_log=False)
     finally:
+        link.close()
         proc.terminate()
         proc.join(5)
         if proc.is_alive():

@@ -34,11 +34,12 @@ class PortArgs:
 
     request_endpoint: str  # HTTP process PUSH (bind) -> scheduler PULL (connect)
     output_endpoint: str  # scheduler PUSH (connect) -> HTTP process PULL (bind)
+    folder: str | None = None  # the private temporary folder of the ipc files, removed at shutdown
 
     @classmethod
     def new(cls) -> PortArgs:
         folder = tempfile.mkdtemp(prefix="radixserve-ipc-")
-        return cls(f"ipc://{folder}/requests", f"ipc://{folder}/outputs")
+        return cls(f"ipc://{folder}/requests", f"ipc://{folder}/outputs", folder)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ One `TokenizerManager` per server, living on the server's asyncio loop. `generat
 detokenization) until the request ends. Leaving the generator early (client gone, task cancelled)
 sends `AbortReq`, which the scheduler handles at its next step. A watchdog probes the scheduler with
 `GetInternalStateReq`; if the process dies every request in flight fails with `SchedulerUnavailable`
-(HTTP 503), and if it stops answering `health()` reports it.
+(HTTP 503), and if it stops answering `health()` reports it. The sockets (`SchedulerLink`) are bound
+before the scheduler process starts, and `start()` returns only once the scheduler is connected.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import shutil
 import time
 import uuid
 from collections import deque
@@ -22,6 +24,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -39,7 +42,7 @@ from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_SEND_TIMEOUT_MS = 2000
+_CONNECT_TIMEOUT_S = 30.0
 
 
 class SchedulerUnavailable(Exception):
@@ -116,8 +119,59 @@ class _ReqState:
     done: bool = False
 
 
+class SchedulerLink:
+    """The HTTP process's two sockets to the scheduler process, bound at construction.
+
+    NOTE: construct it before starting the scheduler process. The child connects before it loads the
+    model; a connect to an ipc path nobody has bound yet fails and is retried only by ZMQ's reconnect
+    timer (100-200 ms), so binding after the child started left the request socket without a peer for
+    that long after the server went live, and every send then failed with EAGAIN (HTTP 503).
+    """
+
+    def __init__(self, port_args: PortArgs | None = None) -> None:
+        self.port_args = port_args or PortArgs.new()
+        self._sync_ctx = zmq.Context()
+        self.requests = self._sync_ctx.socket(zmq.PUSH)
+        self.requests.setsockopt(zmq.LINGER, 0)
+        self._monitor = self.requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.requests.bind(self.port_args.request_endpoint)
+        self._async_ctx = zmq.asyncio.Context()
+        self.outputs = self._async_ctx.socket(zmq.PULL)
+        self.outputs.setsockopt(zmq.LINGER, 0)
+        self.outputs.bind(self.port_args.output_endpoint)
+        self._closed = False
+
+    def connected(self) -> bool:
+        """Whether a request send would be accepted now: the scheduler is connected (and not HWM-full)."""
+        return bool(self.requests.poll(0, zmq.POLLOUT))
+
+    async def wait_connected(self, timeout_s: float = _CONNECT_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.connected():
+            if time.monotonic() > deadline:
+                raise SchedulerUnavailable(f"the scheduler did not connect within {timeout_s:.0f} s")
+            await asyncio.sleep(0.01)
+
+    def disconnects(self) -> int:
+        """How many times the scheduler's request connection dropped since the last call."""
+        count = 0
+        while self._monitor.poll(0):
+            count += recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return count
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.requests.disable_monitor()
+        self._sync_ctx.destroy(linger=0)
+        self._async_ctx.destroy(linger=0)
+        if self.port_args.folder is not None:
+            shutil.rmtree(self.port_args.folder, ignore_errors=True)
+
+
 class TokenizerManager:
-    def __init__(self, info: SchedulerInfo, port_args: PortArgs, process: Any = None,
+    def __init__(self, info: SchedulerInfo, link: SchedulerLink, process: Any = None,
                  config: FrontendConfig | None = None) -> None:
         self.info = info
         self.tokenizer = info.tokenizer
@@ -125,7 +179,9 @@ class TokenizerManager:
         self.process = process
         self.metrics = ServerMetrics(lambda: self.scheduler_state, lambda: self.health()[0])
         self.scheduler_state: dict[str, Any] = {}
-        self._port_args = port_args
+        self._link = link
+        self._send_sock = link.requests
+        self._recv_sock = link.outputs
         self._states: dict[str, _ReqState] = {}
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._state_waiters: deque[asyncio.Future] = deque()
@@ -137,17 +193,10 @@ class TokenizerManager:
     # ------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self._sync_ctx = zmq.Context()
-        self._send_sock = self._sync_ctx.socket(zmq.PUSH)
-        self._send_sock.setsockopt(zmq.LINGER, 0)
-        # NOTE: a PUSH socket with no connected peer refuses a send at once (EAGAIN); the scheduler's
-        # ipc connection can be (re)establishing for a moment, so a send may wait that long, no longer.
-        self._send_sock.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)
-        self._send_sock.bind(self._port_args.request_endpoint)
-        self._async_ctx = zmq.asyncio.Context()
-        self._recv_sock = self._async_ctx.socket(zmq.PULL)
-        self._recv_sock.setsockopt(zmq.LINGER, 0)
-        self._recv_sock.bind(self._port_args.output_endpoint)
+        """Returns once the scheduler is connected, so the first request can be sent at once."""
+        # NOTE: sends never block the event loop (NOBLOCK); with the scheduler connected, EAGAIN means
+        # it is gone or 1000 messages behind, and a 503 at once is the right answer to both.
+        await self._link.wait_connected()
         self._last_alive = time.monotonic()
         self._tasks = [asyncio.create_task(self._handle_loop()), asyncio.create_task(self._watchdog_loop())]
 
@@ -155,8 +204,7 @@ class TokenizerManager:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._send_sock.close()
-        self._recv_sock.close()
+        self._link.close()
 
     @property
     def num_in_flight(self) -> int:
@@ -237,7 +285,7 @@ class TokenizerManager:
 
     def _send(self, msg: Any, quiet: bool = False) -> None:
         try:
-            self._send_sock.send_pyobj(msg)
+            self._send_sock.send_pyobj(msg, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if not quiet:
                 raise SchedulerUnavailable(f"cannot reach the scheduler: {e}") from None
@@ -293,6 +341,8 @@ class TokenizerManager:
             if self.process is not None and not self.process.is_alive():
                 self._mark_dead(f"scheduler process exited with code {self.process.exitcode}")
                 return
+            if self._link.disconnects():
+                logger.warning("the scheduler dropped its request connection; sends fail until it reconnects")
             quiet_for = time.monotonic() - self._last_alive
             if not self._probe_pending and quiet_for >= self.config.heartbeat_interval_s:
                 asyncio.create_task(self._probe())
