@@ -66,44 +66,53 @@ class Engine:
     # ---- public API -----------------------------------------------------------------------------
     def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
                  input_ids: list[int] | list[list[int]] | None = None, extra_key: Any = None,
-                 stream: bool = False) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
-        """Generate for one prompt (a dict back) or a list (a list back); `stream=True` yields increments."""
+                 stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
+                 ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (a dict back) or a list (a list back); `stream=True` yields increments.
+
+        With `return_logprob`, `meta_info` holds `output_token_logprobs`, one (logprob, token id, text)
+        per output token, and `output_top_logprobs`, the `top_logprobs_num` most likely per position."""
         batch, single = self._normalize_inputs(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(batch))
+        logprobs = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num}
         if stream:
             if not single or params[0].n != 1:
                 raise ValueError("stream=True takes one prompt with n=1")
-            return self.submit(batch[0], params[0], extra_key, stream=True).stream()
-        handles = [h for ids, p in zip(batch, params, strict=True) for h in self._submit_n(ids, p, extra_key)]
+            return self.submit(batch[0], params[0], extra_key, stream=True, **logprobs).stream()
+        handles = [h for ids, p in zip(batch, params, strict=True)
+                   for h in self._submit_n(ids, p, extra_key, **logprobs)]
         results = [h.result() for h in handles]
         return results[0] if single and len(results) == 1 else results
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingArg = None, extra_key: Any = None,
-             stream: bool = False) -> dict[str, Any] | Iterator[dict[str, Any]]:
+             stream: bool = False, **logprobs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """Apply the model's chat template to `messages` and generate the assistant's answer."""
         return self.generate(input_ids=self.apply_chat_template(messages), sampling_params=sampling_params,
-                             extra_key=extra_key, stream=stream)
+                             extra_key=extra_key, stream=stream, **logprobs)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
-               extra_key: Any = None, stream: bool = False, rid: str | None = None) -> RequestHandle:
+               extra_key: Any = None, stream: bool = False, rid: str | None = None, return_logprob: bool = False,
+               top_logprobs_num: int = 0) -> RequestHandle:
         """Queue one request and return at once; the handle waits for, streams or aborts it."""
         self._raise_if_dead()
         params = SamplingParams.from_any(sampling_params)
         rid = rid or uuid.uuid4().hex
-        error = self.scheduler.validate_request(Req(rid, input_ids, params, extra_key))
+        error = self.scheduler.validate_request(
+            Req(rid, input_ids, params, extra_key, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num))
         if error is not None:
             raise ValueError(error)
-        state = RequestState(rid, list(input_ids), params, self.tokenizer, stream)
+        state = RequestState(rid, list(input_ids), params, self.tokenizer, stream, return_logprob)
         with self._lock:
             if rid in self._states:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._states[rid] = state
         # NOTE: always streamed from the scheduler, so the time of the first token is known (TTFT).
-        self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True))
+        self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True,
+                                                                 return_logprob, top_logprobs_num))
         return RequestHandle(state, self)
 
     def abort(self, rid: str) -> None:
@@ -154,12 +163,12 @@ class Engine:
             return [SamplingParams.from_any(p) for p in sampling_params]
         return [SamplingParams.from_any(sampling_params)] * n
 
-    def _submit_n(self, ids: list[int], params: SamplingParams, extra_key: Any) -> list[RequestHandle]:
+    def _submit_n(self, ids: list[int], params: SamplingParams, extra_key: Any, **logprobs: Any) -> list[RequestHandle]:
         if params.n == 1:
-            return [self.submit(ids, params, extra_key)]
+            return [self.submit(ids, params, extra_key, **logprobs)]
         # NOTE: n samples are n requests; the 2nd..nth hit the first's prompt in the radix cache.
         seeds = itertools.count(params.seed) if params.seed is not None else itertools.repeat(None)
-        return [self.submit(ids, dataclasses.replace(params, n=1, seed=next(seeds)), extra_key)
+        return [self.submit(ids, dataclasses.replace(params, n=1, seed=next(seeds)), extra_key, **logprobs)
                 for _ in range(params.n)]
 
     def _control(self, msg: Any) -> Any:
@@ -183,7 +192,8 @@ class Engine:
                         del self._states[rid]
                 if state is not None:
                     state.on_tokens(out.new_token_ids[i], out.finished_reasons[i], out.prompt_tokens[i],
-                                    out.completion_tokens[i], out.cached_tokens[i], now)
+                                    out.completion_tokens[i], out.cached_tokens[i], now,
+                                    out.output_logprobs[i], out.output_top_logprobs[i])
         else:
             self._control_reply.append(out)
             self._control_event.set()

@@ -19,12 +19,15 @@ class RequestState:
     """Written by the scheduler thread (`on_tokens`, `fail`), read by the caller's thread."""
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, tokenizer: Any,
-                 stream: bool) -> None:
+                 stream: bool, return_logprob: bool = False) -> None:
         self.rid = rid
         self.input_ids = input_ids
         self.params = params
         self.tokenizer = tokenizer
         self.output_ids: list[int] = []
+        self.return_logprob = return_logprob
+        self.logprobs: list[float] = []  # with return_logprob: one per output id
+        self.top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: dict[str, Any] | None = None
         self.prompt_tokens = len(input_ids)
         self.completion_tokens = 0
@@ -37,16 +40,20 @@ class RequestState:
         self.increments: queue.Queue | None = queue.Queue() if stream else None
 
     def on_tokens(self, new_ids: list[int], finish_reason: dict[str, Any] | None, prompt_tokens: int,
-                  completion_tokens: int, cached_tokens: int, now: float) -> None:
+                  completion_tokens: int, cached_tokens: int, now: float, logprobs: list[float] | None = None,
+                  top_logprobs: list[list[tuple[int, float]]] | None = None) -> None:
         if new_ids and self.first_token_at is None:
             self.first_token_at = now
+        start = len(self.output_ids)
         self.output_ids.extend(new_ids)
+        self.logprobs.extend(logprobs or ())
+        self.top_logprobs.extend(top_logprobs or ())
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, completion_tokens, cached_tokens
         if finish_reason is not None:
             self.finish_reason = finish_reason
             self.finished_at = now
         if self.increments is not None:
-            self.increments.put((list(new_ids), finish_reason))
+            self.increments.put((list(new_ids), finish_reason, start))
         if finish_reason is not None:
             self.done.set()
 
@@ -56,10 +63,11 @@ class RequestState:
             self.increments.put(None)
         self.done.set()
 
-    def meta_info(self) -> dict[str, Any]:
+    def meta_info(self, start: int = 0, end_index: int | None = None) -> dict[str, Any]:
+        """The request's figures; with return_logprob, the logprobs of output tokens [start, end_index)."""
         end = self.finished_at or time.perf_counter()
         ttft = None if self.first_token_at is None else self.first_token_at - self.submitted_at
-        return {
+        info = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -68,6 +76,21 @@ class RequestState:
             "e2e_latency": end - self.submitted_at,
             "ttft": ttft,
         }
+        if self.return_logprob:
+            info["output_token_logprobs"] = self.token_logprobs(start, end_index)
+            info["output_top_logprobs"] = self.position_top_logprobs(start, end_index)
+        return info
+
+    def token_logprobs(self, start: int = 0, end: int | None = None) -> list[tuple[float, int, str]]:
+        """(logprob, token id, token text) of each output token, as SGLang's `output_token_logprobs`."""
+        ids = self.output_ids[start:end]
+        return [(lp, t, self._text(t)) for lp, t in zip(self.logprobs[start:end], ids, strict=True)]
+
+    def position_top_logprobs(self, start: int = 0, end: int | None = None) -> list[list[tuple[float, int, str]]]:
+        return [[(lp, t, self._text(t)) for t, lp in top] for top in self.top_logprobs[start:end]]
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def result(self) -> dict[str, Any]:
         return {"text": final_text(self.tokenizer, self.output_ids, self.finish_reason),
@@ -110,10 +133,11 @@ class RequestHandle:
                 item = state.increments.get()
                 if item is None:
                     self._raise_error()
-                new_ids, finish_reason = item
+                new_ids, finish_reason, start = item
                 finished = finish_reason is not None
                 text = detok.finish(new_ids, finish_reason) if finished else detok.feed(new_ids)
-                yield {"text": text, "output_ids": new_ids, "finished": finished, "meta_info": state.meta_info()}
+                yield {"text": text, "output_ids": new_ids, "finished": finished,
+                       "meta_info": state.meta_info(start, start + len(new_ids))}
         finally:
             if not finished:
                 self.abort()

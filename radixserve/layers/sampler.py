@@ -9,6 +9,7 @@ token depends only on its own logits and that pair, whatever batch it runs in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -54,6 +55,24 @@ class SamplingBatchInfo:
             need_min_p=any(p.min_p > 0 for p in params),
             generator_seed=default_generator_seed,
         )
+
+
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities of one step, per batch row (device tensors until copied to the host)."""
+
+    token_logprobs: torch.Tensor  # float32 [bs]: of the sampled token
+    top_logprobs: torch.Tensor  # float32 [bs, k]: the k most likely tokens, descending (k may be 0)
+    top_ids: torch.Tensor  # int64 [bs, k]
+
+
+def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, info: SamplingBatchInfo,
+                     top_k: int) -> TokenLogprobs:
+    """Log-probabilities under the temperature-scaled distribution, before top-k/top-p/min-p (as
+    SGLang); greedy rows use temperature 1, i.e. the model's own distribution."""
+    logprobs = torch.log_softmax(logits.float() / info.temperatures, dim=-1)
+    chosen = logprobs.gather(1, next_ids.view(-1, 1).to(torch.int64)).squeeze(1)
+    top = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
+    return TokenLogprobs(chosen, top.values, top.indices)
 
 
 class Sampler:

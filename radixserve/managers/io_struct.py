@@ -19,6 +19,7 @@ class TokenizedGenerateReqInput:
     extra_key: Any = None  # hashable namespace; different values never share KV
     stream: bool = False
     return_logprob: bool = False
+    top_logprobs_num: int = 0  # with return_logprob: the most likely tokens to report at each step
 
 
 @dataclass
@@ -58,4 +59,6 @@ class BatchTokenIDOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    # With return_logprob: the logprob of each new token, and its top alternatives as (token id, logprob).
     output_logprobs: list[list[float] | None] = field(default_factory=list)
+    output_top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)

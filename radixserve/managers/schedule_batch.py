@@ -56,7 +56,8 @@ class Req:
     """One generation request. The KV attribute names are the radix cache's contract (reference §1.6)."""
 
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
-                 extra_key: Any = None, stream: bool = False, eos_token_ids: Iterable[int] = ()) -> None:
+                 extra_key: Any = None, stream: bool = False, eos_token_ids: Iterable[int] = (),
+                 return_logprob: bool = False, top_logprobs_num: int = 0) -> None:
         self.rid = rid
         self.origin_input_ids: list[int] = list(origin_input_ids)
         self.output_ids: list[int] = []
@@ -68,6 +69,10 @@ class Req:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.stop_str_max_len = max((len(s) for s in sampling_params.stop), default=0)
+        self.return_logprob = return_logprob
+        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.output_token_logprobs: list[float] = []  # with return_logprob: one per output id
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
         # KV bookkeeping (read and written by the radix cache as well).
         self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = _EMPTY_INDICES

@@ -30,6 +30,8 @@ from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerSta
 from radixserve.managers.scheduler_output_processor import (
     GenerationBatchResult,
     SchedulerOutputProcessorMixin,
+    host_logprobs,
+    logprob_top_k,
 )
 from radixserve.managers.scheduler_overlap import SchedulerOverlapMixin
 from radixserve.mem_cache.radix_cache import RadixCache
@@ -37,6 +39,8 @@ from radixserve.mem_cache.radix_key import check_namespace
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
 class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
@@ -274,13 +278,20 @@ class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         start = time.perf_counter()
         logits = self.model_runner.forward(batch.forward_batch)
-        next_ids = self.model_runner.sample(logits, self.make_sampling_info(batch)).tolist()
+        info = self.make_sampling_info(batch)
+        next_ids = self.model_runner.sample(logits, info)
+        logprobs = host_logprobs(self.step_logprobs(logprob_top_k(batch.reqs), logits, next_ids, info))
+        next_ids = next_ids.tolist()
         elapsed = time.perf_counter() - start  # NOTE: tolist() waits for the device, so this is the forward
         if batch.forward_mode.is_extend():
             self.stats.prefill_forward_s += elapsed
         else:
             self.stats.decode_forward_s += elapsed
-        return GenerationBatchResult(next_ids)
+        return GenerationBatchResult(next_ids, *logprobs)
+
+    def step_logprobs(self, top_k: int | None, logits: Any, next_ids: Any, info: Any) -> Any:
+        """This step's `TokenLogprobs` (with `top_k` alternatives per row), or None when top_k is None."""
+        return None if top_k is None else self.model_runner.logprobs(logits, next_ids, info, top_k)
 
     def make_sampling_info(self, batch: ScheduleBatch) -> Any:
         from radixserve.layers.sampler import SamplingBatchInfo
@@ -303,7 +314,8 @@ class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
                 logger.error("unknown message %r ignored", type(msg).__name__)
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.eos_token_ids)
+        req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.eos_token_ids,
+                  msg.return_logprob, msg.top_logprobs_num)
         error = self.validate_request(req)
         if msg.rid in self.reqs:
             error = f"request id {msg.rid!r} is already in use"
@@ -332,6 +344,8 @@ class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
         bad = [t for t in req.origin_input_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            return f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs_num}"
         try:
             check_namespace(req.extra_key)
         except TypeError as e:

@@ -14,6 +14,7 @@ from radixserve.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from radixserve.managers.scheduler_metrics import decode_log_line
 
 if TYPE_CHECKING:
+    from radixserve.layers.sampler import TokenLogprobs
     from radixserve.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,27 @@ logger = logging.getLogger(__name__)
 
 class GenerationBatchResult(NamedTuple):
     next_token_ids: list[int]  # one sampled token per request of the batch, in batch order
+    logprobs: list[float] | None = None  # of each sampled token; None when no request asked
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), most likely first
+
+    def select(self, rows: list[int]) -> GenerationBatchResult:
+        """The result of the batch rows `rows`, in that order."""
+        return GenerationBatchResult(*(None if values is None else [values[i] for i in rows] for values in self))
+
+
+def logprob_top_k(reqs: list[Req]) -> int | None:
+    """How many alternatives a batch's logprobs need per row; None when no request asked for logprobs."""
+    asking = [r.top_logprobs_num for r in reqs if r.return_logprob]
+    return max(asking) if asking else None
+
+
+def host_logprobs(lp: TokenLogprobs | None) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
+    """Device logprobs of one step as host lists (a sync on the device)."""
+    if lp is None:
+        return None, None
+    top = [list(zip(ids, values, strict=True)) for ids, values in zip(lp.top_ids.tolist(), lp.top_logprobs.tolist(),
+                                                                        strict=True)]
+    return lp.token_logprobs.tolist(), top
 
 
 class SchedulerOutputProcessorMixin:
@@ -31,7 +53,7 @@ class SchedulerOutputProcessorMixin:
             self.process_batch_result_decode(batch, result)
 
     def process_batch_result_prefill(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        for req, token in zip(batch.reqs, result.next_token_ids, strict=True):
+        for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if req.is_chunked > 0:
                 # NOTE: a non-final chunk samples nothing; its KV is stashed at the next step.
                 req.is_chunked -= 1
@@ -42,8 +64,7 @@ class SchedulerOutputProcessorMixin:
                 # NOTE: an abort that arrived while the batch ran ends it without the sampled token.
                 req.finished_reason = req.to_abort or FinishReason("length", length=0)
             else:
-                req.output_ids.append(token)
-                self.stats.generated_tokens += 1
+                self.append_output_token(req, token, result, i)
                 req.check_finished(self.tokenizer)
             if req.finished():
                 self.release_finished_req(req)
@@ -53,12 +74,11 @@ class SchedulerOutputProcessorMixin:
         self.stream_output(batch.reqs)
 
     def process_batch_result_decode(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        for req, token in zip(batch.reqs, result.next_token_ids, strict=True):
+        for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if req.finished():
                 continue
             if req.to_abort is None:
-                req.output_ids.append(token)
-                self.stats.generated_tokens += 1
+                self.append_output_token(req, token, result, i)
             req.check_finished(self.tokenizer)
             if req.finished():
                 self.release_finished_req(req)
@@ -67,6 +87,14 @@ class SchedulerOutputProcessorMixin:
         if self.stats.num_decode_batches % max(self.server_args.log_interval, 1) == 0:
             self.log_decode_stats(len(batch.reqs))
         self.stream_output(batch.reqs)
+
+    def append_output_token(self: Scheduler, req: Req, token: int, result: GenerationBatchResult, row: int) -> None:
+        req.output_ids.append(token)
+        self.stats.generated_tokens += 1
+        if req.return_logprob:
+            # NOTE: one entry per output token, so output_token_logprobs stays aligned with output_ids.
+            req.output_token_logprobs.append(result.logprobs[row])
+            req.output_top_logprobs.append(result.top_logprobs[row][: req.top_logprobs_num])
 
     def log_decode_stats(self: Scheduler, running_req: int) -> None:
         used = self.max_total_num_tokens - self.free_and_evictable()
@@ -94,13 +122,16 @@ class SchedulerOutputProcessorMixin:
 
     def stream_output(self: Scheduler, reqs: list[Req]) -> None:
         """Send new tokens of streaming requests, and the rest of every finished request."""
-        out = BatchTokenIDOut([], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [])
         for req in reqs:
             if req.finish_sent or not (req.finished() or (req.stream and len(req.output_ids) > req.sent_output_len)):
                 continue
             req.finish_sent = req.finished()
             out.rids.append(req.rid)
             out.new_token_ids.append(req.output_ids[req.sent_output_len:])
+            out.output_logprobs.append(req.output_token_logprobs[req.sent_output_len:] if req.return_logprob else None)
+            out.output_top_logprobs.append(req.output_top_logprobs[req.sent_output_len:] if req.return_logprob
+                                           else None)
             req.sent_output_len = len(req.output_ids)
             out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
             out.prompt_tokens.append(len(req.origin_input_ids))

@@ -24,10 +24,11 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from radixserve.layers.sampler import TokenLogprobs
 from radixserve.managers.overlap_utils import (
     DeviceStreams,
     Event,
@@ -35,7 +36,7 @@ from radixserve.managers.overlap_utils import (
     OverlapDebug,
     create_device_streams,
 )
-from radixserve.managers.scheduler_output_processor import GenerationBatchResult
+from radixserve.managers.scheduler_output_processor import GenerationBatchResult, host_logprobs, logprob_top_k
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -56,21 +57,29 @@ class DeviceJob:
     sampling_info: Any
     is_decode: bool
     read_done: Event
+    logprob_top_k: int | None  # None: no request of the batch asked for logprobs
     expected_rows: torch.Tensor | None = None  # check_reads: the rows the scheduler wrote for this forward
     read_signalled: bool = False
+
+
+class StepOutput(NamedTuple):
+    """What one forward hands to the host: the sampled ids, and logprobs when some request asked."""
+
+    next_token_ids: torch.Tensor
+    logprobs: TokenLogprobs | None
 
 
 @dataclass
 class LaunchedBatch:
     batch: ScheduleBatch  # a copy: the scheduler may filter or merge the original before this is processed
     rows: list[int]  # each request's row at launch; a request that lost it was retracted or aborted
-    next_token_ids: Future  # host tensor, complete once copy_done has completed
+    host_output: Future  # StepOutput of host tensors, complete once copy_done has completed
     copy_done: Event
     job: DeviceJob
-    # NOTE: the forward's device tensor of sampled ids, held until copy_done has completed: freed
-    # earlier, the CUDA caching allocator could hand its memory to the next forward on the forward
-    # stream while the copy stream still reads it.
-    device_token_ids: Future | None = None
+    # NOTE: the forward's device StepOutput, held until copy_done has completed: freed earlier, the
+    # CUDA caching allocator could hand its memory to the next forward on the forward stream while
+    # the copy stream still reads it.
+    device_output: Future | None = None
 
 
 @dataclass
@@ -230,18 +239,18 @@ class SchedulerOverlapMixin:
         if state.future_map.check and not is_decode:
             state.future_map.reset_rows(rows)  # NOTE: these rows may have just changed hands
         job = DeviceJob(fb, self._sampling_info(reqs), is_decode, state.streams.forward.create_event(),
-                        self._expected_rows(fb) if self.overlap_debug.check_reads else None)
+                        logprob_top_k(reqs), self._expected_rows(fb) if self.overlap_debug.check_reads else None)
         streams = state.streams
         streams.fence_reads_after_writes()
         forward_done = streams.forward.launch(self._device_step, job)
         if streams.copy is not streams.forward:
             streams.copy.wait_stream(streams.forward)
-        host_ids = streams.copy.launch(_copy_to_host, forward_done)
+        host_output = streams.copy.launch(_copy_to_host, forward_done)
         copy_done = streams.copy.record_event()
         copy = batch.empty_copy(reqs)
         copy.forward_mode = batch.forward_mode
         self.overlap_counters.launched += 1
-        return LaunchedBatch(copy, rows, host_ids, copy_done, job, forward_done)
+        return LaunchedBatch(copy, rows, host_output, copy_done, job, forward_done)
 
     def _sampling_info(self: Scheduler, reqs: list[Req]) -> Any:
         from radixserve.layers.sampler import SamplingBatchInfo
@@ -256,7 +265,7 @@ class SchedulerOverlapMixin:
         width = max(fb.seq_lens_cpu)
         return self.req_to_token_pool.req_to_token[fb.req_pool_indices, :width].clone()
 
-    def _device_step(self: Scheduler, job: DeviceJob) -> torch.Tensor:
+    def _device_step(self: Scheduler, job: DeviceJob) -> StepOutput:
         """Runs on the forward stream: resolve input ids, forward, sample, stash the tokens."""
         state = self.overlap
         fb = job.forward_batch
@@ -269,28 +278,30 @@ class SchedulerOverlapMixin:
             state.fence.signal()  # NOTE: even on failure, or the scheduler would wait on read_done forever
         next_ids = self.model_runner.sample(logits, job.sampling_info)
         state.future_map.stash(fb.req_pool_indices, next_ids)
-        return next_ids
+        return StepOutput(next_ids, self.step_logprobs(job.logprob_top_k, logits, next_ids,
+                                                                   job.sampling_info))
 
     # ---- results --------------------------------------------------------------------------------
     def process_launched_batch(self: Scheduler, launched: LaunchedBatch) -> None:
         """Wait for batch k's tokens, then process them for the requests that still own their rows."""
         launched.copy_done.synchronize()
-        token_ids = launched.next_token_ids.result().tolist()
-        live, tokens = [], []
-        for req, row, token in zip(launched.batch.reqs, launched.rows, token_ids, strict=True):
+        output: StepOutput = launched.host_output.result()
+        result = GenerationBatchResult(output.next_token_ids.tolist(), *host_logprobs(output.logprobs))
+        live, keep = [], []
+        for i, (req, row) in enumerate(zip(launched.batch.reqs, launched.rows, strict=True)):
             if req.finished() or req.req_pool_idx != row:
                 continue  # NOTE: finished in an earlier result, aborted, or retracted: handled once
             live.append(req)
-            tokens.append(token)
+            keep.append(i)
         self.overlap_counters.processed += 1
-        self.overlap_counters.dropped_tokens += len(token_ids) - len(live)
+        self.overlap_counters.dropped_tokens += len(result.next_token_ids) - len(live)
         view = launched.batch.empty_copy(live)
         view.forward_mode = launched.batch.forward_mode
         advanced = [r for r in live if id(r) in self._advanced_by_next_decode()]
         for req in advanced:
             req.kv_committed_len -= 1  # the normal loop's view: step k+1 has not been counted yet
         try:
-            self.process_batch_result(view, GenerationBatchResult(tokens))
+            self.process_batch_result(view, result.select(keep))
         finally:
             for req in advanced:
                 if req.req_pool_idx is not None:
@@ -305,6 +316,11 @@ class SchedulerOverlapMixin:
 
 
 
-def _copy_to_host(forward_done: Future) -> torch.Tensor:
-    ids = forward_done.result()
-    return ids if ids.device.type == "cpu" else ids.to("cpu", non_blocking=True)
+def _copy_to_host(forward_done: Future) -> StepOutput:
+    output: StepOutput = forward_done.result()
+    logprobs = None if output.logprobs is None else TokenLogprobs(*map(_to_host, output.logprobs))
+    return StepOutput(_to_host(output.next_token_ids), logprobs)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.device.type == "cpu" else tensor.to("cpu", non_blocking=True)

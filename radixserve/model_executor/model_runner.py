@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.layers.attention import create_attention_backend
-from radixserve.layers.sampler import Sampler, SamplingBatchInfo
+from radixserve.layers.sampler import Sampler, SamplingBatchInfo, TokenLogprobs, compute_logprobs
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.server_args import ServerArgs
@@ -86,6 +86,12 @@ class ModelRunner:
         """Next token per row, int64 [bs]."""
         with torch.inference_mode():
             return self.sampler(logits, sampling_info)
+
+    def logprobs(self, logits: torch.Tensor, next_ids: torch.Tensor, sampling_info: SamplingBatchInfo,
+                 top_k: int) -> TokenLogprobs:
+        """Log-probabilities of the sampled tokens and of each row's `top_k` most likely tokens."""
+        with torch.inference_mode():
+            return compute_logprobs(logits, next_ids, sampling_info, top_k)
 
     def _context_len(self) -> int:
         model_len = self.model_config.context_len
