@@ -135,9 +135,32 @@ def test_sampling_values_out_of_range(server: ServerHandle) -> None:
 
 
 def test_unsupported_parameters_are_refused_clearly(server: ServerHandle) -> None:
-    _error(server.post(CHAT, json={"messages": MESSAGES, "logprobs": True}), 400, "unsupported_parameter", "logprobs")
-    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "logprobs": 2}), 400, "unsupported_parameter", "logprobs")
+    message = _error(server.post(COMPLETIONS, json={"prompt": "Hi", "echo": True, "logprobs": 1}), 400,
+                     "unsupported_parameter", "echo")
+    assert "prompt logprobs" in message
+    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "best_of": 2}), 400, "unsupported_parameter", "best_of")
     _error(server.post(COMPLETIONS, json={"prompt": "Hi", "presence_penalty": 1.0}), 400, "unsupported_parameter")
+
+
+def test_logprobs_out_of_range_or_without_logprobs(server: ServerHandle) -> None:
+    message = _error(server.post(CHAT, json={"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}), 400,
+                     "invalid_value", "top_logprobs")
+    assert "between 0 and 20, got 21" in message
+    _error(server.post(CHAT, json={"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}), 400,
+           "invalid_value", "top_logprobs")
+    _error(server.post(CHAT, json={"messages": MESSAGES, "top_logprobs": 2}), 400, "invalid_value", "top_logprobs")
+    _error(server.post(CHAT, json={"messages": MESSAGES, "logprobs": False, "top_logprobs": 0}), 400,
+           "invalid_value", "top_logprobs")
+    _error(server.post(CHAT, json={"messages": MESSAGES, "logprobs": 1}), 400, "invalid_type", "logprobs")
+    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "logprobs": 21}), 400, "invalid_value", "logprobs")
+    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "logprobs": True}), 400, "invalid_type", "logprobs")
+    _error(server.post("/generate", json={"text": "Hi", "return_logprob": True, "top_logprobs_num": 21}), 400,
+           "invalid_value", "top_logprobs_num")
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=MESSAGES, max_tokens=1,
+                                       logprobs=True, top_logprobs=21)
+    assert e.value.param == "top_logprobs"
 
 
 def test_unknown_route_and_method(server: ServerHandle) -> None:

@@ -1,5 +1,5 @@
 """Server pieces that need no model: namespaces, body parsing, usage aggregation, max_tokens resolution,
-and the ZMQ link to the scheduler (with a fake scheduler thread)."""
+logprob formatting, and the ZMQ link to the scheduler (with a fake scheduler thread)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ import pytest
 import zmq
 
 from radixserve.entrypoints.http_errors import ApiError, parse_json
+from radixserve.entrypoints.logprobs import (
+    LOGPROB_FLOOR,
+    TokenTexts,
+    byte_level_alphabet,
+    chat_logprobs,
+    completion_logprobs,
+    native_logprobs,
+)
 from radixserve.entrypoints.serving_common import per_choice_params, resolve_max_tokens
 from radixserve.entrypoints.serving_openai import _Usage
 from radixserve.managers.io_struct import GetInternalStateOut, GetInternalStateReq
@@ -87,6 +95,24 @@ def test_usage_counts_each_prompt_once_and_the_smallest_hit_among_its_choices() 
     info = usage.info()
     assert (info.prompt_tokens, info.completion_tokens, info.total_tokens) == (30, 14, 44)
     assert info.prompt_tokens_details.cached_tokens == 0 + 19
+
+
+def test_logprob_shapes_offsets_duplicates_and_the_floor() -> None:
+    tokenizer = SimpleNamespace(decode=lambda ids: {1: "ab", 2: "c", 3: "\ufffd", 4: "\ufffd"}[ids[0]])
+    texts = TokenTexts(tokenizer)  # not byte-level: bytes are the UTF-8 of the text
+    out = GenerateOutput("r", "", [1, 2], None, None, None, 3, 2, 0, logprobs=[-0.5, float("-inf")],
+                         top_logprobs=[[(1, -0.5), (2, -1.0)], [(3, -0.1), (4, -0.2)]])
+    lp = completion_logprobs(texts, out, offset=7)
+    assert lp.tokens == ["ab", "c"] and lp.text_offset == [7, 9]
+    assert lp.token_logprobs == [-0.5, LOGPROB_FLOOR]  # JSON has no -inf
+    assert lp.top_logprobs == [{"ab": -0.5, "c": -1.0}, {"\ufffd": -0.1}]  # same text: the likelier
+    chat = chat_logprobs(texts, out).content
+    assert [(e.token, e.bytes, len(e.top_logprobs)) for e in chat] == [("ab", [97, 98], 2), ("c", [99], 2)]
+    assert native_logprobs(texts, out)["output_token_logprobs"] == [[-0.5, 1, "ab"], [LOGPROB_FLOOR, 2, "c"]]
+    empty = GenerateOutput("r", "", [], "stop", None, None, 3, 2, 0, logprobs=[], top_logprobs=[])
+    assert completion_logprobs(texts, empty, offset=3).text_offset == [] and chat_logprobs(texts, empty).content == []
+    alphabet = byte_level_alphabet()
+    assert sorted(alphabet.values()) == list(range(256)) and alphabet["\u0120"] == 0x20 and alphabet["A"] == 65
 
 
 def test_n_choices_get_distinct_seeds_only_when_seeded() -> None:

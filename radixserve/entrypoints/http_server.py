@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.entrypoints import serving_native
 from radixserve.entrypoints.http_errors import ApiError, install_error_handlers, parse_request, unavailable
+from radixserve.entrypoints.logprobs import TokenTexts
 from radixserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -79,7 +80,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     app = FastAPI(title="radixserve", lifespan=lifespan)
     install_error_handlers(app)
     auth = _Auth(server_args.api_keys)
-    openai = OpenAIServing(tm)
+    texts = TokenTexts(tm.tokenizer)
+    openai = OpenAIServing(tm, texts)
     limit = tm.config.max_body_bytes
     app.state.tokenizer_manager = tm
 
@@ -102,7 +104,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         key_id = auth.key_id(request)
         req = await parse_request(request, GenerateRequest, limit)
         extra_key = cache_namespace(key_id, req.cache_salt, req.extra_key)
-        return await guarded(lambda: serving_native.generate(tm, req, extra_key, request))
+        return await guarded(lambda: serving_native.generate(tm, texts, req, extra_key, request))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

@@ -65,7 +65,7 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = None  # the alternatives per token (0-20); None: no logprobs
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -93,7 +93,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # 0-20, only with logprobs
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -106,6 +106,8 @@ class GenerateRequest(_Request):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
+    top_logprobs_num: int = 0  # 0-20, used only with return_logprob
+    return_text_in_logprobs: bool = False  # accepted for SGLang clients; the text is always included
     cache_salt: str | None = None
     extra_key: str | None = None
 
@@ -143,10 +145,33 @@ class UsageInfo(_Response):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes (a token may hold part of a character)
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Response):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # characters into the completion text
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
-    logprobs: None = None  # not supported; always null
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
@@ -167,7 +192,7 @@ class ChatResponseMessage(_Response):
 class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None  # not supported; always null
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
@@ -188,7 +213,7 @@ class DeltaMessage(_Response):
 class ChatStreamChoice(_Response):
     index: int
     delta: DeltaMessage
-    logprobs: None = None  # not supported; always null
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
 
 

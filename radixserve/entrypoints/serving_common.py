@@ -18,6 +18,7 @@ from radixserve.managers.tokenizer_manager import (
     GenerateReq,
     SchedulerUnavailable,
     TokenizerManager,
+    TopLogprobs,
 )
 from radixserve.sampling_params import SamplingParams, SamplingParamsError
 
@@ -141,6 +142,8 @@ class ChoiceResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)  # with logprobs: one per token id
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     def add(self, out: GenerateOutput) -> None:
         self.rid = out.rid
@@ -152,6 +155,8 @@ class ChoiceResult:
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.logprobs += out.logprobs or []
+        self.top_logprobs += out.top_logprobs or []
 
 
 async def collect(outputs: AsyncIterator[tuple[int, GenerateOutput]], num_choices: int) -> list[ChoiceResult]:
@@ -182,12 +187,6 @@ async def guarded(work: Callable[[], Awaitable[T]]) -> T:
 _PARAM_NAMES = {"max_new_tokens": "max_tokens"}
 
 
-def reject_logprobs(param: str) -> ApiError:
-    # NOTE: the scheduler samples on the device and returns token ids only; see docs/server.md.
-    return bad_request(f"'{param}' is not supported by this server (the scheduler returns token ids only)",
-                       param=param, code="unsupported_parameter")
-
-
 def make_sampling_params(openai_names: bool, **values: Any) -> SamplingParams:
     try:
         return SamplingParams(**values)
@@ -211,9 +210,11 @@ def tokenize_text(tm: TokenizerManager, text: str, param: str) -> list[int]:
 
 
 def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: list[list[SamplingParams]],
-                 extra_key: Any) -> AsyncIterator[tuple[int, GenerateOutput]]:
-    """One request per (prompt, choice); choice index = prompt index * n + choice."""
-    gens = [tm.generate(GenerateReq(ids, params, extra_key))
+                 extra_key: Any, top_logprobs: int | None = None) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    """One request per (prompt, choice); choice index = prompt index * n + choice.
+
+    `top_logprobs`: None for no logprobs, else the alternatives to return per token (0 for none)."""
+    gens = [tm.generate(GenerateReq(ids, params, extra_key, top_logprobs is not None, top_logprobs or 0))
             for ids, per_prompt in zip(prompts, choice_params, strict=True) for params in per_prompt]
     return merge_outputs(gens)
 

@@ -9,6 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.entrypoints.http_errors import bad_request, check_text
+from radixserve.entrypoints.logprobs import TokenTexts, check_top_logprobs, native_logprobs
 from radixserve.entrypoints.openai_protocol import GenerateRequest
 from radixserve.entrypoints.serving_common import (
     ChoiceResult,
@@ -21,7 +22,6 @@ from radixserve.entrypoints.serving_common import (
     make_sampling_params,
     per_choice_params,
     raise_if_aborted,
-    reject_logprobs,
     resolve_max_tokens,
     tokenize_text,
 )
@@ -74,22 +74,26 @@ def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float, finish: st
             "cached_tokens": r.cached_tokens, "finish_reason": reason, "e2e_latency": time.monotonic() - started}
 
 
-async def generate(tm: TokenizerManager, req: GenerateRequest, extra_key: Any, request: Request) -> Response:
+async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest, extra_key: Any,
+                   request: Request) -> Response:
     started = time.monotonic()
     if req.return_logprob:
-        raise reject_logprobs("return_logprob")
+        check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
+    # NOTE: as SGLang, top_logprobs_num without return_logprob is ignored.
+    top_logprobs = req.top_logprobs_num if req.return_logprob else None
     if req.cache_salt is not None:
         check_text(req.cache_salt, "cache_salt")
     prompts, batch, param = _prompts(tm, req)
     params = [_sampling(tm, req.sampling_params, len(p), param) for p in prompts]
     n = params[0].n
     choice_params = [per_choice_params(p, n) for p in params]
-    outputs = generate_all(tm, prompts, choice_params, extra_key)
+    outputs = generate_all(tm, prompts, choice_params, extra_key, top_logprobs)
+    logprob_texts = texts if req.return_logprob else None  # None: no logprobs
     if req.stream:
         if batch or n > 1:
             await outputs.aclose()
             raise bad_request("streaming is supported for one prompt with n = 1", param="stream")
-        return await stream_response(request, outputs, _stream_renderer(started), lambda: [])
+        return await stream_response(request, outputs, _stream_renderer(started, logprob_texts), lambda: [])
     watcher = DisconnectWatcher(request.receive)
     try:
         results = await guarded(lambda: watcher.run(collect(outputs, len(prompts) * n)))
@@ -99,21 +103,25 @@ async def generate(tm: TokenizerManager, req: GenerateRequest, extra_key: Any, r
         watcher.close()
     for r in results:
         raise_if_aborted(r)
-    bodies = [_result_body(r, started) for r in results]
+    bodies = [_result_body(r, started, logprob_texts) for r in results]
     return JSONResponse(bodies if batch or n > 1 else bodies[0])
 
 
-def _result_body(r: ChoiceResult, started: float) -> dict[str, Any]:
+def _result_body(r: ChoiceResult, started: float, logprob_texts: TokenTexts | None) -> dict[str, Any]:
     meta = _meta(r.rid, r, started, r.finish_reason, r.finish_message)
+    if logprob_texts is not None:
+        meta |= native_logprobs(logprob_texts, r)
     return {"text": r.text, "output_ids": r.token_ids, "meta_info": meta}
 
 
-def _stream_renderer(started: float):
+def _stream_renderer(started: float, logprob_texts: TokenTexts | None):
     acc = ChoiceResult()
 
     def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
-        # NOTE: like SGLang, each event carries the whole text and ids so far, not a delta.
+        # NOTE: like SGLang, each event carries the whole text, ids and logprobs so far, not a delta.
         acc.add(out)
         meta = _meta(out.rid, out, started, out.finish_reason, out.finish_message)
+        if logprob_texts is not None:
+            meta |= native_logprobs(logprob_texts, acc)
         return [{"text": acc.text, "output_ids": list(acc.token_ids), "meta_info": meta}]
     return render

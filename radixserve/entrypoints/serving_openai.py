@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, unavailable
+from radixserve.entrypoints.logprobs import TokenTexts, chat_logprobs, check_top_logprobs, completion_logprobs
 from radixserve.entrypoints.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -42,7 +43,6 @@ from radixserve.entrypoints.serving_common import (
     make_sampling_params,
     per_choice_params,
     raise_if_aborted,
-    reject_logprobs,
     resolve_max_tokens,
     sse,
     tokenize_text,
@@ -74,9 +74,10 @@ class _Usage:
 
 
 class OpenAIServing:
-    def __init__(self, tm: TokenizerManager) -> None:
+    def __init__(self, tm: TokenizerManager, texts: TokenTexts | None = None) -> None:
         self.tm = tm
         self.model_name = tm.info.model_name
+        self.texts = texts or TokenTexts(tm.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -103,14 +104,18 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, extra_key: Any, request: Request) -> Response:
         self._check_common(req)
-        if req.echo or req.suffix or (req.best_of or 1) > 1:
-            raise bad_request("'echo', 'suffix' and 'best_of' are not supported", code="unsupported_parameter")
+        if req.echo:
+            raise bad_request("'echo' is not supported (prompt logprobs are not computed)", param="echo",
+                              code="unsupported_parameter")
+        if req.suffix or (req.best_of or 1) > 1:
+            raise bad_request("'suffix' and 'best_of' are not supported", param="suffix" if req.suffix else "best_of",
+                              code="unsupported_parameter")
         if req.logprobs is not None:
-            raise reject_logprobs("logprobs")
+            check_top_logprobs(req.logprobs, "logprobs")
         prompts = self._completion_prompts(req.prompt)
         params = [self._sampling(req, resolve_max_tokens(self.tm, len(p), req.max_tokens, "prompt"))
                   for p in prompts]
-        return await self._serve(req, request, prompts, params, extra_key, chat=False)
+        return await self._serve(req, request, prompts, params, extra_key, chat=False, top_logprobs=req.logprobs)
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -131,13 +136,17 @@ class OpenAIServing:
         self._check_common(req)
         if req.tools or req.response_format:
             raise bad_request("'tools' and 'response_format' are not supported", code="unsupported_parameter")
-        if req.logprobs or req.top_logprobs:
-            raise reject_logprobs("logprobs" if req.logprobs else "top_logprobs")
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs",
+                                  code="invalid_value")
+            check_top_logprobs(req.top_logprobs, "top_logprobs")
         ids = self.chat_prompt(req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = [self._sampling(req, resolve_max_tokens(self.tm, len(ids), max_tokens, "messages", max_param))]
-        return await self._serve(req, request, [ids], params, extra_key, chat=True)
+        top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        return await self._serve(req, request, [ids], params, extra_key, chat=True, top_logprobs=top_logprobs)
 
     def chat_prompt(self, chat: list[ChatMessage]) -> list[int]:
         if not chat:
@@ -176,14 +185,17 @@ class OpenAIServing:
     # -------------------------------------------------------------------------- shared
 
     async def _serve(self, req: Any, request: Request, prompts: list[list[int]], params: list[Any],
-                     extra_key: Any, chat: bool) -> Response:
+                     extra_key: Any, chat: bool, top_logprobs: int | None) -> Response:
+        """`top_logprobs`: None without logprobs, else the alternatives per token."""
         choice_params = [per_choice_params(p, req.n) for p in params]
-        outputs = generate_all(self.tm, prompts, choice_params, extra_key)
+        outputs = generate_all(self.tm, prompts, choice_params, extra_key, top_logprobs)
         usage = _Usage([len(p) for p in prompts], req.n)
         rid = new_id("chatcmpl" if chat else "cmpl")
+        logprobs = top_logprobs is not None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            render = self._chat_renderer(rid, usage) if chat else self._completion_renderer(rid, usage)
+            renderer = self._chat_renderer if chat else self._completion_renderer
+            render = renderer(rid, usage, logprobs)
             chunk_type = ChatCompletionChunk if chat else CompletionChunk
 
             def finale() -> list[dict[str, Any]]:
@@ -204,26 +216,37 @@ class OpenAIServing:
         for i, r in enumerate(results):
             usage.completion[i], usage.cached[i] = r.completion_tokens, r.cached_tokens
         build = self._chat_response if chat else self._completion_response
-        return JSONResponse(build(rid, results, usage.info()).model_dump())
+        return JSONResponse(build(rid, results, usage.info(), logprobs).model_dump())
 
-    def _completion_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo) -> CompletionResponse:
-        choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason)
+    def _completion_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo,
+                             logprobs: bool) -> CompletionResponse:
+        choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
+                                    logprobs=completion_logprobs(self.texts, r) if logprobs else None)
                    for i, r in enumerate(results)]
         return CompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
 
-    def _chat_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason)
+    def _chat_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo,
+                       logprobs: bool) -> ChatCompletionResponse:
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason,
+                              logprobs=chat_logprobs(self.texts, r) if logprobs else None)
                    for i, r in enumerate(results)]
         return ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
 
-    def _completion_renderer(self, rid: str, usage: _Usage) -> Render:
+    def _completion_renderer(self, rid: str, usage: _Usage, logprobs: bool) -> Render:
+        offsets: dict[int, int] = {}  # per choice: characters of token text sent so far, for text_offset
+
         def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
             usage.add(index, out)
-            choice = CompletionChoice(index=index, text=out.text_delta, finish_reason=out.finish_reason)
+            entries = None
+            if logprobs:
+                entries = completion_logprobs(self.texts, out, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(map(len, entries.tokens))
+            choice = CompletionChoice(index=index, text=out.text_delta, logprobs=entries,
+                                      finish_reason=out.finish_reason)
             return [CompletionChunk(id=rid, created=now(), model=self.model_name, choices=[choice]).model_dump()]
         return render
 
-    def _chat_renderer(self, rid: str, usage: _Usage) -> Render:
+    def _chat_renderer(self, rid: str, usage: _Usage, logprobs: bool) -> Render:
         started: set[int] = set()
 
         def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
@@ -232,8 +255,10 @@ class OpenAIServing:
             if index not in started:
                 started.add(index)
                 choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
-            if out.text_delta or out.finish_reason is not None:
+            # NOTE: with logprobs every step's tokens get a chunk, even while their text is held back.
+            if out.text_delta or out.finish_reason is not None or (logprobs and out.token_ids):
                 choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(content=out.text_delta or None),
+                                                logprobs=chat_logprobs(self.texts, out) if logprobs else None,
                                                 finish_reason=out.finish_reason))
             return [ChatCompletionChunk(id=rid, created=now(), model=self.model_name, choices=[c]).model_dump()
                     for c in choices]

@@ -10,6 +10,8 @@ from typing import Any
 
 from radixserve.sampling_params import SamplingParams
 
+MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for, as OpenAI's top_logprobs
+
 
 @dataclass
 class TokenizedGenerateReqInput:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixserve.managers.io_struct import (
+    MAX_TOP_LOGPROBS,
     AbortReq,
     FlushCacheOut,
     FlushCacheReq,
@@ -39,8 +40,6 @@ from radixserve.mem_cache.radix_key import check_namespace
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-MAX_TOP_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
 class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):

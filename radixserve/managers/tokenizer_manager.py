@@ -80,11 +80,16 @@ class FrontendConfig:
     control_timeout_s: float = 30.0  # flush_cache, get_server_info, health_generate
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of one position's alternatives, most likely first
+
+
 @dataclass
 class GenerateReq:
     input_ids: list[int]
     sampling_params: SamplingParams
     extra_key: Any = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0  # with return_logprob: alternatives per token, at most MAX_TOP_LOGPROBS
 
 
 @dataclass
@@ -98,6 +103,9 @@ class GenerateOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # With return_logprob: one entry per token of `token_ids` (a matched stop token included).
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass
@@ -106,6 +114,8 @@ class _Step:
     finished: dict[str, Any] | None
     completion_tokens: int
     cached_tokens: int
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass
@@ -224,8 +234,9 @@ class TokenizerManager:
         detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop)
         self._states[rid] = state
         try:
-            self._send(TokenizedGenerateReqInput(rid, list(req.input_ids), req.sampling_params, req.extra_key,
-                                                 stream=True))
+            self._send(TokenizedGenerateReqInput(
+                rid, list(req.input_ids), req.sampling_params, req.extra_key, stream=True,
+                return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num))
             while True:
                 step = await state.queue.get()
                 if isinstance(step, Exception):
@@ -238,7 +249,7 @@ class TokenizerManager:
                     finish_message=None if finished is None else finished.get("message"),
                     finish_status=None if finished is None else finished.get("status_code"),
                     prompt_tokens=state.prompt_len, completion_tokens=step.completion_tokens,
-                    cached_tokens=step.cached_tokens)
+                    cached_tokens=step.cached_tokens, logprobs=step.logprobs, top_logprobs=step.top_logprobs)
                 if finished is not None:
                     return
         finally:
@@ -316,7 +327,8 @@ class TokenizerManager:
             self._observe_step(state, len(new_ids), now)
             state.cached_tokens = out.cached_tokens[i]
             finished = out.finished_reasons[i]
-            state.queue.put_nowait(_Step(new_ids, finished, out.completion_tokens[i], out.cached_tokens[i]))
+            state.queue.put_nowait(_Step(new_ids, finished, out.completion_tokens[i], out.cached_tokens[i],
+                                         out.output_logprobs[i], out.output_top_logprobs[i]))
             if finished is not None:
                 state.done = True
                 self._observe_finished(state, aborted=finished.get("type") == "abort")

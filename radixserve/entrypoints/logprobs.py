@@ -1,0 +1,133 @@
+"""Logprobs of generated tokens in the server's three shapes: OpenAI chat, OpenAI legacy completions and
+SGLang's native `meta_info`.
+
+The scheduler sends, per generated token, its logprob and its `top_logprobs_num` most likely
+alternatives as (token id, logprob) (`GenerateOutput.logprobs`, `.top_logprobs`); this module turns
+ids into text. A token's text is `tokenizer.decode([id])`; its `bytes` are the UTF-8 bytes it stands
+for, which with byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen) can be part of a character (the text
+then reads U+FFFD), so a client can join the bytes of consecutive tokens to get exact text.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from typing import Any, Protocol
+
+from radixserve.entrypoints.http_errors import bad_request
+from radixserve.entrypoints.openai_protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+)
+from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
+from radixserve.managers.tokenizer_manager import TopLogprobs
+
+# NOTE: JSON has no -inf; a logprob below this (an underflow) is reported as this floor.
+LOGPROB_FLOOR = -9999.0
+
+
+class HasLogprobs(Protocol):
+    """One step's output (`GenerateOutput`) or a whole choice (`ChoiceResult`)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[TopLogprobs] | None
+
+
+def check_top_logprobs(value: int, param: str) -> None:
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"'{param}' must be between 0 and {MAX_TOP_LOGPROBS}, got {value}", param=param,
+                          code="invalid_value")
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, reversed: printable Latin-1 bytes (but space and soft
+    hyphen) stand for themselves, the other 68 bytes are U+0100 onwards in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = sorted(set(range(256)) - set(printable))
+    return {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+
+
+class TokenTexts:
+    """Text and UTF-8 bytes of single tokens, cached per id."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._alphabet = byte_level_alphabet() if _is_byte_level(tokenizer) else None
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def text(self, token_id: int) -> str:
+        return self._entry(token_id)[0]
+
+    def utf8(self, token_id: int) -> list[int]:
+        return self._entry(token_id)[1]
+
+    def _entry(self, token_id: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            text = self.tokenizer.decode([token_id])
+            entry = self._cache[token_id] = (text, self._bytes(token_id, text))
+        return entry
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        if self._alphabet is not None and token_id not in self._added:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if all(c in self._alphabet for c in piece):
+                return [self._alphabet[c] for c in piece]
+        # Other tokenizers: exact for whole characters; part of one reads as U+FFFD's bytes.
+        return list(text.encode())
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def _entries(out: HasLogprobs) -> list[tuple[int, float, TopLogprobs]]:
+    """(token id, logprob, alternatives) per token; the scheduler sends one of each per token id."""
+    logprobs = out.logprobs or []
+    tops = out.top_logprobs or [[] for _ in logprobs]
+    return list(zip(out.token_ids, logprobs, tops, strict=True))
+
+
+def chat_logprobs(texts: TokenTexts, out: HasLogprobs) -> ChatLogprobs:
+    """OpenAI chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(token: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=texts.text(token), logprob=_finite(logprob), bytes=texts.utf8(token))
+
+    content = [ChatTokenLogprob(token=texts.text(token), logprob=_finite(lp), bytes=texts.utf8(token),
+                                top_logprobs=[entry(t, v) for t, v in top])
+               for token, lp, top in _entries(out)]
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(texts: TokenTexts, out: HasLogprobs, offset: int = 0) -> CompletionLogprobs:
+    """OpenAI legacy completions' `logprobs`; `offset` is the completion's length before these tokens."""
+    entries = _entries(out)
+    tokens = [texts.text(t) for t, _, _ in entries]
+    tops = []
+    for _, _, top in entries:
+        alternatives: dict[str, float] = {}
+        for t, v in top:
+            alternatives.setdefault(texts.text(t), _finite(v))  # two tokens with one text: the likelier
+        tops.append(alternatives)
+    offsets = list(accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else []
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[_finite(lp) for _, lp, _ in entries],
+                              top_logprobs=tops, text_offset=offsets)
+
+
+def native_logprobs(texts: TokenTexts, out: HasLogprobs) -> dict[str, Any]:
+    """SGLang's `meta_info` fields: [logprob, token id, text] per token, and per token its alternatives."""
+    entries = _entries(out)
+    return {
+        "output_token_logprobs": [[_finite(lp), t, texts.text(t)] for t, lp, _ in entries],
+        "output_top_logprobs": [[[_finite(v), t, texts.text(t)] for t, v in top] for _, _, top in entries],
+    }
