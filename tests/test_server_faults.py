@@ -101,6 +101,23 @@ def test_non_streaming_disconnect_aborts_within_a_step_and_releases_kv(server: S
     _assert_aborted_within_a_step(server, before, time.monotonic())
 
 
+def test_abort_request_reaches_only_the_callers_own_requests(server: ServerHandle) -> None:
+    body = {"text": "Count from one to one thousand:", "rid": "shared-name",
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(server.post("/generate", headers=_as(KEYS[0]), json=body)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.info()["in_flight_requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    other = server.post("/abort_request", headers=_as(KEYS[1]), json={"rid": "shared-name", "abort_all": True})
+    assert other.json()["aborted"] == 0  # another key cannot reach it, even with abort_all
+    assert server.post("/abort_request", headers=_as(KEYS[0]), json={"rid": "shared-name"}).json()["aborted"] == 1
+    thread.join(60)
+    assert box[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert_conservation(wait_idle(server))
+
+
 def test_stuck_scheduler_fails_health_then_recovers(server: ServerHandle) -> None:
     pid = server.scheduler_pid()
     os.kill(pid, signal.SIGSTOP)
@@ -157,3 +174,4 @@ def test_dead_scheduler_fails_requests_in_flight_with_503(server: ServerHandle) 
     info = server.info()
     assert info["scheduler_alive"] is False and info["in_flight_requests"] == 0
     assert server.metrics()["radixserve:scheduler_up"] == 0.0
+

@@ -19,9 +19,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.entrypoints import serving_native
-from radixserve.entrypoints.http_errors import ApiError, install_error_handlers, parse_request, unavailable
+from radixserve.entrypoints.http_errors import (
+    ApiError,
+    bad_request,
+    install_error_handlers,
+    parse_request,
+    unavailable,
+)
 from radixserve.entrypoints.logprobs import TokenTexts
 from radixserve.entrypoints.openai_protocol import (
+    AbortRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -105,6 +112,15 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         req = await parse_request(request, GenerateRequest, limit)
         extra_key = cache_namespace(key_id, req.cache_salt, req.extra_key)
         return await guarded(lambda: serving_native.generate(tm, texts, req, extra_key, request))
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> JSONResponse:
+        key_id = auth.key_id(request)
+        req = await parse_request(request, AbortRequest, limit)
+        if req.rid is None and not req.abort_all:
+            raise bad_request("give the 'rid' to abort, or 'abort_all': true", param="rid")
+        aborted = tm.abort_request(req.rid, key_id, req.abort_all)
+        return JSONResponse({"success": True, "aborted": aborted})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

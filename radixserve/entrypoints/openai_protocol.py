@@ -50,6 +50,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    rid: str | None = None  # SGLang's extension: a name for the request, for /abort_request
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -106,10 +107,18 @@ class GenerateRequest(_Request):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
+    rid: str | list[str] | None = None  # one per prompt; for /abort_request
     top_logprobs_num: int = 0  # 0-20, used only with return_logprob
     return_text_in_logprobs: bool = False  # accepted for SGLang clients; the text is always included
     cache_salt: str | None = None
     extra_key: str | None = None
+
+
+class AbortRequest(_Request):
+    """SGLang's /abort_request: the `rid` given at generation, or every request of the caller."""
+
+    rid: str | None = None
+    abort_all: bool = False
 
 
 class TokenizeRequest(_Request):

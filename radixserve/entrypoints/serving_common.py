@@ -167,8 +167,12 @@ async def collect(outputs: AsyncIterator[tuple[int, GenerateOutput]], num_choice
     return results
 
 
+CLIENT_ABORT = 499  # the scheduler's status of an abort the client asked for (/abort_request, disconnect)
+
+
 def raise_if_aborted(result: ChoiceResult | GenerateOutput) -> None:
-    if result.finish_reason == "abort":
+    # NOTE: an abort the client asked for is a normal end: finish_reason "abort" and the partial output.
+    if result.finish_reason == "abort" and result.finish_status != CLIENT_ABORT:
         status = result.finish_status if result.finish_status in (400, 500, 503) else 500
         raise ApiError(status, f"request aborted by the scheduler: {result.finish_message or 'no reason given'}",
                        code="request_aborted")
@@ -210,12 +214,15 @@ def tokenize_text(tm: TokenizerManager, text: str, param: str) -> list[int]:
 
 
 def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: list[list[SamplingParams]],
-                 extra_key: Any, top_logprobs: int | None = None) -> AsyncIterator[tuple[int, GenerateOutput]]:
+                 extra_key: Any, top_logprobs: int | None = None,
+                 client_rids: list[str | None] | None = None) -> AsyncIterator[tuple[int, GenerateOutput]]:
     """One request per (prompt, choice); choice index = prompt index * n + choice.
 
-    `top_logprobs`: None for no logprobs, else the alternatives to return per token (0 for none)."""
-    gens = [tm.generate(GenerateReq(ids, params, extra_key, top_logprobs is not None, top_logprobs or 0))
-            for ids, per_prompt in zip(prompts, choice_params, strict=True) for params in per_prompt]
+    `top_logprobs`: None for no logprobs, else the alternatives to return per token (0 for none).
+    `client_rids`: the client's rid of each prompt (its choices share it), for /abort_request."""
+    rids = client_rids or [None] * len(prompts)
+    gens = [tm.generate(GenerateReq(ids, params, extra_key, top_logprobs is not None, top_logprobs or 0, rid))
+            for ids, per_prompt, rid in zip(prompts, choice_params, rids, strict=True) for params in per_prompt]
     return merge_outputs(gens)
 
 

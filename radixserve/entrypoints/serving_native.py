@@ -50,6 +50,18 @@ def _prompts(tm: TokenizerManager, req: GenerateRequest) -> tuple[list[list[int]
     return prompts, batch, param
 
 
+def _client_rids(req: GenerateRequest, num_prompts: int, batch: bool) -> list[str | None]:
+    """SGLang's `rid`: one string for one prompt, a list with one per prompt for a batch."""
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] * num_prompts
+    if isinstance(req.rid, list) and (not batch or len(rids) != num_prompts):
+        raise bad_request(f"'rid' lists {len(rids)} ids for {num_prompts} prompt(s); give one per prompt",
+                          param="rid")
+    for rid in rids:
+        if rid is not None:
+            check_text(rid, "rid")
+    return rids
+
+
 def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, param: str) -> SamplingParams:
     known = set(SamplingParams.__dataclass_fields__)
     unknown = sorted(set(values) - known)
@@ -87,7 +99,7 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
     params = [_sampling(tm, req.sampling_params, len(p), param) for p in prompts]
     n = params[0].n
     choice_params = [per_choice_params(p, n) for p in params]
-    outputs = generate_all(tm, prompts, choice_params, extra_key, top_logprobs)
+    outputs = generate_all(tm, prompts, choice_params, extra_key, top_logprobs, _client_rids(req, len(prompts), batch))
     logprob_texts = texts if req.return_logprob else None  # None: no logprobs
     if req.stream:
         if batch or n > 1:

@@ -31,6 +31,7 @@ from radixserve.entrypoints.openai_protocol import (
     now,
 )
 from radixserve.entrypoints.serving_common import (
+    CLIENT_ABORT,
     END,
     ChoiceResult,
     ClientDisconnected,
@@ -51,7 +52,7 @@ from radixserve.managers.tokenizer_manager import GenerateOutput, SchedulerUnava
 
 Render = Callable[[int, GenerateOutput], list[dict[str, Any]]]
 
-CLIENT_CLOSED = 499  # nginx's code; nobody reads it, the client is gone
+CLIENT_CLOSED = CLIENT_ABORT  # nginx's code; nobody reads it, the client is gone
 
 
 class _Usage:
@@ -188,7 +189,9 @@ class OpenAIServing:
                      extra_key: Any, chat: bool, top_logprobs: int | None) -> Response:
         """`top_logprobs`: None without logprobs, else the alternatives per token."""
         choice_params = [per_choice_params(p, req.n) for p in params]
-        outputs = generate_all(self.tm, prompts, choice_params, extra_key, top_logprobs)
+        if req.rid is not None:
+            check_text(req.rid, "rid")
+        outputs = generate_all(self.tm, prompts, choice_params, extra_key, top_logprobs, [req.rid] * len(prompts))
         usage = _Usage([len(p) for p in prompts], req.n)
         rid = new_id("chatcmpl" if chat else "cmpl")
         logprobs = top_logprobs is not None

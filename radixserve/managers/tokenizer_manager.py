@@ -66,6 +66,13 @@ def cache_namespace(api_key_id: str | None, cache_salt: str | None, extra_key: s
     return tuple(parts) or None
 
 
+def namespace_owner(extra_key: tuple | None) -> str | None:
+    """The API key id a request's namespace starts with (see cache_namespace), or None."""
+    if extra_key and extra_key[0][0] == "api":
+        return extra_key[0][1]
+    return None
+
+
 def api_key_id(key: str) -> str:
     return hashlib.sha256(b"radixserve-namespace\0" + key.encode()).hexdigest()[:32]
 
@@ -90,6 +97,7 @@ class GenerateReq:
     extra_key: Any = None
     return_logprob: bool = False
     top_logprobs_num: int = 0  # with return_logprob: alternatives per token, at most MAX_TOP_LOGPROBS
+    client_rid: str | None = None  # the client's name for it (SGLang's rid), for /abort_request
 
 
 @dataclass
@@ -127,6 +135,8 @@ class _ReqState:
     last_token_at: float | None = None
     cached_tokens: int = 0
     done: bool = False
+    client_rid: str | None = None
+    owner: str | None = None
 
 
 class SchedulerLink:
@@ -229,7 +239,7 @@ class TokenizerManager:
         """Yields the outputs of one request. Close it (aclosing) to abort the request early."""
         self._ensure_alive()
         rid = uuid.uuid4().hex
-        state = _ReqState(rid, len(req.input_ids))
+        state = _ReqState(rid, len(req.input_ids), client_rid=req.client_rid, owner=namespace_owner(req.extra_key))
         # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
         detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop)
         self._states[rid] = state
@@ -256,6 +266,16 @@ class TokenizerManager:
             self._states.pop(rid, None)
             if not state.done:
                 self._abort_state(state, count=True)
+
+    def abort_request(self, client_rid: str | None, owner: str | None, abort_all: bool = False) -> int:
+        """Ask the scheduler to abort `owner`'s requests named `client_rid` (all of them with `abort_all`).
+
+        They end as usual, with finish reason abort (status 499), and their partial output; returns how many."""
+        hits = [s for s in self._states.values()
+                if not s.done and s.owner == owner and (abort_all or s.client_rid == client_rid)]
+        for state in hits:
+            self._send(AbortReq(state.rid), quiet=True)
+        return len(hits)
 
     def _abort_state(self, state: _ReqState, count: bool) -> None:
         state.done = True
