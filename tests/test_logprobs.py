@@ -119,3 +119,61 @@ def test_mixed_batch_streaming_and_validation(engines):
     assert [lp for lp, _, _ in streamed] == pytest.approx([lp for lp, _, _ in whole], abs=1e-4)
     with pytest.raises(ValueError, match="top_logprobs_num"):
         engine.generate(PROMPTS[0], GREEDY, return_logprob=True, top_logprobs_num=21)
+
+
+def test_prompt_logprobs_match_transformers_and_are_never_read_from_the_cache(engines):
+    overlap, normal = engines
+    hf = hf_model_from_gguf(torch.float32)
+    prompt = "A long and winding road leads to a small village where the people grow apples and pears"
+    ids = overlap.tokenizer.encode(prompt)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for engine in (overlap, normal):
+        engine.flush_cache()
+        warm = engine.generate(prompt, GREEDY)  # the whole prompt is in the tree now
+        assert warm["meta_info"]["cached_tokens"] == 0
+        for start in (0, 5):
+            out = engine.generate(prompt, {**GREEDY, "max_new_tokens": 2}, return_logprob=True,
+                                  top_logprobs_num=2, logprob_start_len=start)
+            meta = out["meta_info"]
+            entries = meta["input_token_logprobs"]
+            assert [t for _, t, _ in entries] == ids[start:] and len(meta["input_top_logprobs"]) == len(entries)
+            if start == 0:
+                assert entries[0][0] is None and meta["input_top_logprobs"][0] == []
+            for pos, (lp, token, _) in enumerate(entries, start=start):
+                if pos == 0:
+                    continue
+                assert lp == pytest.approx(ref[pos - 1, token].item(), abs=2e-3), pos
+                top = meta["input_top_logprobs"][pos - start]
+                assert [t for _, t, _ in top] == torch.topk(ref[pos - 1], 2).indices.tolist()
+            # NOTE: positions from start - 1 on are recomputed; only the part before comes from the tree.
+            assert meta["cached_tokens"] == max(start - 1, 0)
+        assert "input_token_logprobs" not in engine.generate(prompt, GREEDY, return_logprob=True)["meta_info"]
+
+
+def test_prompt_logprobs_over_chunked_prefill_and_max_new_tokens_zero(engines):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ids = list(range(1000, 1050))
+    try:
+        results = []
+        for overlap in (True, False):
+            engine = Engine(dtype="float32", device="cpu", max_total_tokens=512, chunked_prefill_size=16,
+                            disable_overlap_schedule=not overlap, log_level="warning")
+            try:
+                out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                      logprob_start_len=3)
+                state = engine.get_internal_state()
+                assert "error" not in state["kv_conservation"] and state["protected_tokens"] == 0
+            finally:
+                engine.shutdown()
+            assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length"
+            results.append([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]])
+        whole = engines[1].generate(input_ids=ids, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                    logprob_start_len=3)
+        unchunked = [lp for lp, _, _ in whole["meta_info"]["input_token_logprobs"]]
+        assert len(unchunked) == len(ids) - 3 and all(lp is not None for lp in unchunked)
+        assert results[0] == pytest.approx(unchunked, abs=1e-4)
+        assert results[1] == pytest.approx(unchunked, abs=1e-4)
+    finally:
+        torch.set_num_threads(threads)

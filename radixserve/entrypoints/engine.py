@@ -67,14 +67,17 @@ class Engine:
     def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
                  input_ids: list[int] | list[list[int]] | None = None, extra_key: Any = None,
                  stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
-                 ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+                 logprob_start_len: int = -1) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list (a list back); `stream=True` yields increments.
 
         With `return_logprob`, `meta_info` holds `output_token_logprobs`, one (logprob, token id, text)
-        per output token, and `output_top_logprobs`, the `top_logprobs_num` most likely per position."""
+        per output token, and `output_top_logprobs`, the `top_logprobs_num` most likely per position;
+        with `logprob_start_len` >= 0 also `input_token_logprobs` / `input_top_logprobs` of the prompt
+        from that position on (None at position 0), computed, never read from the radix cache."""
         batch, single = self._normalize_inputs(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(batch))
-        logprobs = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num}
+        logprobs = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                    "logprob_start_len": logprob_start_len}
         if stream:
             if not single or params[0].n != 1:
                 raise ValueError("stream=True takes one prompt with n=1")
@@ -96,23 +99,25 @@ class Engine:
 
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
                extra_key: Any = None, stream: bool = False, rid: str | None = None, return_logprob: bool = False,
-               top_logprobs_num: int = 0) -> RequestHandle:
+               top_logprobs_num: int = 0, logprob_start_len: int = -1) -> RequestHandle:
         """Queue one request and return at once; the handle waits for, streams or aborts it."""
         self._raise_if_dead()
         params = SamplingParams.from_any(sampling_params)
         rid = rid or uuid.uuid4().hex
         error = self.scheduler.validate_request(
-            Req(rid, input_ids, params, extra_key, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num))
+            Req(rid, input_ids, params, extra_key, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len))
         if error is not None:
             raise ValueError(error)
-        state = RequestState(rid, list(input_ids), params, self.tokenizer, stream, return_logprob)
+        state = RequestState(rid, list(input_ids), params, self.tokenizer, stream, return_logprob,
+                             logprob_start_len if return_logprob else -1)
         with self._lock:
             if rid in self._states:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._states[rid] = state
         # NOTE: always streamed from the scheduler, so the time of the first token is known (TTFT).
         self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True,
-                                                                 return_logprob, top_logprobs_num))
+                                                                 return_logprob, top_logprobs_num, logprob_start_len))
         return RequestHandle(state, self)
 
     def abort(self, rid: str) -> None:
@@ -191,6 +196,8 @@ class Engine:
                     if state is not None and out.finished_reasons[i] is not None:
                         del self._states[rid]
                 if state is not None:
+                    if out.input_token_logprobs[i] is not None:  # NOTE: before on_tokens, which may end it
+                        state.on_input_logprobs(out.input_token_logprobs[i], out.input_top_logprobs[i])
                     state.on_tokens(out.new_token_ids[i], out.finished_reasons[i], out.prompt_tokens[i],
                                     out.completion_tokens[i], out.cached_tokens[i], now,
                                     out.output_logprobs[i], out.output_top_logprobs[i])

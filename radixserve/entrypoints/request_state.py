@@ -19,7 +19,7 @@ class RequestState:
     """Written by the scheduler thread (`on_tokens`, `fail`), read by the caller's thread."""
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, tokenizer: Any,
-                 stream: bool, return_logprob: bool = False) -> None:
+                 stream: bool, return_logprob: bool = False, logprob_start_len: int = -1) -> None:
         self.rid = rid
         self.input_ids = input_ids
         self.params = params
@@ -28,6 +28,9 @@ class RequestState:
         self.return_logprob = return_logprob
         self.logprobs: list[float] = []  # with return_logprob: one per output id
         self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.logprob_start_len = logprob_start_len
+        self.input_logprobs: list[float | None] = []  # prompt positions logprob_start_len.. (when >= 0)
+        self.input_top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: dict[str, Any] | None = None
         self.prompt_tokens = len(input_ids)
         self.completion_tokens = 0
@@ -57,6 +60,9 @@ class RequestState:
         if finish_reason is not None:
             self.done.set()
 
+    def on_input_logprobs(self, logprobs: list[float | None], top_logprobs: list[list[tuple[int, float]]]) -> None:
+        self.input_logprobs, self.input_top_logprobs = list(logprobs), list(top_logprobs)
+
     def fail(self, error: BaseException) -> None:
         self.error = error
         if self.increments is not None:
@@ -79,6 +85,12 @@ class RequestState:
         if self.return_logprob:
             info["output_token_logprobs"] = self.token_logprobs(start, end_index)
             info["output_top_logprobs"] = self.position_top_logprobs(start, end_index)
+        if self.logprob_start_len >= 0 and start == 0:
+            ids = self.input_ids[self.logprob_start_len:]
+            # NOTE: empty until the prompt was computed (a request aborted earlier never gets them).
+            info["input_token_logprobs"] = [(lp, t, self._text(t))
+                                            for lp, t in zip(self.input_logprobs, ids, strict=False)]
+            info["input_top_logprobs"] = [[(lp, t, self._text(t)) for t, lp in top] for top in self.input_top_logprobs]
         return info
 
     def token_logprobs(self, start: int = 0, end: int | None = None) -> list[tuple[float, int, str]]:

@@ -75,6 +75,14 @@ def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, info: Samplin
     return TokenLogprobs(chosen, top.values, top.indices)
 
 
+def compute_input_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, top_k: int) -> TokenLogprobs:
+    """Prompt-token logprobs: row i scores `target_ids[i]` under the model's own distribution."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, target_ids.view(-1, 1)).squeeze(1)
+    top = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
+    return TokenLogprobs(chosen, top.values, top.indices)
+
+
 class Sampler:
     """`seed` seeds the stream of unseeded rows when a batch names no `generator_seed`."""
 

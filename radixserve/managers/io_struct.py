@@ -22,6 +22,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0  # with return_logprob: the most likely tokens to report at each step
+    logprob_start_len: int = -1  # with return_logprob: also the prompt's logprobs from this position
 
 
 @dataclass
@@ -64,3 +65,7 @@ class BatchTokenIDOut:
     # With return_logprob: the logprob of each new token, and its top alternatives as (token id, logprob).
     output_logprobs: list[list[float] | None] = field(default_factory=list)
     output_top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
+    # With logprob_start_len >= 0: the prompt's logprobs from that position (None for position 0),
+    # sent once, in the first message after the prompt was fully computed; else None.
+    input_token_logprobs: list[list[float | None] | None] = field(default_factory=list)
+    input_top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)

@@ -57,7 +57,7 @@ class Req:
 
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
                  extra_key: Any = None, stream: bool = False, eos_token_ids: Iterable[int] = (),
-                 return_logprob: bool = False, top_logprobs_num: int = 0) -> None:
+                 return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1) -> None:
         self.rid = rid
         self.origin_input_ids: list[int] = list(origin_input_ids)
         self.output_ids: list[int] = []
@@ -73,6 +73,12 @@ class Req:
         self.top_logprobs_num = top_logprobs_num if return_logprob else 0
         self.output_token_logprobs: list[float] = []  # with return_logprob: one per output id
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        # Input logprobs of prompt positions [logprob_start_len, n) (-1: none). Position 0 has no context.
+        self.logprob_start_len = logprob_start_len if return_logprob else -1
+        self.input_token_logprobs: list[float | None] = [None] if self.logprob_start_len == 0 else []
+        self.input_top_logprobs: list[list[tuple[int, float]]] = [[]] if self.logprob_start_len == 0 else []
+        self.input_logprob_next = max(self.logprob_start_len, 1)  # next prompt position a forward will score
+        self.input_logprobs_sent = False
         # KV bookkeeping (read and written by the radix cache as well).
         self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = _EMPTY_INDICES
@@ -107,12 +113,25 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Some prompt position still has to be scored by a forward."""
+        return self.logprob_start_len >= 0 and self.input_logprob_next < len(self.origin_input_ids)
+
+    def input_logprobs_complete(self) -> bool:
+        return self.logprob_start_len >= 0 and len(self.input_token_logprobs) == (
+            len(self.origin_input_ids) - self.logprob_start_len)
+
     def init_next_round_input(self, tree_cache: Any = None) -> None:
         """Set `fill_ids` to the whole sequence; with a tree, re-match the prefix (limit: all but one token)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None:
             # NOTE: at least one token is always computed, so the forward has logits to sample from.
             limit = max(len(self.fill_ids) - 1, 0)
+            if self.wants_input_logprobs:
+                # NOTE: the logits at position p score prompt token p + 1, and a cached prefix has no
+                # logits: positions from input_logprob_next - 1 on are computed, never matched.
+                limit = min(limit, self.input_logprob_next - 1)
             match = kv_ops.match_prefix(tree_cache, self.fill_ids[:limit], self.extra_key)
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
             self.cache_protected_len = len(self.prefix_indices)
@@ -211,7 +230,32 @@ class ScheduleBatch:
         rows = [r.req_pool_idx for r in reqs]
         self.forward_batch = ForwardBatch.for_extend(input_ids, rows, prefix_lens, extend_lens,
                                                      out_cache_loc, self.device)
+        self._plan_input_logprobs(prefix_lens, extend_lens)
         return self.forward_batch
+
+    def _plan_input_logprobs(self, prefix_lens: list[int], extend_lens: list[int]) -> None:
+        """Ask the forward for the logits that score prompt tokens (requests with logprob_start_len)."""
+        indices: list[int] = []
+        targets: list[int] = []
+        counts: list[int] = []
+        offset = 0
+        for req, pre, ext in zip(self.reqs, prefix_lens, extend_lens, strict=True):
+            lo, hi = max(pre, req.input_logprob_next - 1), min(pre + ext, len(req.origin_input_ids) - 1)
+            count = max(hi - lo, 0) if req.wants_input_logprobs else 0
+            indices.extend(range(offset + lo - pre, offset + lo - pre + count))
+            targets.extend(req.origin_input_ids[lo + 1 : lo + 1 + count])
+            counts.append(count)
+            # NOTE: advanced when scheduled, not when processed: under overlap the next chunk is built
+            # before this one's result is back, and must neither re-score nor skip a position.
+            req.input_logprob_next += count
+            offset += ext
+        if not indices:
+            return
+        fb = self.forward_batch
+        fb.extra_logits_indices = torch.tensor(indices, dtype=torch.int64, device=self.device)
+        fb.extra_target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
+        fb.extra_top_k = max(r.top_logprobs_num for r, n in zip(self.reqs, counts, strict=True) if n)
+        fb.input_logprob_counts = counts
 
     @staticmethod
     def _count_cached_tokens(req: Req, prefix_len: int, seq_len: int) -> None:

@@ -31,6 +31,7 @@ from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerSta
 from radixserve.managers.scheduler_output_processor import (
     GenerationBatchResult,
     SchedulerOutputProcessorMixin,
+    host_input_logprobs,
     host_logprobs,
     logprob_top_k,
 )
@@ -280,13 +281,15 @@ class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
         info = self.make_sampling_info(batch)
         next_ids = self.model_runner.sample(logits, info)
         logprobs = host_logprobs(self.step_logprobs(logprob_top_k(batch.reqs), logits, next_ids, info))
+        fb = batch.forward_batch
+        input_logprobs = host_input_logprobs(fb.input_logprobs, fb.input_logprob_counts)
         next_ids = next_ids.tolist()
         elapsed = time.perf_counter() - start  # NOTE: tolist() waits for the device, so this is the forward
         if batch.forward_mode.is_extend():
             self.stats.prefill_forward_s += elapsed
         else:
             self.stats.decode_forward_s += elapsed
-        return GenerationBatchResult(next_ids, *logprobs)
+        return GenerationBatchResult(next_ids, *logprobs, input_logprobs)
 
     def step_logprobs(self, top_k: int | None, logits: Any, next_ids: Any, info: Any) -> Any:
         """This step's `TokenLogprobs` (with `top_k` alternatives per row), or None when top_k is None."""
@@ -314,7 +317,7 @@ class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.eos_token_ids,
-                  msg.return_logprob, msg.top_logprobs_num)
+                  msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len)
         error = self.validate_request(req)
         if msg.rid in self.reqs:
             error = f"request id {msg.rid!r} is already in use"
@@ -343,6 +346,8 @@ class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
         bad = [t for t in req.origin_input_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+        if not -1 <= req.logprob_start_len < n:
+            return f"logprob_start_len must be -1 or a prompt position (0 to {n - 1}), got {req.logprob_start_len}"
         if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
             return f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs_num}"
         try:

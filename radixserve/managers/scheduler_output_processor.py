@@ -24,6 +24,8 @@ class GenerationBatchResult(NamedTuple):
     next_token_ids: list[int]  # one sampled token per request of the batch, in batch order
     logprobs: list[float] | None = None  # of each sampled token; None when no request asked
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), most likely first
+    # Per request (extend only): the prompt positions this forward scored, as (logprobs, top), or None.
+    input_logprobs: list[tuple[list[float], list[list[tuple[int, float]]]] | None] | None = None
 
     def select(self, rows: list[int]) -> GenerationBatchResult:
         """The result of the batch rows `rows`, in that order."""
@@ -34,6 +36,18 @@ def logprob_top_k(reqs: list[Req]) -> int | None:
     """How many alternatives a batch's logprobs need per row; None when no request asked for logprobs."""
     asking = [r.top_logprobs_num for r in reqs if r.return_logprob]
     return max(asking) if asking else None
+
+
+def host_input_logprobs(lp: TokenLogprobs | None, counts: list[int] | None) -> list | None:
+    """Device input logprobs as per-request host slices (see GenerationBatchResult.input_logprobs)."""
+    if lp is None:
+        return None
+    values, tops = host_logprobs(lp)
+    per_request, at = [], 0
+    for n in counts:
+        per_request.append((values[at : at + n], tops[at : at + n]) if n else None)
+        at += n
+    return per_request
 
 
 def host_logprobs(lp: TokenLogprobs | None) -> tuple[list[float] | None, list[list[tuple[int, float]]] | None]:
@@ -54,6 +68,10 @@ class SchedulerOutputProcessorMixin:
 
     def process_batch_result_prefill(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
+            if result.input_logprobs is not None and result.input_logprobs[i] is not None and not req.finished():
+                values, tops = result.input_logprobs[i]
+                req.input_token_logprobs.extend(values)
+                req.input_top_logprobs.extend(top[: req.top_logprobs_num] for top in tops)
             if req.is_chunked > 0:
                 # NOTE: a non-final chunk samples nothing; its KV is stashed at the next step.
                 req.is_chunked -= 1
@@ -122,7 +140,7 @@ class SchedulerOutputProcessorMixin:
 
     def stream_output(self: Scheduler, reqs: list[Req]) -> None:
         """Send new tokens of streaming requests, and the rest of every finished request."""
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [])
+        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [])
         for req in reqs:
             if req.finish_sent or not (req.finished() or (req.stream and len(req.output_ids) > req.sent_output_len)):
                 continue
@@ -133,6 +151,10 @@ class SchedulerOutputProcessorMixin:
             out.output_top_logprobs.append(req.output_top_logprobs[req.sent_output_len:] if req.return_logprob
                                            else None)
             req.sent_output_len = len(req.output_ids)
+            send_input = req.input_logprobs_complete() and not req.input_logprobs_sent
+            req.input_logprobs_sent |= send_input
+            out.input_token_logprobs.append(req.input_token_logprobs if send_input else None)
+            out.input_top_logprobs.append(req.input_top_logprobs if send_input else None)
             out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))

@@ -36,7 +36,12 @@ from radixserve.managers.overlap_utils import (
     OverlapDebug,
     create_device_streams,
 )
-from radixserve.managers.scheduler_output_processor import GenerationBatchResult, host_logprobs, logprob_top_k
+from radixserve.managers.scheduler_output_processor import (
+    GenerationBatchResult,
+    host_input_logprobs,
+    host_logprobs,
+    logprob_top_k,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -67,6 +72,7 @@ class StepOutput(NamedTuple):
 
     next_token_ids: torch.Tensor
     logprobs: TokenLogprobs | None
+    input_logprobs: TokenLogprobs | None = None  # rows per request: forward_batch.input_logprob_counts
 
 
 @dataclass
@@ -278,15 +284,17 @@ class SchedulerOverlapMixin:
             state.fence.signal()  # NOTE: even on failure, or the scheduler would wait on read_done forever
         next_ids = self.model_runner.sample(logits, job.sampling_info)
         state.future_map.stash(fb.req_pool_indices, next_ids)
-        return StepOutput(next_ids, self.step_logprobs(job.logprob_top_k, logits, next_ids,
-                                                                   job.sampling_info))
+        logprobs = self.step_logprobs(job.logprob_top_k, logits, next_ids, job.sampling_info)
+        return StepOutput(next_ids, logprobs, fb.input_logprobs)
 
     # ---- results --------------------------------------------------------------------------------
     def process_launched_batch(self: Scheduler, launched: LaunchedBatch) -> None:
         """Wait for batch k's tokens, then process them for the requests that still own their rows."""
         launched.copy_done.synchronize()
         output: StepOutput = launched.host_output.result()
-        result = GenerationBatchResult(output.next_token_ids.tolist(), *host_logprobs(output.logprobs))
+        counts = launched.job.forward_batch.input_logprob_counts
+        result = GenerationBatchResult(output.next_token_ids.tolist(), *host_logprobs(output.logprobs),
+                                       host_input_logprobs(output.input_logprobs, counts))
         live, keep = [], []
         for i, (req, row) in enumerate(zip(launched.batch.reqs, launched.rows, strict=True)):
             if req.finished() or req.req_pool_idx != row:
@@ -318,8 +326,11 @@ class SchedulerOverlapMixin:
 
 def _copy_to_host(forward_done: Future) -> StepOutput:
     output: StepOutput = forward_done.result()
-    logprobs = None if output.logprobs is None else TokenLogprobs(*map(_to_host, output.logprobs))
-    return StepOutput(_to_host(output.next_token_ids), logprobs)
+    return StepOutput(*(None if part is None else _host_part(part) for part in output))
+
+
+def _host_part(part: torch.Tensor | TokenLogprobs) -> torch.Tensor | TokenLogprobs:
+    return _to_host(part) if isinstance(part, torch.Tensor) else TokenLogprobs(*map(_to_host, part))
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,14 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor | None = None  # int64 [bs], extend only
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
+    # Input logprobs (extend only): logits are also wanted at these flat token indices, scoring the
+    # next prompt token of each (extra_target_ids), with extra_top_k alternatives; the runner sets
+    # input_logprobs (a TokenLogprobs, one row per index) after the forward.
+    extra_logits_indices: torch.Tensor | None = None
+    extra_target_ids: torch.Tensor | None = None
+    extra_top_k: int = 0
+    input_logprob_counts: list[int] | None = None  # per request: how many of the extra rows are its
+    input_logprobs: object | None = None
     # Set by the model runner before the forward: the pools and backend the layers use.
     req_to_token_pool: object | None = None
     token_to_kv_pool: object | None = None

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.layers.attention import create_attention_backend
-from radixserve.layers.sampler import Sampler, SamplingBatchInfo, TokenLogprobs, compute_logprobs
+from radixserve.layers.sampler import (
+    Sampler,
+    SamplingBatchInfo,
+    TokenLogprobs,
+    compute_input_logprobs,
+    compute_logprobs,
+)
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.server_args import ServerArgs
@@ -80,7 +86,13 @@ class ModelRunner:
         forward_batch.attn_backend = self.attn_backend
         with torch.inference_mode():
             self.attn_backend.init_forward_metadata(forward_batch)
-            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            logits = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            if forward_batch.extra_logits_indices is None:
+                return logits
+            bs = forward_batch.batch_size
+            forward_batch.input_logprobs = compute_input_logprobs(
+                logits[bs:], forward_batch.extra_target_ids, forward_batch.extra_top_k)
+            return logits[:bs]
 
     def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
         """Next token per row, int64 [bs]."""

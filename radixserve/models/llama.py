@@ -114,8 +114,10 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, cos, sin, fb)
         if fb.forward_mode.is_extend():
-            last = _last_token_index(fb, hidden.device)
-            hidden, residual = hidden[last], residual[last]
+            rows = _last_token_index(fb, hidden.device)
+            if fb.extra_logits_indices is not None:
+                rows = torch.cat([rows, fb.extra_logits_indices])  # NOTE: after the bs sampling rows
+            hidden, residual = hidden[rows], residual[rows]
         hidden, _ = self.model.norm(hidden, residual)
         return self.lm_head(hidden).float()
 
