@@ -1,7 +1,8 @@
-"""Builds and loads the C decode-attention kernel (csrc/decode_attention.c) with the system C compiler.
+"""Builds and loads the C attention kernels (csrc/*.c) with the system C compiler.
 
-The shared library is compiled once per machine (-O3 -march=native -fopenmp) into
-$RADIXSERVE_CACHE_DIR/kernels (default ~/.cache/radixserve/kernels), keyed by the source and the
+Decode attention (decode_attention.c) and shared-prefix attention for cascade attention
+(prefix_attention.c) go into one shared library. It is compiled once per machine (-O3 -march=native -fopenmp) into
+$RADIXSERVE_CACHE_DIR/kernels (default ~/.cache/radixserve/kernels), keyed by the sources and the
 CPU's flags, and called through ctypes (which releases the GIL). It links the same libgomp as
 torch, so it runs on torch's OpenMP thread pool. Without a compiler, `load_decode_kernel` returns
 None and the caller keeps the torch path.
@@ -23,19 +24,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "decode_attention.c", CSRC / "prefix_attention.c")
+HEADERS = (CSRC / "attention_common.h",)
 MAX_DIM, MAX_GROUP = 256, 16
-_FUNCTIONS = {torch.bfloat16: "decode_attention_bf16", torch.float32: "decode_attention_f32"}
+_DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 class DecodeKernel:
+    """Paged decode attention, and attention of all queries over a prefix shared by the batch."""
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {}
-        for dtype, name in _FUNCTIONS.items():
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
-            self._fns[dtype] = fn
+        self._fns = {dtype: _bind(lib, f"decode_attention_{suffix}", pointers=8, sizes=5)
+                     for dtype, suffix in _DTYPE_SUFFIX.items()}
+        self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}", pointers=6, sizes=5)
+                            for dtype, suffix in _DTYPE_SUFFIX.items()}
 
     def supports(self, q: torch.Tensor, num_kv_heads: int) -> bool:
         heads, dim = q.shape[1], q.shape[2]
@@ -43,22 +46,66 @@ class DecodeKernel:
                 and heads % num_kv_heads == 0 and heads // num_kv_heads <= MAX_GROUP)
 
     def __call__(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-                 seq_lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
-        """q [bs, heads, dim]; k/v_buf [slots, kv_heads, dim]; kv_indices int32 [bs * max_len]; -> [bs, heads, dim]."""
+                 seq_lens: torch.Tensor, max_len: int, scale: float,
+                 seed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q [bs, heads, dim]; k/v_buf [slots, kv_heads, dim]; kv_indices int32 [bs * max_len]; -> [bs, heads, dim].
+
+        `seed`: (out [bs, heads, dim], float32 lse [bs, heads]) of each query head over other keys (the
+        shared prefix); the result is then attention over those keys and kv_indices together."""
         q = q.contiguous()
         kv_indices = kv_indices.to(torch.int32).contiguous()  # NOTE: the kernel reads int32 slots
         seq_lens = seq_lens.to(torch.int64).contiguous()
-        if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.dtype == v_buf.dtype == q.dtype):
-            raise ValueError("decode kernel needs contiguous K/V buffers of the query's dtype")
+        _check_buffers(q, k_buf, v_buf)
+        seed_out, seed_lse = (None, None) if seed is None else (seed[0].contiguous(), seed[1].contiguous())
+        if seed_out is not None and (seed_out.dtype != q.dtype or seed_lse.dtype != torch.float32):
+            raise ValueError("decode kernel seed must be (out in the query's dtype, float32 lse)")
         out = torch.empty_like(q)
         bs, heads, dim = q.shape
         with torch.profiler.record_function("radixserve::decode_attention_cpu"):
             status = self._fns[q.dtype](
                 q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr(),
-                out.data_ptr(), bs, max_len, heads, k_buf.shape[1], dim, scale, torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f"decode kernel rejected shapes heads={heads} kv_heads={k_buf.shape[1]} dim={dim}")
+                _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), bs, max_len, heads, k_buf.shape[1], dim, scale,
+                torch.get_num_threads())
+        _check_status(status, q, k_buf)
         return out
+
+    def shared_prefix(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token [n, heads, dim] over the same slots (int32 [prefix_len], no mask).
+
+        Returns the output [n, heads, dim] and the log-sum-exp, float32 [n, heads]."""
+        q, slots = q.contiguous(), slots.to(torch.int32).contiguous()
+        _check_buffers(q, k_buf, v_buf)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32)
+        n, heads, dim = q.shape
+        with torch.profiler.record_function("radixserve::prefix_attention_cpu"):
+            status = self._prefix_fns[q.dtype](
+                q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                n, slots.shape[0], heads, k_buf.shape[1], dim, scale, torch.get_num_threads())
+        _check_status(status, q, k_buf)
+        return out, lse
+
+
+def _bind(lib: ctypes.CDLL, name: str, pointers: int, sizes: int):
+    fn = getattr(lib, name)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [ctypes.c_float, ctypes.c_int]
+    return fn
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check_buffers(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.dtype == v_buf.dtype == q.dtype):
+        raise ValueError("attention kernels need contiguous K/V buffers of the query's dtype")
+
+
+def _check_status(status: int, q: torch.Tensor, k_buf: torch.Tensor) -> None:
+    if status != 0:
+        raise ValueError(f"attention kernel rejected shapes heads={q.shape[1]} kv_heads={k_buf.shape[1]} "
+                         f"dim={q.shape[2]}")
 
 
 @functools.cache
@@ -75,16 +122,16 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     key = hashlib.sha256(source + _cpu_flags().encode() + compiler.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    target = _cache_dir() / f"attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", str(SOURCE),
-               "-o", str(built), "-lm"]
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+               *(str(path) for path in SOURCES), "-o", str(built), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
         os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
     logger.info("built %s", target)

@@ -10,19 +10,24 @@ Extend: requests without a cached prefix attend over their own new K/V directly 
 when some request has a cached prefix, the contexts of all requests are gathered in one
 `index_select` and each request runs causal SDPA over its slice, with the causal diagonal
 shifted by its prefix length.
+Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
+`cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
 
+from radixserve.layers.attention import cascade
 from radixserve.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
+    from radixserve.layers.attention.native import DecodeKernel
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.model_executor.forward_batch import ForwardBatch
 
@@ -49,6 +54,8 @@ class ExtendMetadata:
     kv_indices: torch.Tensor | None  # flat context slots of all requests; None: attend to new K/V only
 
 
+Plan = TypeVar("Plan")
+
 # NOTE: up to this many kv heads, decode widens queries over all kv heads (see decode_block_diagonal).
 BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 
@@ -57,22 +64,47 @@ class TorchAttnBackend(AttentionBackend):
     def __init__(self, runner: object) -> None:
         self.decode_meta: DecodeMetadata | None = None
         self.extend_meta: ExtendMetadata | None = None
+        self.cascade_decode_meta: cascade.CascadeDecodeMetadata | None = None
+        self.cascade_extend_meta: cascade.CascadeExtendMetadata | None = None
         self.decode_kernel = None  # set by CpuAttnBackend
+        args = getattr(runner, "server_args", None)
+        # None: cascade attention off (--disable-cascade-attention)
+        self.cascade: cascade.CascadePolicy | None = (
+            None if getattr(args, "disable_cascade_attention", False) else cascade.CascadePolicy())
+        self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode():
-            self.decode_meta = _decode_metadata(fb)
+            self.cascade_decode_meta = self._plan(cascade.plan_decode, fb, "decode")
+            self.decode_meta = None if self.cascade_decode_meta is not None else _decode_metadata(fb)
         else:
-            self.extend_meta = _extend_metadata(fb)
+            self.cascade_extend_meta = self._plan(cascade.plan_extend, fb, "extend")
+            self.extend_meta = None if self.cascade_extend_meta is not None else _extend_metadata(fb)
+
+    def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy], Plan | None], fb: ForwardBatch,
+              mode: str) -> Plan | None:
+        if self.cascade is None:
+            return None
+        meta = planner(fb, self.cascade)
+        self.cascade_forwards[mode] += meta is not None
+        return meta
+
+    def _kernel_for(self, q: torch.Tensor, layer: RadixAttention) -> DecodeKernel | None:
+        kernel = self.decode_kernel
+        return kernel if kernel is not None and kernel.supports(q, layer.num_kv_heads) else None
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
+        kernel = self._kernel_for(q, layer)
+        if self.cascade_decode_meta is not None:
+            out = cascade.cascade_decode(q, k_all, v_all, self.cascade_decode_meta, layer.scaling, kernel)
+            return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.decode_meta
-        if self.decode_kernel is not None and self.decode_kernel.supports(q, layer.num_kv_heads):
-            out = self.decode_kernel(q, k_all, v_all, meta.kv_indices, fb.seq_lens, meta.max_len, layer.scaling)
+        if kernel is not None:
+            out = kernel(q, k_all, v_all, meta.kv_indices, fb.seq_lens, meta.max_len, layer.scaling)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         if layer.num_kv_heads <= BLOCK_DIAGONAL_MAX_KV_HEADS:
             return decode_block_diagonal(q, k_all, v_all, meta, layer.scaling)
@@ -82,6 +114,11 @@ class TorchAttnBackend(AttentionBackend):
                        fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        if self.cascade_extend_meta is not None:
+            k_all, v_all = pool.get_kv_buffer(layer.layer_id)
+            out = cascade.cascade_extend(q, k_all, v_all, self.cascade_extend_meta, layer.scaling,
+                                         self._kernel_for(q, layer))
+            return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.extend_meta
         if meta.kv_indices is not None:
             k_all, v_all = pool.get_kv_buffer(layer.layer_id)

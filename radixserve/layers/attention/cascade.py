@@ -1,0 +1,237 @@
+"""Cascade attention: the prefix shared by the whole batch is attended once, not once per request.
+
+The radix cache makes requests with a common prefix point at the same KV slots, so their
+`req_to_token` rows are equal over it. When every request of a batch shares the first P slots
+(and the batch passes `CascadePolicy`), each request's attention is split in two and merged exactly:
+
+(a) all query tokens of the batch against the P shared K/V rows, unmasked (every query sits at a
+    position >= P), in one call that reads the prefix once: the C kernel `prefix_attention.c` on the
+    CPU, else one attention over [1, heads, all queries, P];
+(b) each request's own positions P.. (decode: the C decode kernel, or one padded batch; extend:
+    causal per request, the diagonal shifted by the request's cached tokens beyond P);
+
+then out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b}) in float32, i.e. a lerp by
+sigmoid(lse_a - lse_b). The C decode kernel does this merge itself: it starts each row's running
+softmax from part (a). Part (b) is never empty: a decode request's new token is past P, and every
+extend request has at least one new token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.layers.attention.native import DecodeKernel
+    from radixserve.model_executor.forward_batch import ForwardBatch
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+MAX_SCORE_ELEMENTS = 1 << 26  # float32 scores the plain-torch path (off the CPU) holds at once: 256 MiB
+
+
+@dataclass(frozen=True)
+class CascadePolicy:
+    """When a batch runs cascade attention; measured on the CPU kernels (docs/attention.md)."""
+
+    min_prefix: int = 256  # shared tokens; below, the extra calls and the merge cost more than they save
+    # decode also needs (batch - 1) * prefix, the prefix K/V rows it no longer re-reads, this large: for
+    # small batches the prefix kernel's 16-row units are mostly empty
+    min_decode_saved: int = 768
+
+
+@dataclass
+class CascadeDecodeMetadata:
+    prefix_slots: torch.Tensor  # [P] pool slots shared by every request
+    suffix_indices: torch.Tensor  # [bs * suffix_max_len] slots of positions P.., row-major, padded
+    suffix_lens: torch.Tensor  # int64 [bs], >= 1
+    suffix_max_len: int
+    suffix_mask: torch.Tensor | None  # bool [bs, suffix_max_len], True beyond a request's end; None: none
+
+
+@dataclass
+class SuffixSlice:
+    q_start: int
+    q_len: int
+    kv_start: int  # into the gathered suffix contexts
+    kv_len: int  # the request's positions P .. seq_len
+    visible: torch.Tensor | None  # bool [q_len, kv_len], shifted causal; None: plain causal (q_len == kv_len)
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as an additive bias (0 / -inf) in `dtype`, built once per forward."""
+        if self.visible is None:
+            return None
+        if dtype not in self._bias:
+            self._bias[dtype] = _additive(~self.visible, dtype)
+        return self._bias[dtype]
+
+
+@dataclass
+class CascadeExtendMetadata:
+    prefix_slots: torch.Tensor  # [P]
+    slices: list[SuffixSlice]
+    suffix_indices: torch.Tensor  # flat slots of every request's positions P .. seq_len
+
+
+def shared_prefix_len(fb: ForwardBatch, limit: int) -> int:
+    """The longest P <= limit such that every request's first P slots are the same (one host sync)."""
+    rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :limit]
+    differs = (rows != rows[:1]).any(dim=0)
+    sentinel = torch.ones(1, dtype=torch.bool, device=differs.device)
+    return int(torch.cat([differs, sentinel]).to(torch.int8).argmax())  # first differing position, or limit
+
+
+def plan_decode(fb: ForwardBatch, policy: CascadePolicy) -> CascadeDecodeMetadata | None:
+    lens = fb.seq_lens_cpu
+    limit = min(lens) - 1  # NOTE: at least the new token stays in every request's suffix
+    if fb.batch_size < 2 or limit < policy.min_prefix or (fb.batch_size - 1) * limit < policy.min_decode_saved:
+        return None
+    prefix_len = shared_prefix_len(fb, limit)
+    if prefix_len < policy.min_prefix or (fb.batch_size - 1) * prefix_len < policy.min_decode_saved:
+        return None
+    table = fb.req_to_token_pool.req_to_token
+    max_len = max(lens)
+    suffix_lens = fb.seq_lens - prefix_len
+    mask = None
+    if min(lens) != max_len:
+        mask = torch.arange(max_len - prefix_len, device=table.device).unsqueeze(0) >= suffix_lens.unsqueeze(1)
+    return CascadeDecodeMetadata(_prefix_slots(fb, prefix_len),
+                                 table[fb.req_pool_indices, prefix_len:max_len].reshape(-1),
+                                 suffix_lens, max_len - prefix_len, mask)
+
+
+def plan_extend(fb: ForwardBatch, policy: CascadePolicy) -> CascadeExtendMetadata | None:
+    prefix_lens, extend_lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
+    limit = min(prefix_lens)  # NOTE: every query must see all of part (a), so P <= each cached prefix
+    if fb.batch_size < 2 or limit < policy.min_prefix:
+        return None
+    prefix_len = shared_prefix_len(fb, limit)
+    if prefix_len < policy.min_prefix:
+        return None
+    table = fb.req_to_token_pool.req_to_token
+    device = table.device
+    kv_lens = [p - prefix_len + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+    rows = table[fb.req_pool_indices, prefix_len : prefix_len + max(kv_lens)]
+    valid = torch.arange(rows.shape[1], device=device).unsqueeze(0) < (fb.seq_lens - prefix_len).unsqueeze(1)
+    slices = [
+        SuffixSlice(qs, n, ks, m, _shifted_causal(m - n, n, device) if m != n else None)
+        for qs, ks, n, m in zip(_offsets(extend_lens), _offsets(kv_lens), extend_lens, kv_lens, strict=True)
+    ]
+    return CascadeExtendMetadata(_prefix_slots(fb, prefix_len), slices, rows[valid])
+
+
+def _prefix_slots(fb: ForwardBatch, prefix_len: int) -> torch.Tensor:
+    # NOTE: a copy, not a view of req_to_token: the table may change once init_forward_metadata returns
+    return fb.req_to_token_pool.req_to_token[fb.req_pool_indices[0], :prefix_len].clone()
+
+
+def cascade_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: CascadeDecodeMetadata,
+                   scaling: float, kernel: DecodeKernel | None) -> torch.Tensor:
+    """q [bs, heads, dim]; k/v_all the layer's pool [slots, kv_heads, dim] -> [bs, heads, dim]."""
+    if kernel is not None:  # the decode kernel starts each row from part (a): the merge is free
+        part_a = kernel.shared_prefix(q, k_all, v_all, meta.prefix_slots, scaling)
+        return kernel(q, k_all, v_all, meta.suffix_indices, meta.suffix_lens, meta.suffix_max_len, scaling, part_a)
+    out_a, lse_a = _prefix_torch(q, k_all, v_all, meta.prefix_slots, scaling)
+    bs, kv_heads, dim = q.shape[0], k_all.shape[1], q.shape[2]
+    keys = k_all.index_select(0, meta.suffix_indices).view(bs, meta.suffix_max_len, kv_heads, dim).transpose(1, 2)
+    values = v_all.index_select(0, meta.suffix_indices).view(bs, meta.suffix_max_len, kv_heads, dim).transpose(1, 2)
+    bias = None if meta.suffix_mask is None else _additive(meta.suffix_mask, q.dtype).view(bs, 1, 1, -1)
+    out_b, lse_b = attention_with_lse(q.unsqueeze(2), keys, values, scaling, bias)
+    return merge_partials(out_a, lse_a, out_b.squeeze(2), lse_b.squeeze(2)).to(q.dtype)
+
+
+def cascade_extend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: CascadeExtendMetadata,
+                   scaling: float, kernel: DecodeKernel | None) -> torch.Tensor:
+    """q [num_tokens, heads, dim] (new K/V already in the pool) -> [num_tokens, heads, dim]."""
+    if kernel is not None:
+        out_a, lse_a = kernel.shared_prefix(q, k_all, v_all, meta.prefix_slots, scaling)
+    else:
+        out_a, lse_a = _prefix_torch(q, k_all, v_all, meta.prefix_slots, scaling)
+    keys, values = k_all.index_select(0, meta.suffix_indices), v_all.index_select(0, meta.suffix_indices)
+    out_b = torch.empty_like(q)
+    lse_b = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for s in meta.slices:
+        qs, ks = slice(s.q_start, s.q_start + s.q_len), slice(s.kv_start, s.kv_start + s.kv_len)
+        out, lse = attention_with_lse(_heads_first(q[qs]), _heads_first(keys[ks]), _heads_first(values[ks]),
+                                      scaling, s.bias(q.dtype), causal=s.visible is None)
+        out_b[qs], lse_b[qs] = out[0].transpose(0, 1), lse[0].transpose(0, 1)
+    return merge_partials(out_a, lse_a, out_b, lse_b).to(q.dtype)
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                   lse_b: torch.Tensor) -> torch.Tensor:
+    """Exact merge of two softmax partials over disjoint keys; out [..., dim], lse [...] -> float32 [..., dim]."""
+    weight_a = torch.sigmoid((lse_a - lse_b).float()).unsqueeze(-1)  # e^{lse_a} / (e^{lse_a} + e^{lse_b})
+    return torch.lerp(out_b.float(), out_a.float(), weight_a)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                       bias: torch.Tensor | None = None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, heads, L, dim], k/v [B, kv_heads, S, dim], bias additive (broadcast to [B, heads, L, S]) in q's
+    dtype -> (out [B, heads, L, dim] in q's dtype, float32 log-sum-exp [B, heads, L]). `causal`: top-left."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        return _CPU_FLASH(q, k, v, is_causal=causal, attn_mask=bias, scale=scaling)
+    batch, heads, length, _ = q.shape
+    rows = max(1, MAX_SCORE_ELEMENTS // (batch * heads * k.shape[2]))  # query rows per block of float32 scores
+    parts = [_math_attention(q[:, :, start : start + rows], k, v, scaling, _rows(bias, start, rows, length),
+                             start if causal else None) for start in range(0, length, rows)]
+    return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, bias: torch.Tensor | None,
+                    causal_from: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_with_lse in float32 torch ops; query row i sits at key position causal_from + i if causal."""
+    batch, heads, length, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = (q.float().reshape(batch, kv_heads, group * length, dim) @ k.float().transpose(-1, -2)).mul_(scaling)
+    scores = scores.view(batch, kv_heads, group, length, keys)
+    if causal_from is not None:
+        q_pos = torch.arange(causal_from, causal_from + length, device=q.device).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(keys, device=q.device).unsqueeze(0) > q_pos, float("-inf"))
+    if bias is not None:
+        scores = scores + (bias.unsqueeze(2) if bias.dim() == 4 else bias).float()
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).view(batch, kv_heads, group * length, keys)
+    out = (probs @ v.float()).view(batch, heads, length, dim)
+    return out.to(q.dtype), lse.view(batch, heads, length)
+
+
+def _rows(bias: torch.Tensor | None, start: int, rows: int, length: int) -> torch.Tensor | None:
+    """The bias of query rows start .. start + rows (a bias broadcast over the rows stays as is)."""
+    if bias is None or bias.dim() < 2 or bias.shape[-2] != length:
+        return bias
+    return bias[..., start : start + rows, :]
+
+
+def _prefix_torch(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: torch.Tensor,
+                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part (a) in torch: q [n, heads, dim] -> (out [n, heads, dim], lse [n, heads])."""
+    keys, values = _heads_first(k_all.index_select(0, slots)), _heads_first(v_all.index_select(0, slots))
+    out, lse = attention_with_lse(_heads_first(q), keys, values, scaling)
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, dim] -> [1, heads, tokens, dim] (a view)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _additive(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(masked, float("-inf"))
+
+
+def _shifted_causal(shift: int, q_len: int, device: torch.device) -> torch.Tensor:
+    """Query i sees keys 0 .. shift + i."""
+    q_pos = torch.arange(q_len, device=device).unsqueeze(1) + shift
+    return torch.arange(shift + q_len, device=device).unsqueeze(0) <= q_pos
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    starts, total = [], 0
+    for n in lengths:
+        starts.append(total)
+        total += n
+    return starts

@@ -1,0 +1,148 @@
+/* What the CPU attention kernels share: bf16 conversions, a portable row-attention loop, and the
+ * AVX-512 exp and online-softmax helpers. Included by decode_attention.c and prefix_attention.c.
+ *
+ * Conventions: scores are scale * q.k in float32; a row's softmax state is (run_max, run_sum, acc)
+ * with acc = sum_t exp(score_t - run_max) * v_t; its log-sum-exp is run_max + log(run_sum), or
+ * -inf when it saw no token (then its output is 0). A finished partial result (out, lse) over other
+ * keys is the state (lse, 1, out): starting a row from it ("seeding") merges the two exactly.
+ */
+#ifndef RADIXSERVE_ATTENTION_COMMON_H
+#define RADIXSERVE_ATTENTION_COMMON_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define CHUNK 64
+#define MAX_DIM 256
+#define MAX_GROUP 16
+#define MAX_ROWS 16 /* query rows one call of attend_rows_* handles */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f32_id(float x) { return x; }
+
+static inline float row_lse(float run_max, float run_sum) {
+    return run_sum > 0.0f ? run_max + logf(run_sum) : -INFINITY;
+}
+
+/* Attends query rows ids[0..nr) (row id i: q + i * dim, out + i * dim, lse + i) of kv head h over
+ * slots[0..len) of the pool, in float32. Every K and V row is read once for all nr rows. With a
+ * non-NULL seed_lse each row starts from the partial result (seed_out, seed_lse) of the same row id;
+ * lse (output) may be NULL. */
+#define DEFINE_ATTEND_ROWS(NAME, T, LOAD, STORE)                                                         \
+    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int64_t *ids, int64_t nr,         \
+                     const int32_t *slots, int64_t len, int64_t kv_heads, int64_t h, int64_t dim,        \
+                     float scale, const T *seed_out, const float *seed_lse, T *out, float *lse) {        \
+        float qf[MAX_ROWS][MAX_DIM], acc[MAX_ROWS][MAX_DIM], row[MAX_DIM];                               \
+        float score[MAX_ROWS][CHUNK], run_max[MAX_ROWS], run_sum[MAX_ROWS];                              \
+        for (int64_t r = 0; r < nr; r++) {                                                               \
+            for (int64_t d = 0; d < dim; d++) {                                                          \
+                qf[r][d] = LOAD(q[ids[r] * dim + d]) * scale;                                            \
+                acc[r][d] = seed_lse != NULL ? LOAD(seed_out[ids[r] * dim + d]) : 0.0f;                  \
+            }                                                                                            \
+            run_max[r] = seed_lse != NULL ? seed_lse[ids[r]] : -INFINITY;                                \
+            run_sum[r] = seed_lse != NULL ? 1.0f : 0.0f;                                                 \
+        }                                                                                                \
+        for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                    \
+            const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \
+            for (int64_t t = 0; t < n; t++) {                                                            \
+                const T *krow = k_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim;                   \
+                for (int64_t d = 0; d < dim; d++) row[d] = LOAD(krow[d]);                                \
+                for (int64_t r = 0; r < nr; r++) {                                                       \
+                    float dot = 0.0f;                                                                    \
+                    _Pragma("omp simd reduction(+ : dot)")                                               \
+                    for (int64_t d = 0; d < dim; d++) dot += qf[r][d] * row[d];                          \
+                    score[r][t] = dot;                                                                   \
+                }                                                                                        \
+            }                                                                                            \
+            for (int64_t r = 0; r < nr; r++) {                                                           \
+                float chunk_max = run_max[r];                                                            \
+                for (int64_t t = 0; t < n; t++) chunk_max = score[r][t] > chunk_max ? score[r][t] : chunk_max; \
+                const float rescale = expf(run_max[r] - chunk_max);                                      \
+                run_sum[r] *= rescale;                                                                   \
+                for (int64_t d = 0; d < dim; d++) acc[r][d] *= rescale;                                  \
+                for (int64_t t = 0; t < n; t++) {                                                        \
+                    score[r][t] = expf(score[r][t] - chunk_max);                                         \
+                    run_sum[r] += score[r][t];                                                           \
+                }                                                                                        \
+                run_max[r] = chunk_max;                                                                  \
+            }                                                                                            \
+            for (int64_t t = 0; t < n; t++) {                                                            \
+                const T *vrow = v_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim;                   \
+                for (int64_t d = 0; d < dim; d++) row[d] = LOAD(vrow[d]);                                \
+                for (int64_t r = 0; r < nr; r++) {                                                       \
+                    const float p = score[r][t];                                                         \
+                    _Pragma("omp simd")                                                                  \
+                    for (int64_t d = 0; d < dim; d++) acc[r][d] += p * row[d];                           \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        for (int64_t r = 0; r < nr; r++) {                                                               \
+            T *orow = out + ids[r] * dim;                                                                \
+            const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;                              \
+            for (int64_t d = 0; d < dim; d++) orow[d] = STORE(acc[r][d] * inv);                          \
+            if (lse != NULL) lse[ids[r]] = row_lse(run_max[r], run_sum[r]);                              \
+        }                                                                                                \
+    }
+
+DEFINE_ATTEND_ROWS(attend_rows_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_ATTEND_ROWS(attend_rows_f32, float, f32_id, f32_id)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
+#include <immintrin.h>
+
+/* exp for x <= 0 (scores minus their running max), Cephes expf's reduction and polynomial. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Folds one chunk of scores (n <= CHUNK) into the running max/sum; leaves exp(score - max) in place. */
+static inline float softmax_chunk(float *score, int64_t n, float *run_max, float *run_sum) {
+    __m512 top = _mm512_set1_ps(*run_max);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, score + t));
+    }
+    const float chunk_max = _mm512_reduce_max_ps(top);
+    const float rescale = expf(*run_max - chunk_max);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, score + t), _mm512_set1_ps(chunk_max)));
+        total = _mm512_mask_add_ps(total, m, total, e);
+        _mm512_mask_storeu_ps(score + t, m, e);
+    }
+    *run_sum = *run_sum * rescale + _mm512_reduce_add_ps(total);
+    *run_max = chunk_max;
+    return rescale;
+}
+#endif
+
+#endif
