@@ -116,8 +116,8 @@ def plan_extend(fb: ForwardBatch, policy: CascadePolicy) -> CascadeExtendMetadat
     rows = table[fb.req_pool_indices, prefix_len : prefix_len + max(kv_lens)]
     valid = torch.arange(rows.shape[1], device=device).unsqueeze(0) < (fb.seq_lens - prefix_len).unsqueeze(1)
     slices = [
-        SuffixSlice(qs, n, ks, m, _shifted_causal(m - n, n, device) if m != n else None)
-        for qs, ks, n, m in zip(_offsets(extend_lens), _offsets(kv_lens), extend_lens, kv_lens, strict=True)
+        SuffixSlice(qs, n, ks, m, shifted_causal(m - n, n, device) if m != n else None)
+        for qs, ks, n, m in zip(offsets(extend_lens), offsets(kv_lens), extend_lens, kv_lens, strict=True)
     ]
     return CascadeExtendMetadata(_prefix_slots(fb, prefix_len), slices, rows[valid])
 
@@ -223,13 +223,13 @@ def _additive(masked: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill_(masked, float("-inf"))
 
 
-def _shifted_causal(shift: int, q_len: int, device: torch.device) -> torch.Tensor:
-    """Query i sees keys 0 .. shift + i."""
+def shifted_causal(shift: int, q_len: int, device: torch.device) -> torch.Tensor:
+    """Query i (at position shift + i) sees keys 0 .. shift + i."""
     q_pos = torch.arange(q_len, device=device).unsqueeze(1) + shift
     return torch.arange(shift + q_len, device=device).unsqueeze(0) <= q_pos
 
 
-def _offsets(lengths: list[int]) -> list[int]:
+def offsets(lengths: list[int]) -> list[int]:
     starts, total = [], 0
     for n in lengths:
         starts.append(total)

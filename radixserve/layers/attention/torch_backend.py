@@ -216,28 +216,14 @@ def _extend_metadata(fb: ForwardBatch) -> ExtendMetadata:
     prefix_lens, extend_lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
     device = fb.input_ids.device
     if not any(prefix_lens):
-        starts = _offsets(extend_lens)
+        starts = cascade.offsets(extend_lens)
         return ExtendMetadata([ExtendSlice(s, n, s, n, None) for s, n in zip(starts, extend_lens, strict=True)], None)
     table = fb.req_to_token_pool.req_to_token
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
     rows = table[fb.req_pool_indices, : max(seq_lens)]
     valid = torch.arange(rows.shape[1], device=device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
     slices = [
-        ExtendSlice(qs, n, ks, p + n, _shifted_causal_mask(p, n, device) if p else None)
-        for qs, ks, p, n in zip(_offsets(extend_lens), _offsets(seq_lens), prefix_lens, extend_lens, strict=True)
+        ExtendSlice(qs, n, ks, p + n, cascade.shifted_causal(p, n, device) if p else None)
+        for qs, ks, p, n in zip(cascade.offsets(extend_lens), cascade.offsets(seq_lens), prefix_lens, extend_lens, strict=True)
     ]
     return ExtendMetadata(slices, rows[valid])
-
-
-def _shifted_causal_mask(prefix_len: int, extend_len: int, device: torch.device) -> torch.Tensor:
-    """Query i (at position prefix_len + i) sees keys 0 .. prefix_len + i."""
-    q_pos = torch.arange(extend_len, device=device).unsqueeze(1) + prefix_len
-    return torch.arange(prefix_len + extend_len, device=device).unsqueeze(0) <= q_pos
-
-
-def _offsets(lengths: list[int]) -> list[int]:
-    starts, total = [], 0
-    for n in lengths:
-        starts.append(total)
-        total += n
-    return starts
