@@ -135,9 +135,9 @@ def test_sampling_values_out_of_range(server: ServerHandle) -> None:
 
 
 def test_unsupported_parameters_are_refused_clearly(server: ServerHandle) -> None:
-    message = _error(server.post(COMPLETIONS, json={"prompt": "Hi", "echo": True, "logprobs": 1}), 400,
-                     "unsupported_parameter", "echo")
-    assert "prompt logprobs" in message
+    message = _error(server.post(CHAT, json={"messages": MESSAGES, "echo": True}), 400, "unsupported_parameter", "echo")
+    assert "/v1/completions only" in message
+    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "suffix": "!"}), 400, "unsupported_parameter", "suffix")
     _error(server.post(COMPLETIONS, json={"prompt": "Hi", "best_of": 2}), 400, "unsupported_parameter", "best_of")
     _error(server.post(COMPLETIONS, json={"prompt": "Hi", "presence_penalty": 1.0}), 400, "unsupported_parameter")
 

@@ -24,10 +24,10 @@ from radixserve.entrypoints.logprobs import (
 from radixserve.entrypoints.serving_common import per_choice_params, resolve_max_tokens
 from radixserve.entrypoints.serving_openai import _Usage
 from radixserve.managers.io_struct import GetInternalStateOut, GetInternalStateReq
+from radixserve.managers.scheduler_link import SchedulerLink
 from radixserve.managers.scheduler_process import PortArgs, SchedulerInfo
 from radixserve.managers.tokenizer_manager import (
     GenerateOutput,
-    SchedulerLink,
     SchedulerUnavailable,
     TokenizerManager,
     api_key_id,
@@ -113,6 +113,24 @@ def test_logprob_shapes_offsets_duplicates_and_the_floor() -> None:
     assert completion_logprobs(texts, empty, offset=3).text_offset == [] and chat_logprobs(texts, empty).content == []
     alphabet = byte_level_alphabet()
     assert sorted(alphabet.values()) == list(range(256)) and alphabet["\u0120"] == 0x20 and alphabet["A"] == 65
+
+
+def test_echoed_prompt_logprobs_come_first_with_null_at_position_zero() -> None:
+    texts = TokenTexts(SimpleNamespace(decode=lambda ids: {5: "Hi", 6: " there", 1: "ab", 2: "c"}[ids[0]]))
+    out = GenerateOutput("r", "", [1], None, None, None, 2, 1, 0, logprobs=[-0.5], top_logprobs=[[(1, -0.5)]],
+                         input_logprobs=[None, -2.0], input_top_logprobs=[[], [(2, -1.0), (6, -2.0)]])
+    lp = completion_logprobs(texts, out, echo=[5, 6])
+    assert lp.tokens == ["Hi", " there", "ab"] and lp.text_offset == [0, 2, 8]
+    assert lp.token_logprobs == [None, -2.0, -0.5]
+    assert lp.top_logprobs == [None, {"c": -1.0, " there": -2.0}, {"ab": -0.5}]
+    native = native_logprobs(texts, out, [5, 6])
+    assert native["input_token_logprobs"] == [[None, 5, "Hi"], [-2.0, 6, " there"]]
+    assert native["input_top_logprobs"] == [[], [[-1.0, 2, "c"], [-2.0, 6, " there"]]]
+    # Never sent (a request aborted before its prompt was computed): the prompt's tokens without values.
+    aborted = GenerateOutput("r", "", [], "abort", None, 499, 2, 0, 0, logprobs=[], top_logprobs=[])
+    assert completion_logprobs(texts, aborted, echo=[5, 6]).token_logprobs == [None, None]
+    assert native_logprobs(texts, aborted, [5, 6])["input_token_logprobs"] == []
+    assert "input_token_logprobs" not in native_logprobs(texts, out)
 
 
 def test_n_choices_get_distinct_seeds_only_when_seeded() -> None:

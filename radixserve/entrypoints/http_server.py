@@ -40,11 +40,11 @@ from radixserve.entrypoints.openai_protocol import (
 )
 from radixserve.entrypoints.serving_common import guarded
 from radixserve.entrypoints.serving_openai import OpenAIServing
+from radixserve.managers.scheduler_link import SchedulerLink
 from radixserve.managers.scheduler_process import launch_scheduler_process
 from radixserve.managers.tokenizer_manager import (
     FrontendConfig,
     GenerateReq,
-    SchedulerLink,
     SchedulerUnavailable,
     TokenizerManager,
     api_key_id,

@@ -1,11 +1,13 @@
-"""Logprobs of generated tokens in the server's three shapes: OpenAI chat, OpenAI legacy completions and
-SGLang's native `meta_info`.
+"""Logprobs of generated (and prompt) tokens in the server's three shapes: OpenAI chat, OpenAI legacy
+completions and SGLang's native `meta_info`.
 
 The scheduler sends, per generated token, its logprob and its `top_logprobs_num` most likely
-alternatives as (token id, logprob) (`GenerateOutput.logprobs`, `.top_logprobs`); this module turns
-ids into text. A token's text is `tokenizer.decode([id])`; its `bytes` are the UTF-8 bytes it stands
-for, which with byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen) can be part of a character (the text
-then reads U+FFFD), so a client can join the bytes of consecutive tokens to get exact text.
+alternatives as (token id, logprob) (`GenerateOutput.logprobs`, `.top_logprobs`), and once, when
+asked (`logprob_start_len`), the same for the prompt from that position (`.input_logprobs`, None at
+position 0, which has no context); this module turns ids into text. A token's text is
+`tokenizer.decode([id])`; its `bytes` are the UTF-8 bytes it stands for, which with byte-level BPE
+(GPT-2, SmolLM2, Llama 3, Qwen) can be part of a character (the text then reads U+FFFD), so a
+client can join the bytes of consecutive tokens to get exact text.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class HasLogprobs(Protocol):
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[TopLogprobs] | None
+    input_logprobs: list[float | None] | None
+    input_top_logprobs: list[TopLogprobs] | None
 
 
 def check_top_logprobs(value: int, param: str) -> None:
@@ -91,11 +95,23 @@ def _finite(logprob: float) -> float:
     return max(logprob, LOGPROB_FLOOR)
 
 
+def _maybe_finite(logprob: float | None) -> float | None:
+    return None if logprob is None else _finite(logprob)
+
+
 def _entries(out: HasLogprobs) -> list[tuple[int, float, TopLogprobs]]:
     """(token id, logprob, alternatives) per token; the scheduler sends one of each per token id."""
     logprobs = out.logprobs or []
     tops = out.top_logprobs or [[] for _ in logprobs]
     return list(zip(out.token_ids, logprobs, tops, strict=True))
+
+
+def _prompt_entries(ids: list[int], out: HasLogprobs) -> list[tuple[int, float | None, TopLogprobs | None]]:
+    """(token id, logprob, alternatives) per scored prompt token `ids`: (id, None, None) where there is no
+    value (position 0, or every position of a request aborted before its prompt was computed)."""
+    values = out.input_logprobs if out.input_logprobs is not None else [None] * len(ids)
+    tops = out.input_top_logprobs if out.input_top_logprobs is not None else [[] for _ in ids]
+    return [(t, v, None if v is None else top) for t, v, top in zip(ids, values, tops, strict=True)]
 
 
 def chat_logprobs(texts: TokenTexts, out: HasLogprobs) -> ChatLogprobs:
@@ -109,25 +125,42 @@ def chat_logprobs(texts: TokenTexts, out: HasLogprobs) -> ChatLogprobs:
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(texts: TokenTexts, out: HasLogprobs, offset: int = 0) -> CompletionLogprobs:
-    """OpenAI legacy completions' `logprobs`; `offset` is the completion's length before these tokens."""
-    entries = _entries(out)
+def _alternatives(texts: TokenTexts, top: TopLogprobs) -> dict[str, float]:
+    alternatives: dict[str, float] = {}
+    for t, v in top:
+        alternatives.setdefault(texts.text(t), _finite(v))  # two tokens with one text: the likelier
+    return alternatives
+
+
+def completion_logprobs(texts: TokenTexts, out: HasLogprobs, offset: int = 0,
+                        echo: list[int] | None = None) -> CompletionLogprobs:
+    """OpenAI legacy completions' `logprobs`; `offset` is the text's length before these tokens.
+
+    With `echo` (the prompt's ids, scored from position 0) the prompt's tokens come first; the first
+    one has no context, so its `token_logprobs` and `top_logprobs` entries are null (as OpenAI's)."""
+    entries: list[tuple[int, float | None, TopLogprobs | None]] = [*_entries(out)]
+    if echo is not None:
+        entries = _prompt_entries(echo, out) + entries
     tokens = [texts.text(t) for t, _, _ in entries]
-    tops = []
-    for _, _, top in entries:
-        alternatives: dict[str, float] = {}
-        for t, v in top:
-            alternatives.setdefault(texts.text(t), _finite(v))  # two tokens with one text: the likelier
-        tops.append(alternatives)
     offsets = list(accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else []
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[_finite(lp) for _, lp, _ in entries],
-                              top_logprobs=tops, text_offset=offsets)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=[_maybe_finite(lp) for _, lp, _ in entries],
+        top_logprobs=[None if top is None else _alternatives(texts, top) for _, _, top in entries],
+        text_offset=offsets)
 
 
-def native_logprobs(texts: TokenTexts, out: HasLogprobs) -> dict[str, Any]:
-    """SGLang's `meta_info` fields: [logprob, token id, text] per token, and per token its alternatives."""
+def native_logprobs(texts: TokenTexts, out: HasLogprobs, input_ids: list[int] | None = None) -> dict[str, Any]:
+    """SGLang's `meta_info` fields: [logprob, token id, text] per token, and per token its alternatives.
+
+    With `input_ids` (the prompt from logprob_start_len on) also `input_token_logprobs` (logprob null at
+    position 0) and `input_top_logprobs`; both empty until the scheduler sent them."""
     entries = _entries(out)
-    return {
-        "output_token_logprobs": [[_finite(lp), t, texts.text(t)] for t, lp, _ in entries],
-        "output_top_logprobs": [[[_finite(v), t, texts.text(t)] for t, v in top] for _, _, top in entries],
-    }
+    info: dict[str, Any] = {}
+    if input_ids is not None:
+        scored = zip(input_ids, out.input_logprobs, strict=True) if out.input_logprobs is not None else []
+        info["input_token_logprobs"] = [[_maybe_finite(lp), t, texts.text(t)] for t, lp in scored]
+        info["input_top_logprobs"] = [[[_finite(v), t, texts.text(t)] for t, v in top]
+                                      for top in out.input_top_logprobs or []]
+    info["output_token_logprobs"] = [[_finite(lp), t, texts.text(t)] for t, lp, _ in entries]
+    info["output_top_logprobs"] = [[[_finite(v), t, texts.text(t)] for t, v in top] for _, _, top in entries]
+    return info

@@ -67,7 +67,7 @@ class _SamplingFields(_Request):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None  # the alternatives per token (0-20); None: no logprobs
-    echo: bool = False
+    echo: bool = False  # the prompt first in the text (and, with logprobs, in the logprobs); allows max_tokens 0
     suffix: str | None = None
     best_of: int | None = None
 
@@ -97,6 +97,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None  # 0-20, only with logprobs
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's (the last message first in the reply): refused when true
 
 
 class GenerateRequest(_Request):
@@ -109,6 +110,7 @@ class GenerateRequest(_Request):
     return_logprob: bool = False
     rid: str | list[str] | None = None  # one per prompt; for /abort_request
     top_logprobs_num: int = 0  # 0-20, used only with return_logprob
+    logprob_start_len: int = -1  # with return_logprob: also the prompt's logprobs from this position (-1: no)
     return_text_in_logprobs: bool = False  # accepted for SGLang clients; the text is always included
     cache_salt: str | None = None
     extra_key: str | None = None
@@ -169,12 +171,14 @@ class ChatLogprobs(_Response):
 
 
 class CompletionLogprobs(_Response):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (with echo, the prompt's first).
+
+    The first prompt token has no context: its `token_logprobs` and `top_logprobs` entries are null."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)  # characters into the completion text
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)  # characters into the choice's text
 
 
 class CompletionChoice(_Response):

@@ -144,6 +144,8 @@ class ChoiceResult:
     cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)  # with logprobs: one per token id
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None  # with prompt logprobs, once they arrived
+    input_top_logprobs: list[TopLogprobs] | None = None
 
     def add(self, out: GenerateOutput) -> None:
         self.rid = out.rid
@@ -157,6 +159,8 @@ class ChoiceResult:
         self.cached_tokens = out.cached_tokens
         self.logprobs += out.logprobs or []
         self.top_logprobs += out.top_logprobs or []
+        if out.input_logprobs is not None:
+            self.input_logprobs, self.input_top_logprobs = out.input_logprobs, out.input_top_logprobs
 
 
 async def collect(outputs: AsyncIterator[tuple[int, GenerateOutput]], num_choices: int) -> list[ChoiceResult]:
@@ -214,14 +218,17 @@ def tokenize_text(tm: TokenizerManager, text: str, param: str) -> list[int]:
 
 
 def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: list[list[SamplingParams]],
-                 extra_key: Any, top_logprobs: int | None = None,
-                 client_rids: list[str | None] | None = None) -> AsyncIterator[tuple[int, GenerateOutput]]:
+                 extra_key: Any, top_logprobs: int | None = None, client_rids: list[str | None] | None = None,
+                 logprob_start_len: int = -1) -> AsyncIterator[tuple[int, GenerateOutput]]:
     """One request per (prompt, choice); choice index = prompt index * n + choice.
 
     `top_logprobs`: None for no logprobs, else the alternatives to return per token (0 for none).
-    `client_rids`: the client's rid of each prompt (its choices share it), for /abort_request."""
+    `client_rids`: the client's rid of each prompt (its choices share it), for /abort_request.
+    `logprob_start_len`: with logprobs, also score every prompt from this position (-1: not)."""
     rids = client_rids or [None] * len(prompts)
-    gens = [tm.generate(GenerateReq(ids, params, extra_key, top_logprobs is not None, top_logprobs or 0, rid))
+    logprobs = top_logprobs is not None
+    gens = [tm.generate(GenerateReq(ids, params, extra_key, logprobs, top_logprobs or 0,
+                                    logprob_start_len if logprobs else -1, client_rid=rid))
             for ids, per_prompt, rid in zip(prompts, choice_params, rids, strict=True) for params in per_prompt]
     return merge_outputs(gens)
 
@@ -237,10 +244,13 @@ def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
 
 
 def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None, param: str,
-                       max_param: str = "max_tokens") -> int:
-    """`max_tokens` unset means the rest of the effective context (model context and KV pool)."""
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"'{max_param}' must be at least 1, got {max_tokens}", param=max_param,
+                       max_param: str = "max_tokens", allow_zero: bool = False) -> int:
+    """`max_tokens` unset means the rest of the effective context (model context and KV pool).
+
+    `allow_zero`: the request scores its prompt, so 0 (generate nothing) is a valid ask."""
+    least = 0 if allow_zero else 1
+    if max_tokens is not None and max_tokens < least:
+        raise bad_request(f"'{max_param}' must be at least {least}, got {max_tokens}", param=max_param,
                           code="invalid_value")
     info = tm.info
     limit = info.effective_max_context

@@ -62,7 +62,18 @@ def _client_rids(req: GenerateRequest, num_prompts: int, batch: bool) -> list[st
     return rids
 
 
-def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, param: str) -> SamplingParams:
+def _logprob_start(req: GenerateRequest, prompts: list[list[int]]) -> int:
+    """SGLang's `logprob_start_len` (-1 when not asked, or without return_logprob), checked for each prompt."""
+    start = req.logprob_start_len if req.return_logprob else -1
+    for ids in prompts:
+        if not -1 <= start < len(ids):
+            raise bad_request(f"'logprob_start_len' must be -1 or a prompt position (0 to {len(ids) - 1}), "
+                              f"got {start}", param="logprob_start_len", code="invalid_value")
+    return start
+
+
+def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, param: str,
+              scoring: bool) -> SamplingParams:
     known = set(SamplingParams.__dataclass_fields__)
     unknown = sorted(set(values) - known)
     if unknown:
@@ -75,7 +86,7 @@ def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, par
     if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int)):
         raise bad_request(f"'{_MAX_PARAM}' must be an integer, got {max_new!r}", param=_MAX_PARAM,
                           code="invalid_type")
-    resolved = resolve_max_tokens(tm, prompt_len, max_new, param, _MAX_PARAM)
+    resolved = resolve_max_tokens(tm, prompt_len, max_new, param, _MAX_PARAM, allow_zero=scoring)
     return make_sampling_params(False, **{**values, "max_new_tokens": resolved})
 
 
@@ -96,16 +107,21 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
     if req.cache_salt is not None:
         check_text(req.cache_salt, "cache_salt")
     prompts, batch, param = _prompts(tm, req)
-    params = [_sampling(tm, req.sampling_params, len(p), param) for p in prompts]
+    start = _logprob_start(req, prompts)
+    # NOTE: with prompt logprobs, max_new_tokens 0 scores the prompt and generates nothing.
+    params = [_sampling(tm, req.sampling_params, len(p), param, scoring=start >= 0) for p in prompts]
     n = params[0].n
     choice_params = [per_choice_params(p, n) for p in params]
-    outputs = generate_all(tm, prompts, choice_params, extra_key, top_logprobs, _client_rids(req, len(prompts), batch))
+    outputs = generate_all(tm, prompts, choice_params, extra_key, top_logprobs, _client_rids(req, len(prompts), batch),
+                           logprob_start_len=start)
     logprob_texts = texts if req.return_logprob else None  # None: no logprobs
+    scored = [ids[start:] if start >= 0 else None for ids in prompts]  # the prompt tokens that get logprobs
     if req.stream:
         if batch or n > 1:
             await outputs.aclose()
             raise bad_request("streaming is supported for one prompt with n = 1", param="stream")
-        return await stream_response(request, outputs, _stream_renderer(started, logprob_texts), lambda: [])
+        return await stream_response(request, outputs, _stream_renderer(started, logprob_texts, scored[0]),
+                                     lambda: [])
     watcher = DisconnectWatcher(request.receive)
     try:
         results = await guarded(lambda: watcher.run(collect(outputs, len(prompts) * n)))
@@ -115,18 +131,19 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
         watcher.close()
     for r in results:
         raise_if_aborted(r)
-    bodies = [_result_body(r, started, logprob_texts) for r in results]
+    bodies = [_result_body(r, started, logprob_texts, scored[i // n]) for i, r in enumerate(results)]
     return JSONResponse(bodies if batch or n > 1 else bodies[0])
 
 
-def _result_body(r: ChoiceResult, started: float, logprob_texts: TokenTexts | None) -> dict[str, Any]:
+def _result_body(r: ChoiceResult, started: float, logprob_texts: TokenTexts | None,
+                 scored: list[int] | None) -> dict[str, Any]:
     meta = _meta(r.rid, r, started, r.finish_reason, r.finish_message)
     if logprob_texts is not None:
-        meta |= native_logprobs(logprob_texts, r)
+        meta |= native_logprobs(logprob_texts, r, scored)
     return {"text": r.text, "output_ids": r.token_ids, "meta_info": meta}
 
 
-def _stream_renderer(started: float, logprob_texts: TokenTexts | None):
+def _stream_renderer(started: float, logprob_texts: TokenTexts | None, scored: list[int] | None):
     acc = ChoiceResult()
 
     def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
@@ -134,6 +151,6 @@ def _stream_renderer(started: float, logprob_texts: TokenTexts | None):
         acc.add(out)
         meta = _meta(out.rid, out, started, out.finish_reason, out.finish_message)
         if logprob_texts is not None:
-            meta |= native_logprobs(logprob_texts, acc)
+            meta |= native_logprobs(logprob_texts, acc, scored)
         return [{"text": acc.text, "output_ids": list(acc.token_ids), "meta_info": meta}]
     return render

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -74,6 +75,18 @@ class _Usage:
         return UsageInfo.of(sum(self.prompt_lens), sum(self.completion), cached)
 
 
+@dataclass(frozen=True)
+class _Echo:
+    """What completions' `echo` puts first: choice i starts with prompt i // n, as text and as ids."""
+
+    texts: list[str]
+    ids: list[list[int]]
+    n: int
+
+    def prompt(self, index: int) -> tuple[str, list[int]]:
+        return self.texts[index // self.n], self.ids[index // self.n]
+
+
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager, texts: TokenTexts | None = None) -> None:
         self.tm = tm
@@ -105,18 +118,20 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, extra_key: Any, request: Request) -> Response:
         self._check_common(req)
-        if req.echo:
-            raise bad_request("'echo' is not supported (prompt logprobs are not computed)", param="echo",
-                              code="unsupported_parameter")
         if req.suffix or (req.best_of or 1) > 1:
             raise bad_request("'suffix' and 'best_of' are not supported", param="suffix" if req.suffix else "best_of",
                               code="unsupported_parameter")
         if req.logprobs is not None:
             check_top_logprobs(req.logprobs, "logprobs")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("'max_tokens' 0 (score the prompt, generate nothing) needs 'echo': true",
+                              param="max_tokens", code="invalid_value")
         prompts = self._completion_prompts(req.prompt)
-        params = [self._sampling(req, resolve_max_tokens(self.tm, len(p), req.max_tokens, "prompt"))
-                  for p in prompts]
-        return await self._serve(req, request, prompts, params, extra_key, chat=False, top_logprobs=req.logprobs)
+        params = [self._sampling(req, resolve_max_tokens(self.tm, len(p), req.max_tokens, "prompt",
+                                                         allow_zero=req.echo)) for p in prompts]
+        echo = _Echo(self._prompt_texts(req.prompt, prompts), prompts, req.n) if req.echo else None
+        return await self._serve(req, request, prompts, params, extra_key, chat=False, top_logprobs=req.logprobs,
+                                 echo=echo)
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -131,12 +146,23 @@ class OpenAIServing:
             check_prompt(self.tm, ids, "prompt")
         return prompts
 
+    def _prompt_texts(self, prompt: Any, prompts: list[list[int]]) -> list[str]:
+        """What `echo` repeats: text prompts as given, token-id prompts decoded."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        return [self.tm.tokenizer.decode(ids) for ids in prompts]
+
     # -------------------------------------------------------------------------- chat
 
     async def chat(self, req: ChatCompletionRequest, extra_key: Any, request: Request) -> Response:
         self._check_common(req)
         if req.tools or req.response_format:
             raise bad_request("'tools' and 'response_format' are not supported", code="unsupported_parameter")
+        if req.echo:
+            raise bad_request("'echo' is supported by /v1/completions only", param="echo",
+                              code="unsupported_parameter")
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs",
@@ -186,19 +212,21 @@ class OpenAIServing:
     # -------------------------------------------------------------------------- shared
 
     async def _serve(self, req: Any, request: Request, prompts: list[list[int]], params: list[Any],
-                     extra_key: Any, chat: bool, top_logprobs: int | None) -> Response:
+                     extra_key: Any, chat: bool, top_logprobs: int | None, echo: _Echo | None = None) -> Response:
         """`top_logprobs`: None without logprobs, else the alternatives per token."""
         choice_params = [per_choice_params(p, req.n) for p in params]
         if req.rid is not None:
             check_text(req.rid, "rid")
-        outputs = generate_all(self.tm, prompts, choice_params, extra_key, top_logprobs, [req.rid] * len(prompts))
+        # NOTE: echo with logprobs scores every prompt from position 0 (recomputed, never a cache hit).
+        outputs = generate_all(self.tm, prompts, choice_params, extra_key, top_logprobs, [req.rid] * len(prompts),
+                               logprob_start_len=0 if echo is not None else -1)
         usage = _Usage([len(p) for p in prompts], req.n)
         rid = new_id("chatcmpl" if chat else "cmpl")
         logprobs = top_logprobs is not None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            renderer = self._chat_renderer if chat else self._completion_renderer
-            render = renderer(rid, usage, logprobs)
+            render = self._chat_renderer(rid, usage, logprobs) if chat else self._completion_renderer(
+                rid, usage, logprobs, echo)
             chunk_type = ChatCompletionChunk if chat else CompletionChunk
 
             def finale() -> list[dict[str, Any]]:
@@ -218,14 +246,20 @@ class OpenAIServing:
             raise_if_aborted(r)
         for i, r in enumerate(results):
             usage.completion[i], usage.cached[i] = r.completion_tokens, r.cached_tokens
-        build = self._chat_response if chat else self._completion_response
-        return JSONResponse(build(rid, results, usage.info(), logprobs).model_dump())
+        if chat:
+            body = self._chat_response(rid, results, usage.info(), logprobs)
+        else:
+            body = self._completion_response(rid, results, usage.info(), logprobs, echo)
+        return JSONResponse(body.model_dump())
 
-    def _completion_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo,
-                             logprobs: bool) -> CompletionResponse:
-        choices = [CompletionChoice(index=i, text=r.text, finish_reason=r.finish_reason,
-                                    logprobs=completion_logprobs(self.texts, r) if logprobs else None)
-                   for i, r in enumerate(results)]
+    def _completion_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo, logprobs: bool,
+                             echo: _Echo | None) -> CompletionResponse:
+        choices = []
+        for i, r in enumerate(results):
+            text, ids = echo.prompt(i) if echo is not None else ("", None)
+            choices.append(CompletionChoice(
+                index=i, text=text + r.text, finish_reason=r.finish_reason,
+                logprobs=completion_logprobs(self.texts, r, echo=ids) if logprobs else None))
         return CompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
 
     def _chat_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo,
@@ -235,16 +269,19 @@ class OpenAIServing:
                    for i, r in enumerate(results)]
         return ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
 
-    def _completion_renderer(self, rid: str, usage: _Usage, logprobs: bool) -> Render:
+    def _completion_renderer(self, rid: str, usage: _Usage, logprobs: bool, echo: _Echo | None) -> Render:
         offsets: dict[int, int] = {}  # per choice: characters of token text sent so far, for text_offset
 
         def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
             usage.add(index, out)
+            # With echo, a choice's first chunk starts with its prompt (the first output follows the prefill).
+            text, ids = echo.prompt(index) if echo is not None and index not in offsets else ("", None)
+            offset = offsets.setdefault(index, 0)
             entries = None
             if logprobs:
-                entries = completion_logprobs(self.texts, out, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(map(len, entries.tokens))
-            choice = CompletionChoice(index=index, text=out.text_delta, logprobs=entries,
+                entries = completion_logprobs(self.texts, out, offset, echo=ids)
+                offsets[index] = offset + sum(map(len, entries.tokens))
+            choice = CompletionChoice(index=index, text=text + out.text_delta, logprobs=entries,
                                       finish_reason=out.finish_reason)
             return [CompletionChunk(id=rid, created=now(), model=self.model_name, choices=[choice]).model_dump()]
         return render

@@ -5,7 +5,7 @@ One `TokenizerManager` per server, living on the server's asyncio loop. `generat
 detokenization) until the request ends. Leaving the generator early (client gone, task cancelled)
 sends `AbortReq`, which the scheduler handles at its next step. A watchdog probes the scheduler with
 `GetInternalStateReq`; if the process dies every request in flight fails with `SchedulerUnavailable`
-(HTTP 503), and if it stops answering `health()` reports it. The sockets (`SchedulerLink`) are bound
+(HTTP 503), and if it stops answering `health()` reports it. The sockets (`SchedulerLink`, scheduler_link.py) are bound
 before the scheduler process starts, and `start()` returns only once the scheduler is connected.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import shutil
 import time
 import uuid
 from collections import deque
@@ -23,8 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
 
 from radixserve.managers.io_struct import (
     AbortReq,
@@ -35,19 +32,13 @@ from radixserve.managers.io_struct import (
     GetInternalStateReq,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.scheduler_process import PortArgs, SchedulerInfo
+from radixserve.managers.scheduler_link import SchedulerLink, SchedulerUnavailable
+from radixserve.managers.scheduler_process import SchedulerInfo
 from radixserve.managers.text_stream import IncrementalDetokenizer
 from radixserve.managers.tokenizer_metrics import ServerMetrics
 from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_CONNECT_TIMEOUT_S = 30.0
-
-
-class SchedulerUnavailable(Exception):
-    """The scheduler process is dead (or did not answer in time); HTTP 503."""
-
 
 def cache_namespace(api_key_id: str | None, cache_salt: str | None, extra_key: str | None) -> tuple | None:
     """The structured `extra_key` of the radix key: a tuple of (kind, value) pairs, or None (shared).
@@ -97,6 +88,7 @@ class GenerateReq:
     extra_key: Any = None
     return_logprob: bool = False
     top_logprobs_num: int = 0  # with return_logprob: alternatives per token, at most MAX_TOP_LOGPROBS
+    logprob_start_len: int = -1  # with return_logprob: also score the prompt from this position (-1: no)
     client_rid: str | None = None  # the client's name for it (SGLang's rid), for /abort_request
 
 
@@ -114,6 +106,10 @@ class GenerateOutput:
     # With return_logprob: one entry per token of `token_ids` (a matched stop token included).
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
+    # With logprob_start_len >= 0, in one output only (the first after the prompt was computed): one
+    # entry per prompt position from logprob_start_len on (None and [] at position 0); else None.
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass
@@ -124,6 +120,8 @@ class _Step:
     cached_tokens: int
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass
@@ -137,57 +135,6 @@ class _ReqState:
     done: bool = False
     client_rid: str | None = None
     owner: str | None = None
-
-
-class SchedulerLink:
-    """The HTTP process's two sockets to the scheduler process, bound at construction.
-
-    NOTE: construct it before starting the scheduler process. The child connects before it loads the
-    model; a connect to an ipc path nobody has bound yet fails and is retried only by ZMQ's reconnect
-    timer (100-200 ms), so binding after the child started left the request socket without a peer for
-    that long after the server went live, and every send then failed with EAGAIN (HTTP 503).
-    """
-
-    def __init__(self, port_args: PortArgs | None = None) -> None:
-        self.port_args = port_args or PortArgs.new()
-        self._sync_ctx = zmq.Context()
-        self.requests = self._sync_ctx.socket(zmq.PUSH)
-        self.requests.setsockopt(zmq.LINGER, 0)
-        self._monitor = self.requests.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.requests.bind(self.port_args.request_endpoint)
-        self._async_ctx = zmq.asyncio.Context()
-        self.outputs = self._async_ctx.socket(zmq.PULL)
-        self.outputs.setsockopt(zmq.LINGER, 0)
-        self.outputs.bind(self.port_args.output_endpoint)
-        self._closed = False
-
-    def connected(self) -> bool:
-        """Whether a request send would be accepted now: the scheduler is connected (and not HWM-full)."""
-        return bool(self.requests.poll(0, zmq.POLLOUT))
-
-    async def wait_connected(self, timeout_s: float = _CONNECT_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.connected():
-            if time.monotonic() > deadline:
-                raise SchedulerUnavailable(f"the scheduler did not connect within {timeout_s:.0f} s")
-            await asyncio.sleep(0.01)
-
-    def disconnects(self) -> int:
-        """How many times the scheduler's request connection dropped since the last call."""
-        count = 0
-        while self._monitor.poll(0):
-            count += recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
-        return count
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.requests.disable_monitor()
-        self._sync_ctx.destroy(linger=0)
-        self._async_ctx.destroy(linger=0)
-        if self.port_args.folder is not None:
-            shutil.rmtree(self.port_args.folder, ignore_errors=True)
 
 
 class TokenizerManager:
@@ -246,7 +193,8 @@ class TokenizerManager:
         try:
             self._send(TokenizedGenerateReqInput(
                 rid, list(req.input_ids), req.sampling_params, req.extra_key, stream=True,
-                return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num))
+                return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
+                logprob_start_len=req.logprob_start_len))
             while True:
                 step = await state.queue.get()
                 if isinstance(step, Exception):
@@ -259,7 +207,8 @@ class TokenizerManager:
                     finish_message=None if finished is None else finished.get("message"),
                     finish_status=None if finished is None else finished.get("status_code"),
                     prompt_tokens=state.prompt_len, completion_tokens=step.completion_tokens,
-                    cached_tokens=step.cached_tokens, logprobs=step.logprobs, top_logprobs=step.top_logprobs)
+                    cached_tokens=step.cached_tokens, logprobs=step.logprobs, top_logprobs=step.top_logprobs,
+                    input_logprobs=step.input_logprobs, input_top_logprobs=step.input_top_logprobs)
                 if finished is not None:
                     return
         finally:
@@ -348,7 +297,8 @@ class TokenizerManager:
             state.cached_tokens = out.cached_tokens[i]
             finished = out.finished_reasons[i]
             state.queue.put_nowait(_Step(new_ids, finished, out.completion_tokens[i], out.cached_tokens[i],
-                                         out.output_logprobs[i], out.output_top_logprobs[i]))
+                                         out.output_logprobs[i], out.output_top_logprobs[i],
+                                         out.input_token_logprobs[i], out.input_top_logprobs[i]))
             if finished is not None:
                 state.done = True
                 self._observe_finished(state, aborted=finished.get("type") == "abort")
