@@ -20,6 +20,11 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus penalty x times the token was generated
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus penalty once a token was generated
+    repetition_penalty: float = 1.0  # CTRL's, in (0, 2]: shrinks the logits of prompt and generated tokens
+    min_new_tokens: int = 0  # EOS and stop token ids are banned until this many tokens were generated
+    logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> value in [-100, 100] added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +48,26 @@ class SamplingParams:
                "stop_token_ids", "must be non-negative integers")
         _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", f"must be in [1, 16], got {self.n!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
+               f"must be in (0, 2], got {self.repetition_penalty!r}")
+        _check(isinstance(self.min_new_tokens, int) and not isinstance(self.min_new_tokens, bool)
+               and self.min_new_tokens >= 0, "min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
+        _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(v) and -100 <= v <= 100
+            for t, v in self.logit_bias.items())), "logit_bias",
+            "must map token ids (integers >= 0) to values in [-100, 100]")
+
+    @property
+    def uses_history(self) -> bool:
+        """Needs the per-request token history (a frequency, presence or repetition penalty)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.uses_history or self.min_new_tokens > 0 or bool(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from radixserve.layers.penalties import PenaltyBatchInfo, PenaltyState
 from radixserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -32,6 +33,7 @@ class SamplingBatchInfo:
     need_top_k: bool
     need_min_p: bool
     generator_seed: int | None = None  # seeds the Sampler's stream for rows without a seed
+    penalties: PenaltyBatchInfo | None = None  # penalties, min_new_tokens, logit_bias (set by the scheduler)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], output_lens: list[int], device: torch.device | str,
@@ -86,12 +88,21 @@ def compute_input_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, top_k
 class Sampler:
     """`seed` seeds the stream of unseeded rows when a batch names no `generator_seed`."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, num_rows: int = 1) -> None:
         self.seed = seed
         self._generators: dict[tuple[torch.device, int | None], torch.Generator] = {}
+        self.penalties = PenaltyState(num_rows)  # one history row per ReqToTokenPool row
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """logits: float [bs, vocab] -> int64 [bs]."""
+        """logits: float [bs, vocab] -> int64 [bs]. Penalties apply to greedy rows too."""
+        if info.penalties is not None:
+            logits = self.penalties.process(logits, info.penalties)
+        next_ids = self._sample(logits, info)
+        if info.penalties is not None:
+            self.penalties.record(next_ids, info.penalties)
+        return next_ids
+
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         greedy_ids = torch.argmax(logits, dim=-1)
         if info.is_all_greedy:
             return greedy_ids

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from radixserve.layers.penalties import PenaltyBatchInfo
 from radixserve.managers import kv_ops
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.sampling_params import SamplingParams
@@ -79,6 +80,7 @@ class Req:
         self.input_top_logprobs: list[list[tuple[int, float]]] = [[]] if self.logprob_start_len == 0 else []
         self.input_logprob_next = max(self.logprob_start_len, 1)  # next prompt position a forward will score
         self.input_logprobs_sent = False
+        self.penalty_reset = False  # a new row: its penalty history must be rebuilt in the next forward
         # KV bookkeeping (read and written by the radix cache as well).
         self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = _EMPTY_INDICES
@@ -272,6 +274,7 @@ class ScheduleBatch:
             raise RuntimeError(f"no free request row for {len(reqs)} request(s): the admission budget was wrong")
         for req, row in zip(reqs, rows, strict=True):
             req.req_pool_idx = row
+            req.penalty_reset = True
 
     # ---- decode ---------------------------------------------------------------------------------
     def prepare_for_decode(self) -> ForwardBatch:
@@ -332,3 +335,42 @@ class ScheduleBatch:
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         self.reqs.extend(r for r in other.reqs if r not in self.reqs)
+
+
+def penalty_info(reqs: list[Req], output_lens: list[int], device: torch.device,
+                 is_extend: bool) -> PenaltyBatchInfo | None:
+    """The logit processing of a batch whose rows are assigned; None when no request asks for any.
+
+    `output_lens`: tokens each request has generated before this step (under overlap, the host's
+    output_ids lag one step; the caller knows the true count)."""
+    if not any(r.sampling_params.processes_logits for r in reqs):
+        return None
+    params = [r.sampling_params for r in reqs]
+    resets = [(r.req_pool_idx, r.origin_input_ids, list(r.output_ids)) for r in reqs
+              if r.penalty_reset and r.sampling_params.uses_history]
+    for r in reqs:
+        r.penalty_reset = False
+    banned: tuple[list[int], list[int]] = ([], [])
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])
+    for i, (r, p, done) in enumerate(zip(reqs, params, output_lens, strict=True)):
+        if done < p.min_new_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            banned[0].extend([i] * len(stops))
+            banned[1].extend(sorted(stops))
+        for token, value in (p.logit_bias or {}).items():
+            bias[0].append(i)
+            bias[1].append(token)
+            bias[2].append(float(value))
+    # NOTE: a non-final prefill chunk samples a token that is dropped; it must not enter the history.
+    record = [not is_extend or len(r.fill_ids) >= len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+    return PenaltyBatchInfo(
+        rows=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
+        frequency=column([p.frequency_penalty for p in params]),
+        presence=column([p.presence_penalty for p in params]),
+        repetition=column([p.repetition_penalty for p in params]),
+        use_history=any(p.uses_history for p in params), resets=resets,
+        record=torch.tensor(record, dtype=torch.bool, device=device), banned=banned, bias=bias)

@@ -25,7 +25,13 @@ from radixserve.managers.io_struct import (
     GetInternalStateReq,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.schedule_batch import RETRACT_DECODE_STEPS, FinishReason, Req, ScheduleBatch
+from radixserve.managers.schedule_batch import (
+    RETRACT_DECODE_STEPS,
+    FinishReason,
+    Req,
+    ScheduleBatch,
+    penalty_info,
+)
 from radixserve.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, prefill_log_line
 from radixserve.managers.scheduler_output_processor import (
@@ -298,8 +304,10 @@ class Scheduler(SchedulerOverlapMixin, SchedulerOutputProcessorMixin):
     def make_sampling_info(self, batch: ScheduleBatch) -> Any:
         from radixserve.layers.sampler import SamplingBatchInfo
 
-        return SamplingBatchInfo.from_params([r.sampling_params for r in batch.reqs],
-                                             [len(r.output_ids) for r in batch.reqs], self.device)
+        output_lens = [len(r.output_ids) for r in batch.reqs]
+        info = SamplingBatchInfo.from_params([r.sampling_params for r in batch.reqs], output_lens, self.device)
+        info.penalties = penalty_info(batch.reqs, output_lens, self.device, batch.forward_mode.is_extend())
+        return info
 
     # ---- input messages -------------------------------------------------------------------------
     def process_input_requests(self, msgs: list[Any]) -> None:

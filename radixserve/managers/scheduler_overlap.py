@@ -244,7 +244,7 @@ class SchedulerOverlapMixin:
         is_decode = batch.forward_mode.is_decode()
         if state.future_map.check and not is_decode:
             state.future_map.reset_rows(rows)  # NOTE: these rows may have just changed hands
-        job = DeviceJob(fb, self._sampling_info(reqs), is_decode, state.streams.forward.create_event(),
+        job = DeviceJob(fb, self._sampling_info(reqs, not is_decode), is_decode, state.streams.forward.create_event(),
                         logprob_top_k(reqs), self._expected_rows(fb) if self.overlap_debug.check_reads else None)
         streams = state.streams
         streams.fence_reads_after_writes()
@@ -258,14 +258,17 @@ class SchedulerOverlapMixin:
         self.overlap_counters.launched += 1
         return LaunchedBatch(copy, rows, host_output, copy_done, job, forward_done)
 
-    def _sampling_info(self: Scheduler, reqs: list[Req]) -> Any:
+    def _sampling_info(self: Scheduler, reqs: list[Req], is_extend: bool) -> Any:
         from radixserve.layers.sampler import SamplingBatchInfo
+        from radixserve.managers.schedule_batch import penalty_info
 
         # NOTE: output_ids lag one step here; the output index of the token this step samples is
         # kv_committed_len - prompt length in both loops (0 for a non-final chunk, whose token is dropped).
         output_lens = [max(r.kv_committed_len - len(r.origin_input_ids), 0) for r in reqs]
-        return SamplingBatchInfo.from_params([r.sampling_params for r in reqs], output_lens, self.device,
+        info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], output_lens, self.device,
                                              default_generator_seed=self.server_args.random_seed)
+        info.penalties = penalty_info(reqs, output_lens, self.device, is_extend)
+        return info
 
     def _expected_rows(self: Scheduler, fb: ForwardBatch) -> torch.Tensor:
         width = max(fb.seq_lens_cpu)

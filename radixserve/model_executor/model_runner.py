@@ -74,7 +74,7 @@ class ModelRunner:
             MAX_RUNNING_REQUESTS_CAP, max(1, self.max_total_num_tokens // TOKENS_PER_RUNNING_REQUEST))
         self._init_pools()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
-        self.sampler = Sampler(server_args.random_seed)
+        self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
         self._log_startup()
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
