@@ -282,3 +282,24 @@ def test_bench_http_backend_replays_the_workloads_through_the_openai_api(server:
         assert all(r.cached_tokens > 0 for r in later_turns)  # each turn reuses the previous ones
     finally:
         backend.close()
+
+
+def test_penalties_min_tokens_and_logit_bias_reach_the_sampler(client: OpenAI, server: ServerHandle,
+                                                               model_name: str) -> None:
+    prompt = "one two three one two three one two three one two three"
+    plain = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0)
+    penalized = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0)
+    assert plain.choices[0].text != penalized.choices[0].text
+    pushed = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+                                       logit_bias={"1234": 100})
+    tokens = server.post("/tokenize", json={"prompt": pushed.choices[0].text, "add_special_tokens": False}).json()
+    assert tokens["tokens"] == [1234]
+    ask = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    short = client.chat.completions.create(model=model_name, messages=ask, max_tokens=30, temperature=0)
+    longer = client.chat.completions.create(model=model_name, messages=ask, max_tokens=30, temperature=0,
+                                            extra_body={"min_tokens": 10})
+    assert short.usage.completion_tokens < 10 <= longer.usage.completion_tokens
+    native = server.post("/generate", json={"text": prompt, "sampling_params": {
+        "max_new_tokens": 8, "temperature": 0, "frequency_penalty": 2.0, "presence_penalty": 2.0}}).json()
+    assert native["text"] == penalized.choices[0].text

@@ -139,7 +139,10 @@ def test_unsupported_parameters_are_refused_clearly(server: ServerHandle) -> Non
     assert "/v1/completions only" in message
     _error(server.post(COMPLETIONS, json={"prompt": "Hi", "suffix": "!"}), 400, "unsupported_parameter", "suffix")
     _error(server.post(COMPLETIONS, json={"prompt": "Hi", "best_of": 2}), 400, "unsupported_parameter", "best_of")
-    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "presence_penalty": 1.0}), 400, "unsupported_parameter")
+    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "presence_penalty": 2.5}), 400, None, "presence_penalty")
+    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "logit_bias": {"x": 1}}), 400, "invalid_value", "logit_bias")
+    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "logit_bias": {"5": 101}}), 400, None, "logit_bias")
+    _error(server.post(COMPLETIONS, json={"prompt": "Hi", "min_tokens": -1}), 400, None, "min_tokens")
 
 
 def test_logprobs_out_of_range_or_without_logprobs(server: ServerHandle) -> None:

@@ -58,10 +58,11 @@ class _SamplingFields(_Request):
     # Cache namespaces: vLLM's cache_salt and SGLang's extra_key; both only narrow the namespace.
     cache_salt: str | None = None
     extra_key: str | None = None
-    # Accepted for compatibility; only the neutral values are supported.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    logit_bias: dict[str, float] | None = None  # token id (a string key) -> [-100, 100]
+    repetition_penalty: float = 1.0  # vLLM's and SGLang's extension, (0, 2]
+    min_tokens: int = 0  # vLLM's extension: EOS and stop token ids are banned before this many tokens
 
 
 class CompletionRequest(_SamplingFields):

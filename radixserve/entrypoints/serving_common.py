@@ -192,7 +192,21 @@ async def guarded(work: Callable[[], Awaitable[T]]) -> T:
 # ---------------------------------------------------------------------------------- requests in
 
 
-_PARAM_NAMES = {"max_new_tokens": "max_tokens"}
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def token_id_keys(bias: dict[str, float] | None, vocab_size: int, param: str = "logit_bias") -> dict[int, float] | None:
+    """OpenAI's logit_bias has token ids as JSON object keys (strings); the sampler takes ints."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+            raise bad_request(f"'{param}' keys must be token ids in [0, {vocab_size}), got {key!r}", param=param,
+                              code="invalid_value")
+        out[token] = value
+    return out
 
 
 def make_sampling_params(openai_names: bool, **values: Any) -> SamplingParams:

@@ -23,6 +23,7 @@ from radixserve.entrypoints.serving_common import (
     per_choice_params,
     raise_if_aborted,
     resolve_max_tokens,
+    token_id_keys,
     tokenize_text,
 )
 from radixserve.entrypoints.serving_openai import CLIENT_CLOSED, stream_response
@@ -87,7 +88,11 @@ def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, par
         raise bad_request(f"'{_MAX_PARAM}' must be an integer, got {max_new!r}", param=_MAX_PARAM,
                           code="invalid_type")
     resolved = resolve_max_tokens(tm, prompt_len, max_new, param, _MAX_PARAM, allow_zero=scoring)
-    return make_sampling_params(False, **{**values, "max_new_tokens": resolved})
+    bias = values.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise bad_request("'sampling_params.logit_bias' must be an object", param="sampling_params.logit_bias")
+    bias = token_id_keys(bias, tm.info.vocab_size, "sampling_params.logit_bias")
+    return make_sampling_params(False, **{**values, "max_new_tokens": resolved, "logit_bias": bias})
 
 
 def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float, finish: str | None,

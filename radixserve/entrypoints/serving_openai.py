@@ -47,6 +47,7 @@ from radixserve.entrypoints.serving_common import (
     raise_if_aborted,
     resolve_max_tokens,
     sse,
+    token_id_keys,
     tokenize_text,
 )
 from radixserve.managers.tokenizer_manager import GenerateOutput, SchedulerUnavailable, TokenizerManager
@@ -100,11 +101,6 @@ class OpenAIServing:
 
     def _check_common(self, req: Any) -> None:
         self.check_model(req.model)
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) != 0:
-                raise bad_request(f"'{name}' is not supported (only 0)", param=name, code="unsupported_parameter")
-        if req.logit_bias:
-            raise bad_request("'logit_bias' is not supported", param="logit_bias", code="unsupported_parameter")
         if req.cache_salt is not None:
             check_text(req.cache_salt, "cache_salt")
 
@@ -112,7 +108,9 @@ class OpenAIServing:
         return make_sampling_params(
             True, max_new_tokens=max_new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
-            ignore_eos=req.ignore_eos, seed=req.seed, n=req.n)
+            ignore_eos=req.ignore_eos, seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
+            min_new_tokens=req.min_tokens, logit_bias=token_id_keys(req.logit_bias, self.tm.info.vocab_size))
 
     # -------------------------------------------------------------------------- completions
 
