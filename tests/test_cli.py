@@ -50,6 +50,12 @@ def test_generate_raw_and_chat_template(fast_load, capsys):
     assert out.strip() and "prompt tokens" in err
     # the chat template wraps the message, so the prompt is much longer than the raw question
     assert int(err.split("[")[1].split()[0]) > 10
+    loop = ["generate", "--raw", "--no-stream", "--max-new-tokens", "8", "--temperature", "0",
+            "one two three one two three one two three", *SMALL]
+    cli.main(loop)
+    plain = capsys.readouterr().out
+    cli.main([*loop, "--repetition-penalty", "2.0"])
+    assert capsys.readouterr().out != plain  # the flag reaches the sampler
 
 
 def test_chat_shows_cached_tokens_per_turn(fast_load, capsys, monkeypatch):

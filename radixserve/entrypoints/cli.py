@@ -22,13 +22,17 @@ def _sampling_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None
     parser.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=-1, help="top-k sampling; -1 is off (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: %(default)s)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="divides the logits of tokens already in the conversation; 1.1-1.3 curbs the loops "
+                             "small models fall into (default: %(default)s, off)")
     parser.add_argument("--stop", action="append", default=None,
                         help="stop string, repeatable (default: none)")
 
 
 def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "top_k": args.top_k, "seed": args.seed, "stop": args.stop or []}
+            "top_k": args.top_k, "seed": args.seed, "stop": args.stop or [],
+            "repetition_penalty": args.repetition_penalty}
 
 
 def build_parser() -> argparse.ArgumentParser:
