@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from radixserve.layers.sampler import compute_input_logprobs
 from radixserve.managers.io_struct import AbortReq, FlushCacheOut, FlushCacheReq, TokenizedGenerateReqInput
 from radixserve.managers.scheduler import Scheduler
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -67,10 +68,28 @@ class FakeRunner:
         for i, (row, n) in enumerate(zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, strict=True)):
             seq = self.kv[table[row, :n].long()].tolist()
             logits[i, next_token(seq)] = 1.0
+        if fb.extra_logits_indices is not None:
+            fb.input_logprobs = compute_input_logprobs(self._prompt_logits(fb), fb.extra_target_ids, fb.extra_top_k)
+        return logits
+
+    def _prompt_logits(self, fb) -> torch.Tensor:
+        """As the model runner: the logits at each requested flat token index, from the KV read back."""
+        table = self.req_to_token_pool.req_to_token
+        owner = []  # flat index -> (row, position)
+        for row, pre, ext in zip(fb.req_pool_indices.tolist(), fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
+                                 strict=True):
+            owner.extend((row, pre + k) for k in range(ext))
+        logits = torch.zeros(len(fb.extra_logits_indices), VOCAB)
+        for j, flat in enumerate(fb.extra_logits_indices.tolist()):
+            row, pos = owner[flat]
+            logits[j, next_token(self.kv[table[row, : pos + 1].long()].tolist())] = 1.0
         return logits
 
     def sample(self, logits: torch.Tensor, info) -> torch.Tensor:
         return logits.argmax(-1)
+
+    def logprobs(self, logits: torch.Tensor, next_ids: torch.Tensor, info, top_k: int):
+        return compute_input_logprobs(logits, next_ids, top_k)
 
 
 class FakeScheduler(Scheduler):
@@ -94,6 +113,8 @@ def make_scheduler(pool_tokens=256, page_size=1, max_running=8, chunk=-1, disabl
             rec["ids"].extend(out.new_token_ids[i])
             rec["finish"] = out.finished_reasons[i]
             rec["cached"] = out.cached_tokens[i]
+            if out.input_token_logprobs and out.input_token_logprobs[i] is not None:
+                rec["input_logprobs"] = out.input_token_logprobs[i]
 
     sched = FakeScheduler(args, FakeRunner(pool_tokens, page_size, max_running), output_sink=sink)
     return sched, outputs
@@ -104,9 +125,10 @@ def conserve(sched: Scheduler) -> None:
                        sched.active_requests())
 
 
-def submit(sched, rid, prompt, **params):
+def submit(sched, rid, prompt, logprob_start_len=-1, **params):
     sp = SamplingParams(**params)
-    sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, sp))
+    sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, sp, return_logprob=logprob_start_len >= 0,
+                                                    logprob_start_len=logprob_start_len))
     return sp
 
 
@@ -271,3 +293,47 @@ def test_forced_eviction_counts_and_keeps_outputs_right():
     assert {rid: outputs[rid]["ids"] for rid in expected} == expected
     # each finished request leaves ~32 tokens in the tree; a 64-token pool must evict to admit the next
     assert sched.stats.evicted_tokens >= 30 * 10
+
+
+def reference_prompt_logprobs(prompt: list[int], start: int) -> list[float | None]:
+    """The fake model's own log-probability of each prompt token from `start` (None at position 0)."""
+    out: list[float | None] = []
+    for pos in range(start, len(prompt)):
+        if pos == 0:
+            out.append(None)
+            continue
+        logits = torch.zeros(VOCAB)
+        logits[next_token(prompt[:pos])] = 1.0
+        out.append(torch.log_softmax(logits, -1)[prompt[pos]].item())
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fuzz_prompt_logprobs_are_computed_not_cached_under_pressure(page_size):
+    rng = random.Random(77 + page_size)
+    sched, outputs = make_scheduler(pool_tokens=192, page_size=page_size, max_running=6, chunk=16,
+                                    conservativeness=0.05)
+    bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(8, 60))] for _ in range(3)]
+    expected = {}
+    for wave in range(4):
+        for i in range(20):
+            rid = f"w{wave}-{i}"
+            prompt = rng.choice(bases)[: rng.randrange(0, 50)] + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 20))]
+            start = rng.choice([-1, 0, rng.randrange(0, len(prompt))])
+            sp = submit(sched, rid, prompt, logprob_start_len=start, max_new_tokens=rng.randrange(0, 24),
+                        ignore_eos=True)
+            expected[rid] = (reference(prompt, sp), None if start < 0 else reference_prompt_logprobs(prompt, start))
+        for _ in range(rng.randrange(1, 20)):
+            sched.run_step(block_when_idle=False)
+            conserve(sched)
+    drain(sched)
+    scored = 0
+    for rid, (ids, prompt_logprobs) in expected.items():
+        got = outputs[rid]
+        assert got["ids"] == ids, rid
+        if prompt_logprobs is None:
+            assert "input_logprobs" not in got, rid
+        else:
+            assert got["input_logprobs"] == pytest.approx(prompt_logprobs, abs=1e-6), rid
+            scored += 1
+    assert scored > 20 and sched.stats.cached_tokens > 0 and sched.stats.num_retractions > 0
