@@ -129,3 +129,73 @@ def test_64_streaming_clients_with_disconnects_eviction_and_retraction(server: S
     print(f"load: {NUM_CLIENTS} clients in {elapsed:.1f} s, {generated:.0f} tokens delivered, "
           f"retractions {state1['num_retractions'] - state0['num_retractions']}, "
           f"evicted {state1['evicted_tokens'] - state0['evicted_tokens']}")
+
+
+MIXED = 24
+
+
+async def _mixed_request(http: httpx.AsyncClient, k: int, prompt: str, prompt_ids: list[int]) -> dict:
+    """One request of kind k % 6: every feature that touches the scheduler, at once, under pressure."""
+    kind = k % 6
+    if kind == 0:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 6, "temperature": 0,
+                "logprobs": True, "top_logprobs": 2}
+        r = await http.post("/v1/chat/completions", json=body)
+        out = r.json()
+        assert len(out["choices"][0]["logprobs"]["content"]) == out["usage"]["completion_tokens"]
+    elif kind == 1:
+        body = {"prompt": [prompt_ids], "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+        r = await http.post("/v1/completions", json=body)
+        out = r.json()
+        scores = out["choices"][0]["logprobs"]["token_logprobs"]
+        assert len(scores) == len(prompt_ids) and scores[0] is None and all(s <= 0 for s in scores[1:])
+    elif kind in (2, 4):
+        extra = ({"frequency_penalty": 1.5, "presence_penalty": 0.5} if kind == 2
+                 else {"logit_bias": {"1234": 5.0}, "min_tokens": 6})
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
+        r = await http.post("/v1/completions", json=body)
+        out = {"text": r.json()["choices"][0]["text"], "body": body}
+    elif kind == 3:
+        body = {"text": prompt, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0, "repetition_penalty": 1.3}}
+        r = await http.post("/generate", json=body)
+        meta = r.json()["meta_info"]
+        assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+        out = r.json()
+    else:
+        body = {"text": prompt, "rid": f"mixed-{k}", "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}
+        async with http.stream("POST", "/generate", json=body) as r:
+            last = None
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    if last is None:
+                        aborted = await http.post("/abort_request", json={"rid": f"mixed-{k}"})
+                        assert aborted.json()["aborted"] == 1
+                    last = json.loads(line[6:])
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        out = last
+    assert r.status_code == 200, (kind, out)
+    return {"kind": kind, **out}
+
+
+async def _run_mixed(base_url: str, prompts: list[str], ids: list[list[int]]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=DEADLINE_S) as http:
+        jobs = [_mixed_request(http, k, prompts[k % NUM_PROMPTS], ids[k % NUM_PROMPTS]) for k in range(MIXED)]
+        return await asyncio.wait_for(asyncio.gather(*jobs), DEADLINE_S)
+
+
+def test_every_feature_at_once_under_pressure_keeps_outputs_and_kv(server: ServerHandle) -> None:
+    prompts = _prompts()
+    ids = [server.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+    state0 = check_idle_conservation(server)
+    results = asyncio.run(_run_mixed(server.base_url, prompts, ids))
+    assert sorted(r["kind"] for r in results) == sorted(k % 6 for k in range(MIXED))
+    state1 = check_idle_conservation(server)
+    assert state1["num_retractions"] > state0["num_retractions"]
+    # Penalized and biased greedy requests give what they give alone, on an idle server.
+    for r in results:
+        if r["kind"] in (2, 4):
+            alone = server.post("/v1/completions", json=r["body"], timeout=120)
+            assert alone.json()["choices"][0]["text"] == r["text"], r["body"]
+    check_idle_conservation(server)
