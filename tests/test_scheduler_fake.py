@@ -9,6 +9,7 @@ a wrong prefix, a lost chunk) changes the tokens. The real-model tests are in te
 from __future__ import annotations
 
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -98,10 +99,10 @@ class FakeScheduler(Scheduler):
 
 
 def make_scheduler(pool_tokens=256, page_size=1, max_running=8, chunk=-1, disable_cache=False,
-                   policy="lpm", max_prefill_tokens=16384, conservativeness=1.0):
+                   policy="lpm", max_prefill_tokens=16384, conservativeness=1.0, **extra):
     args = ServerArgs(max_total_tokens=pool_tokens, page_size=page_size, chunked_prefill_size=chunk,
                       disable_radix_cache=disable_cache, schedule_policy=policy,
-                      max_prefill_tokens=max_prefill_tokens, schedule_conservativeness=conservativeness)
+                      max_prefill_tokens=max_prefill_tokens, schedule_conservativeness=conservativeness, **extra)
     outputs: dict[str, dict] = {}
 
     def sink(out):
@@ -337,3 +338,28 @@ def test_fuzz_prompt_logprobs_are_computed_not_cached_under_pressure(page_size):
             assert got["input_logprobs"] == pytest.approx(prompt_logprobs, abs=1e-6), rid
             scored += 1
     assert scored > 20 and sched.stats.cached_tokens > 0 and sched.stats.num_retractions > 0
+
+
+def test_queue_timeout_ends_waiting_requests_with_503_and_spares_admitted_ones():
+    sched, outputs = make_scheduler(pool_tokens=256, max_running=1, queue_timeout=0.05)
+    submit(sched, "running", [1, 2, 3], max_new_tokens=40, ignore_eos=True)
+    sched.run_step(block_when_idle=False)  # admitted: only one request fits at a time
+    submit(sched, "waiting", [4, 5, 6], max_new_tokens=4, ignore_eos=True)
+    sched.run_step(block_when_idle=False)
+    time.sleep(0.1)
+    drain(sched)
+    finish = outputs["waiting"]["finish"]
+    assert finish["type"] == "abort" and finish["status_code"] == 503 and "queue timeout" in finish["message"]
+    assert outputs["waiting"]["ids"] == [] and sched.stats.num_queue_timeouts == 1
+    assert outputs["running"]["finish"]["type"] == "length" and len(outputs["running"]["ids"]) == 40
+
+
+def test_flush_counts_its_epoch():
+    sched, outputs = make_scheduler()
+    submit(sched, "a", [1, 2, 3], max_new_tokens=2, ignore_eos=True)
+    drain(sched)
+    assert sched.get_internal_state()["cache_epoch"] == 0
+    sched.input_queue.put(FlushCacheReq())
+    drain(sched)
+    assert outputs["__flush__"].success and outputs["__flush__"].cache_epoch == 1
+    assert sched.get_internal_state()["cache_epoch"] == 1

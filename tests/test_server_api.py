@@ -216,9 +216,11 @@ def test_flush_cache_409_while_running_then_200_with_tokens_freed(server: Server
         err = busy.json()
         assert err["error"]["code"] == "requests_running" and err["in_flight_requests"] >= 1
     check_idle_conservation(server)
+    epoch = server.info()["scheduler_state"]["cache_epoch"]
     done = server.post("/flush_cache")
     assert done.status_code == 200, done.text
     assert done.json()["success"] is True and done.json()["tokens_freed"] > 0
+    assert done.json()["cache_epoch"] == epoch + 1 == server.info()["scheduler_state"]["cache_epoch"]
     cold = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0  # the flush really emptied the tree
 
@@ -303,3 +305,12 @@ def test_penalties_min_tokens_and_logit_bias_reach_the_sampler(client: OpenAI, s
     native = server.post("/generate", json={"text": prompt, "sampling_params": {
         "max_new_tokens": 8, "temperature": 0, "frequency_penalty": 2.0, "presence_penalty": 2.0}}).json()
     assert native["text"] == penalized.choices[0].text
+
+
+def test_native_max_new_tokens_zero_prewarms_the_cache(server: ServerHandle) -> None:
+    text = _unique_text() + " A system prompt that many later requests will share."
+    warm = server.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 0}})
+    assert warm.status_code == 200, warm.text
+    assert warm.json()["output_ids"] == [] and warm.json()["meta_info"]["finish_reason"]["type"] == "length"
+    hit = server.post("/generate", json={"text": text + " Question?", "sampling_params": {"max_new_tokens": 1}})
+    assert hit.json()["meta_info"]["cached_tokens"] >= warm.json()["meta_info"]["prompt_tokens"] - 1

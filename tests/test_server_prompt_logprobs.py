@@ -183,5 +183,5 @@ def test_prompt_logprob_requests_that_are_refused(server: ServerHandle) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert "needs 'echo': true" in server.post(COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 0}).json()["error"][
         "message"]
-    r = server.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0}})
+    r = server.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": -1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.max_new_tokens", r.text

@@ -127,7 +127,8 @@ class Engine:
     def flush_cache(self) -> dict[str, Any]:
         """Empty the radix cache when no request holds KV; says whether it did."""
         out: FlushCacheOut = self._control(FlushCacheReq())
-        return {"success": out.success, "tokens_freed": out.tokens_freed, "message": out.message}
+        return {"success": out.success, "tokens_freed": out.tokens_freed, "message": out.message,
+                "cache_epoch": out.cache_epoch}
 
     def get_internal_state(self) -> dict[str, Any]:
         """Scheduler counters and pool sizes (prompt/cached/generated/evicted tokens, retractions...)."""

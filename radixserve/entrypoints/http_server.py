@@ -164,7 +164,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         auth.key_id(request)
         out = await guarded(tm.flush_cache)
         if out.success:
-            return JSONResponse({"success": True, "tokens_freed": out.tokens_freed, "message": out.message})
+            return JSONResponse({"success": True, "tokens_freed": out.tokens_freed, "message": out.message,
+                                 "cache_epoch": out.cache_epoch})
         raise ApiError(409, f"cache not flushed: {out.message or 'requests are running'}; "
                             f"{tm.num_in_flight} request(s) in flight", code="requests_running",
                        extra={"in_flight_requests": tm.num_in_flight, "rids": tm.in_flight_rids()})

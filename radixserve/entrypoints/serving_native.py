@@ -73,8 +73,7 @@ def _logprob_start(req: GenerateRequest, prompts: list[list[int]]) -> int:
     return start
 
 
-def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, param: str,
-              scoring: bool) -> SamplingParams:
+def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, param: str) -> SamplingParams:
     known = set(SamplingParams.__dataclass_fields__)
     unknown = sorted(set(values) - known)
     if unknown:
@@ -87,7 +86,7 @@ def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, par
     if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int)):
         raise bad_request(f"'{_MAX_PARAM}' must be an integer, got {max_new!r}", param=_MAX_PARAM,
                           code="invalid_type")
-    resolved = resolve_max_tokens(tm, prompt_len, max_new, param, _MAX_PARAM, allow_zero=scoring)
+    resolved = resolve_max_tokens(tm, prompt_len, max_new, param, _MAX_PARAM, allow_zero=True)
     bias = values.get("logit_bias")
     if bias is not None and not isinstance(bias, dict):
         raise bad_request("'sampling_params.logit_bias' must be an object", param="sampling_params.logit_bias")
@@ -113,8 +112,9 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
         check_text(req.cache_salt, "cache_salt")
     prompts, batch, param = _prompts(tm, req)
     start = _logprob_start(req, prompts)
-    # NOTE: with prompt logprobs, max_new_tokens 0 scores the prompt and generates nothing.
-    params = [_sampling(tm, req.sampling_params, len(p), param, scoring=start >= 0) for p in prompts]
+    # NOTE: max_new_tokens 0 computes the prompt and generates nothing: it scores the prompt (with
+    # logprob_start_len), or prewarms the radix cache with it (as SGLang allows).
+    params = [_sampling(tm, req.sampling_params, len(p), param) for p in prompts]
     n = params[0].n
     choice_params = [per_choice_params(p, n) for p in params]
     outputs = generate_all(tm, prompts, choice_params, extra_key, top_logprobs, _client_rids(req, len(prompts), batch),

@@ -40,6 +40,7 @@ class FlushCacheOut:
     success: bool
     tokens_freed: int = 0
     message: str = ""
+    cache_epoch: int = 0  # successful flushes so far: a benchmark can prove its run started cold
 
 
 @dataclass

@@ -77,6 +77,7 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
         self.in_flight_prefill: list[Req] = []  # the last prefill's requests, for in-batch prefix dedup
         self.batch_is_full = False
         self.reqs: dict[str, Req] = {}  # every request not yet finished, by rid
+        self.cache_epoch = 0  # successful flush_cache calls
 
         self.input_queue: queue.Queue = queue.Queue()
         self.output_sink = output_sink or (lambda out: None)
@@ -165,10 +166,29 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
             self.running_batch.merge_batch(last)
             self.last_batch = None
         self._finish_marked_aborts(self.running_batch)
+        self._expire_waiting()
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
         return self.update_running_batch()
+
+    def _expire_waiting(self) -> None:
+        """End requests that waited longer than --queue-timeout for admission (503: retry elsewhere)."""
+        timeout = self.server_args.queue_timeout
+        if timeout is None:
+            return
+        now = time.monotonic()
+        # NOTE: a retracted request was admitted once and holds a client's partial output: never expired.
+        expired = [r for r in self.waiting_queue if not r.retraction_count and now - r.wait_since > timeout]
+        if not expired:
+            return
+        self.waiting_queue = [r for r in self.waiting_queue if all(r is not e for e in expired)]
+        for req in expired:
+            req.forget_prefix_match()
+            self.stats.num_queue_timeouts += 1
+            self.finish_now(req, FinishReason.abort(
+                f"waited {now - req.wait_since:.1f} s for admission, over the queue timeout of {timeout:g} s; "
+                "the server is overloaded", status_code=503))
 
     def _finish_marked_aborts(self, batch: ScheduleBatch) -> None:
         for req in [r for r in batch.reqs if r.to_abort is not None and not r.finished()]:
@@ -348,6 +368,7 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
             "new_token_ratio": self.new_token_ratio.value,
             "disable_radix_cache": self.tree_cache.disable,
             "schedule_policy": self.policy.policy,
+            "cache_epoch": self.cache_epoch,
         }
 
     def shutdown(self) -> None:

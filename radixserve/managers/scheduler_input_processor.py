@@ -99,9 +99,11 @@ class SchedulerInputProcessorMixin:
         """Empty the tree, only when no request holds KV (no lock, no row)."""
         busy = self.active_requests()
         if busy:
-            return FlushCacheOut(False, 0, f"{len(busy)} request(s) hold KV: {', '.join(r.rid for r in busy[:8])}")
+            return FlushCacheOut(False, 0, f"{len(busy)} request(s) hold KV: {', '.join(r.rid for r in busy[:8])}",
+                                 self.cache_epoch)
         freed = self.tree_cache.evict(self.tree_cache.evictable_size())
         self.tree_cache.reset()
         for req in self.waiting_queue:  # NOTE: their unlocked matches point into the old tree
             req.forget_prefix_match()
-        return FlushCacheOut(True, freed, f"flushed {freed} cached tokens")
+        self.cache_epoch += 1
+        return FlushCacheOut(True, freed, f"flushed {freed} cached tokens", self.cache_epoch)

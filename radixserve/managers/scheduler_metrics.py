@@ -17,6 +17,7 @@ class SchedulerStats:
     num_finished: int = 0  # ended with stop or length
     num_aborts: int = 0  # ended with abort (client abort, rejection, out of memory)
     num_rejected: int = 0  # of the aborts: refused at admission
+    num_queue_timeouts: int = 0  # of the aborts: waited longer than --queue-timeout
     num_retractions: int = 0
     prompt_tokens: int = 0  # Σ prompt lengths of admitted requests (first prefill only)
     cached_tokens: int = 0  # Σ of their cache hits (first prefill only)
