@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from radixserve.layers.sampler import compute_input_logprobs
 from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from radixserve.managers.overlap_utils import FutureMapError, OverlapDebug, StreamError
 from radixserve.managers.scheduler import Scheduler
@@ -83,10 +84,25 @@ class FakeRunner:
         logits = torch.zeros(fb.batch_size, VOCAB)
         for i, slots in enumerate(fb.attn_backend.rows):
             logits[i, next_token(self.kv[slots].tolist())] = 1.0
+        if fb.extra_logits_indices is not None:
+            fb.input_logprobs = compute_input_logprobs(self._prompt_logits(fb), fb.extra_target_ids, fb.extra_top_k)
+        return logits
+
+    def _prompt_logits(self, fb) -> torch.Tensor:
+        """As the model runner: logits at the requested flat token indices, from the rows the forward read."""
+        owner = [(i, pre + k) for i, (pre, ext) in enumerate(zip(fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu,
+                                                                  strict=True)) for k in range(ext)]
+        logits = torch.zeros(len(fb.extra_logits_indices), VOCAB)
+        for j, flat in enumerate(fb.extra_logits_indices.tolist()):
+            i, pos = owner[flat]
+            logits[j, next_token(self.kv[fb.attn_backend.rows[i][: pos + 1]].tolist())] = 1.0
         return logits
 
     def sample(self, logits: torch.Tensor, info) -> torch.Tensor:
         return logits.argmax(-1)
+
+    def logprobs(self, logits: torch.Tensor, next_ids: torch.Tensor, info, top_k: int):
+        return compute_input_logprobs(logits, next_ids, top_k)
 
 
 def make_scheduler(pool_tokens=512, page_size=1, max_running=8, chunk=-1, compute_s=0.002, conservativeness=1.0,
@@ -101,6 +117,8 @@ def make_scheduler(pool_tokens=512, page_size=1, max_running=8, chunk=-1, comput
             rec = outputs.setdefault(rid, {"ids": [], "finish": None})
             rec["ids"].extend(out.new_token_ids[i])
             rec["finish"] = out.finished_reasons[i]
+            if out.input_token_logprobs and out.input_token_logprobs[i] is not None:
+                rec["input_logprobs"] = out.input_token_logprobs[i]
 
     sched = Scheduler(args, FakeRunner(pool_tokens, page_size, max_running, compute_s), output_sink=sink)
     sched.init_overlap(OverlapDebug(**{"check_future_map": True, "check_reads": True, **debug}))
@@ -298,3 +316,31 @@ def test_a_failing_forward_reaches_the_scheduler_instead_of_hanging_it():
     assert len(errors) == 1 and isinstance(errors[0], StreamError)
     assert str(errors[0].__cause__) == "device fault"
     assert sched.overlap is None  # streams closed, backend unwrapped
+
+
+def reference_prompt_logprobs(prompt: list[int], start: int) -> list[float | None]:
+    out: list[float | None] = [None] if start == 0 else []
+    for pos in range(max(start, 1), len(prompt)):
+        logits = torch.zeros(VOCAB)
+        logits[next_token(prompt[:pos])] = 1.0
+        out.append(torch.log_softmax(logits, -1)[prompt[pos]].item())
+    return out
+
+
+def test_prompt_logprobs_survive_retraction_while_their_prefill_is_in_flight(monkeypatch):
+    # NOTE: a retraction every decode step takes the request with the fewest outputs: usually one just
+    # prefilled, whose prefill result (with its prompt logprobs) is still in flight and gets dropped.
+    monkeypatch.setenv("RADIXSERVE_TEST_RETRACT_INTERVAL", "1")
+    sched, outputs = make_scheduler(pool_tokens=512, max_running=8, chunk=16)
+    work = mixed_workload(16, seed=5)
+    starts = {rid: (0, 3, len(prompt) - 1)[i % 3] for i, (rid, prompt, _) in enumerate(work)}
+    for rid, prompt, params in work:
+        sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, params, return_logprob=True,
+                                                        logprob_start_len=min(starts[rid], len(prompt) - 1)))
+    sched.run_until_idle_overlap(20_000, on_step=lambda: conserve(sched))
+    sched.close_overlap()
+    assert sched.stats.num_retractions > 5
+    for rid, prompt, params in work:
+        start = min(starts[rid], len(prompt) - 1)
+        assert outputs[rid]["ids"] == reference(prompt, params), rid
+        assert outputs[rid]["input_logprobs"] == pytest.approx(reference_prompt_logprobs(prompt, start)), rid

@@ -179,6 +179,10 @@ class Req:
         self.is_retracted = True
         self.retracted_stain = True
         self.retraction_count += 1
+        if self.logprob_start_len >= 0:
+            # NOTE: under overlap the prefill that scored the prompt may still be in flight; its result is
+            # dropped with the retraction, so scoring resumes after what has really arrived.
+            self.input_logprob_next = max(self.logprob_start_len + len(self.input_token_logprobs), 1)
 
 
 class ScheduleBatch:
