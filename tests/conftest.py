@@ -1,4 +1,5 @@
-"""Shared test setup: double-free detection on for every test; the embedded model, loaded once per module."""
+"""Shared test setup: double-free detection on for every test; the embedded model (and two Engines on it),
+loaded once per module."""
 
 import pytest
 
@@ -21,3 +22,31 @@ def loaded():
     torch.set_num_threads(1)
     yield load_model(None, torch.float32, "cpu")
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Two Engines on the embedded model in float32: (overlap loop, normal loop), one intra-op thread."""
+    import torch
+
+    from radixserve import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    made = [Engine(dtype="float32", device="cpu", max_total_tokens=2048, disable_overlap_schedule=not overlap,
+                   log_level="warning") for overlap in (True, False)]
+    yield made
+    for engine in made:
+        engine.shutdown()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _engines_conserved(request):
+    """After each test that used `engines`: the conservation identity holds and nothing holds KV."""
+    yield
+    if "engines" in request.fixturenames:
+        for engine in request.getfixturevalue("engines"):
+            state = engine.get_internal_state()
+            assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
+            assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0

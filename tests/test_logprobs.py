@@ -22,32 +22,6 @@ PROMPTS = ["The capital of France is", "Once upon a time, a small robot", "def f
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 
 
-def make_engine(overlap: bool) -> Engine:
-    return Engine(dtype="float32", device="cpu", max_total_tokens=2048, disable_overlap_schedule=not overlap,
-                  log_level="warning")
-
-
-@pytest.fixture(scope="module")
-def engines():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    overlap, normal = make_engine(True), make_engine(False)
-    yield overlap, normal
-    overlap.shutdown()
-    normal.shutdown()
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _conserved(request):
-    yield
-    if "engines" in request.fixturenames:
-        for engine in request.getfixturevalue("engines"):
-            state = engine.get_internal_state()
-            assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
-            assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
-
-
 def reference_logprobs(hf, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
     """log_softmax of the reference model at each generated position: [len(output_ids), vocab]."""
     ids = torch.tensor([prompt_ids + output_ids])

@@ -14,7 +14,6 @@ import torch
 from test_model_smollm2 import hf_model_from_gguf
 from test_overlap_parity import mixed_requests, run_scheduler
 
-from radixserve import Engine
 from radixserve.layers.penalties import PenaltyBatchInfo, PenaltyState
 from radixserve.sampling_params import SamplingParams, SamplingParamsError
 
@@ -22,27 +21,6 @@ pytestmark = pytest.mark.slow
 
 PROMPT = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
 PENALTIES = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.3}
-
-
-@pytest.fixture(scope="module")
-def engines():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    made = [Engine(dtype="float32", device="cpu", max_total_tokens=1024, disable_overlap_schedule=not overlap,
-                   log_level="warning") for overlap in (True, False)]
-    yield made
-    for engine in made:
-        engine.shutdown()
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _conserved(request):
-    yield
-    if "engines" in request.fixturenames:
-        for engine in request.getfixturevalue("engines"):
-            state = engine.get_internal_state()
-            assert "error" not in state["kv_conservation"] and state["protected_tokens"] == 0, state
 
 
 def penalized(logits: torch.Tensor, prompt: list[int], out: list[int], freq: float, pres: float,
