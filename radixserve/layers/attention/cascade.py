@@ -8,12 +8,13 @@ The radix cache makes requests with a common prefix point at the same KV slots, 
     position >= P), in one call that reads the prefix once: the C kernel `prefix_attention.c` on the
     CPU, else one attention over [1, heads, all queries, P];
 (b) each request's own positions P.. (decode: the C decode kernel, or one padded batch; extend:
-    causal per request, the diagonal shifted by the request's cached tokens beyond P);
+    the C extend kernel, or causal attention per request, the diagonal shifted by the request's
+    cached tokens beyond P);
 
 then out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b}) in float32, i.e. a lerp by
-sigmoid(lse_a - lse_b). The C decode kernel does this merge itself: it starts each row's running
-softmax from part (a). Part (b) is never empty: a decode request's new token is past P, and every
-extend request has at least one new token.
+sigmoid(lse_a - lse_b). The C decode and extend kernels do this merge themselves: they start each
+row's running softmax from part (a). Part (b) is never empty: a decode request's new token is past
+P, and every extend request has at least one new token.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class CascadeExtendMetadata:
     prefix_slots: torch.Tensor  # [P]
     slices: list[SuffixSlice]
     suffix_indices: torch.Tensor  # flat slots of every request's positions P .. seq_len
+    suffix_reqs: torch.Tensor  # int64 [bs, 4]: the slices' (q_start, q_len, kv_start, kv_len), for the C kernel
 
 
 def shared_prefix_len(fb: ForwardBatch, limit: int) -> int:
@@ -119,7 +121,8 @@ def plan_extend(fb: ForwardBatch, policy: CascadePolicy) -> CascadeExtendMetadat
         SuffixSlice(qs, n, ks, m, shifted_causal(m - n, n, device) if m != n else None)
         for qs, ks, n, m in zip(offsets(extend_lens), offsets(kv_lens), extend_lens, kv_lens, strict=True)
     ]
-    return CascadeExtendMetadata(_prefix_slots(fb, prefix_len), slices, rows[valid])
+    reqs = torch.tensor([(s.q_start, s.q_len, s.kv_start, s.kv_len) for s in slices], dtype=torch.int64)
+    return CascadeExtendMetadata(_prefix_slots(fb, prefix_len), slices, rows[valid], reqs)
 
 
 def _prefix_slots(fb: ForwardBatch, prefix_len: int) -> torch.Tensor:
@@ -143,10 +146,14 @@ def cascade_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, me
 
 
 def cascade_extend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: CascadeExtendMetadata,
-                   scaling: float, kernel: DecodeKernel | None) -> torch.Tensor:
+                   scaling: float, kernel: DecodeKernel | None,
+                   extend_kernel: DecodeKernel | None = None) -> torch.Tensor:
     """q [num_tokens, heads, dim] (new K/V already in the pool) -> [num_tokens, heads, dim]."""
     if kernel is not None:
         out_a, lse_a = kernel.shared_prefix(q, k_all, v_all, meta.prefix_slots, scaling)
+        if extend_kernel is not None:  # part (b) starts each row from part (a): the merge is free
+            return extend_kernel.extend(q, k_all, v_all, meta.suffix_indices, meta.suffix_reqs, scaling,
+                                        seed=(out_a, lse_a))[0]
     else:
         out_a, lse_a = _prefix_torch(q, k_all, v_all, meta.prefix_slots, scaling)
     keys, values = k_all.index_select(0, meta.suffix_indices), v_all.index_select(0, meta.suffix_indices)

@@ -1,7 +1,8 @@
 """Builds and loads the C attention kernels (csrc/*.c) with the system C compiler.
 
-Decode attention (decode_attention.c) and shared-prefix attention for cascade attention
-(prefix_attention.c) go into one shared library. It is compiled once per machine (-O3 -march=native -fopenmp) into
+Decode attention (decode_attention.c), shared-prefix attention for cascade attention
+(prefix_attention.c) and causal extend attention (extend_attention.c) go into one shared library.
+It is compiled once per machine (-O3 -march=native -fopenmp) into
 $RADIXSERVE_CACHE_DIR/kernels (default ~/.cache/radixserve/kernels), keyed by the sources and the
 CPU's flags, and called through ctypes (which releases the GIL). It links the same libgomp as
 torch, so it runs on torch's OpenMP thread pool. Without a compiler, `load_decode_kernel` returns
@@ -25,25 +26,37 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_attention.c", CSRC / "prefix_attention.c")
-HEADERS = (CSRC / "attention_common.h",)
+SOURCES = (CSRC / "decode_attention.c", CSRC / "prefix_attention.c", CSRC / "extend_attention.c")
+HEADERS = (CSRC / "attention_common.h", CSRC / "attention_lanes.h")
 MAX_DIM, MAX_GROUP = 256, 16
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 class DecodeKernel:
-    """Paged decode attention, and attention of all queries over a prefix shared by the batch."""
+    """Paged decode attention, attention of all queries over a prefix shared by the batch, and causal
+    extend attention; all read K/V in place from the pool."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {dtype: _bind(lib, f"decode_attention_{suffix}", pointers=8, sizes=5)
                      for dtype, suffix in _DTYPE_SUFFIX.items()}
         self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}", pointers=6, sizes=5)
                             for dtype, suffix in _DTYPE_SUFFIX.items()}
+        self._extend_fns = {dtype: _bind(lib, f"extend_attention_{suffix}", pointers=9, sizes=4)
+                            for dtype, suffix in _DTYPE_SUFFIX.items()}
+        vectorized = lib.extend_attention_vectorized
+        vectorized.restype, vectorized.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int64]
+        self._extend_vectorized = functools.cache(lambda bf16, dim: bool(vectorized(bf16, dim)))
 
     def supports(self, q: torch.Tensor, num_kv_heads: int) -> bool:
         heads, dim = q.shape[1], q.shape[2]
         return (q.device.type == "cpu" and q.dtype in self._fns and dim <= MAX_DIM
                 and heads % num_kv_heads == 0 and heads // num_kv_heads <= MAX_GROUP)
+
+    def extend_supports(self, q: torch.Tensor, k_buf: torch.Tensor) -> bool:
+        """Whether `extend` runs its vectorized (AVX-512) path here, the only one measured faster than SDPA."""
+        heads, dim = q.shape[1], q.shape[2]
+        return (q.device.type == "cpu" and q.dtype in self._extend_fns and k_buf.dtype == q.dtype
+                and heads % k_buf.shape[1] == 0 and self._extend_vectorized(q.dtype == torch.bfloat16, dim))
 
     def __call__(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                  seq_lens: torch.Tensor, max_len: int, scale: float,
@@ -56,9 +69,7 @@ class DecodeKernel:
         kv_indices = kv_indices.to(torch.int32).contiguous()  # NOTE: the kernel reads int32 slots
         seq_lens = seq_lens.to(torch.int64).contiguous()
         _check_buffers(q, k_buf, v_buf)
-        seed_out, seed_lse = (None, None) if seed is None else (seed[0].contiguous(), seed[1].contiguous())
-        if seed_out is not None and (seed_out.dtype != q.dtype or seed_lse.dtype != torch.float32):
-            raise ValueError("decode kernel seed must be (out in the query's dtype, float32 lse)")
+        seed_out, seed_lse = _seed(seed, q)
         out = torch.empty_like(q)
         bs, heads, dim = q.shape
         with torch.profiler.record_function("radixserve::decode_attention_cpu"):
@@ -85,12 +96,45 @@ class DecodeKernel:
         _check_status(status, q, k_buf)
         return out, lse
 
+    def extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+               reqs: torch.Tensor, scale: float, seed: tuple[torch.Tensor, torch.Tensor] | None = None,
+               with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Causal attention of each request's new tokens over its context, read in place from the pool.
+
+        q [tokens, heads, dim]; kv_indices int32 (the requests' context slots, concatenated); reqs int64
+        [bs, 4], a row (q_start, q_len, kv_start, kv_len) per request, kv_len >= q_len >= 1: query i of the
+        request sees its first kv_len - q_len + i + 1 context slots. `seed` as for decode. Returns the
+        output [tokens, heads, dim] and, with `with_lse`, the float32 log-sum-exp [tokens, heads]."""
+        q, kv_indices, reqs = q.contiguous(), kv_indices.to(torch.int32).contiguous(), reqs.contiguous()
+        _check_buffers(q, k_buf, v_buf)
+        if reqs.dtype != torch.int64 or reqs.dim() != 2 or reqs.shape[1] != 4:
+            raise ValueError("extend kernel needs reqs as int64 [bs, 4]")
+        seed_out, seed_lse = _seed(seed, q)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
+        with torch.profiler.record_function("radixserve::extend_attention_cpu"):
+            status = self._extend_fns[q.dtype](
+                q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), reqs.data_ptr(),
+                _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), _ptr(lse), reqs.shape[0], q.shape[1], k_buf.shape[1],
+                q.shape[2], scale, torch.get_num_threads())
+        _check_status(status, q, k_buf)
+        return out, lse
+
 
 def _bind(lib: ctypes.CDLL, name: str, pointers: int, sizes: int):
     fn = getattr(lib, name)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * pointers + [ctypes.c_int64] * sizes + [ctypes.c_float, ctypes.c_int]
     return fn
+
+
+def _seed(seed: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    if seed is None:
+        return None, None
+    out, lse = seed[0].contiguous(), seed[1].contiguous()
+    if out.shape != q.shape or out.dtype != q.dtype or lse.dtype != torch.float32 or lse.shape != q.shape[:2]:
+        raise ValueError("a kernel seed must be (out like the query, float32 lse [tokens, heads])")
+    return out, lse
 
 
 def _ptr(t: torch.Tensor | None) -> int:

@@ -1,4 +1,4 @@
-"""Attention in plain torch over the paged KV pool (CPU and CUDA), plus the CPU variant with a C decode kernel.
+"""Attention in plain torch over the paged KV pool (CPU and CUDA), plus the CPU variant with C kernels.
 
 Decode: one gather per layer for the whole batch. Each request's slots are read from
 `req_to_token[row, :max_len]` (rows are padded to the longest request and the padding is masked),
@@ -9,15 +9,18 @@ kernel that reads the slots in place (native.py), which removes the gather copy 
 Extend: requests without a cached prefix attend over their own new K/V directly (no gather);
 when some request has a cached prefix, the contexts of all requests are gathered in one
 `index_select` and each request runs causal SDPA over its slice, with the causal diagonal
-shifted by its prefix length.
+shifted by its prefix length. CpuAttnBackend instead runs one C kernel call for the whole batch
+that reads every request's context in place (extend_attention.c; off with
+RADIXSERVE_CPU_PREFILL_KERNEL=0).
 Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
 `cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -44,14 +47,26 @@ class ExtendSlice:
     q_start: int
     q_len: int
     kv_start: int  # into the gathered context (or into the new tokens when nothing is gathered)
-    kv_len: int
-    mask: torch.Tensor | None  # bool [q_len, kv_len] when a prefix shifts the diagonal; else causal
+    kv_len: int  # q_len + the request's cached prefix
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def mask(self, device: torch.device) -> torch.Tensor | None:
+        """bool [q_len, kv_len], causal with the diagonal shifted by the prefix (built once); None: plain causal."""
+        if self.kv_len == self.q_len:
+            return None
+        if self._mask is None:
+            self._mask = cascade.shifted_causal(self.kv_len - self.q_len, self.q_len, device)
+        return self._mask
 
 
 @dataclass
 class ExtendMetadata:
     slices: list[ExtendSlice]
     kv_indices: torch.Tensor | None  # flat context slots of all requests; None: attend to new K/V only
+    # for the C extend kernel: int32 context slots of every request (the new tokens' when nothing is
+    # cached) and int64 [bs, 4] rows (q_start, q_len, kv_start, kv_len); None without the kernel
+    kernel_indices: torch.Tensor | None = None
+    kernel_reqs: torch.Tensor | None = None
 
 
 Plan = TypeVar("Plan")
@@ -67,6 +82,7 @@ class TorchAttnBackend(AttentionBackend):
         self.cascade_decode_meta: cascade.CascadeDecodeMetadata | None = None
         self.cascade_extend_meta: cascade.CascadeExtendMetadata | None = None
         self.decode_kernel = None  # set by CpuAttnBackend
+        self.extend_kernel: DecodeKernel | None = None  # set by CpuAttnBackend unless switched off
         args = getattr(runner, "server_args", None)
         # None: cascade attention off (--disable-cascade-attention)
         self.cascade: cascade.CascadePolicy | None = (
@@ -79,7 +95,9 @@ class TorchAttnBackend(AttentionBackend):
             self.decode_meta = None if self.cascade_decode_meta is not None else _decode_metadata(fb)
         else:
             self.cascade_extend_meta = self._plan(cascade.plan_extend, fb, "extend")
-            self.extend_meta = None if self.cascade_extend_meta is not None else _extend_metadata(fb)
+            self.extend_meta = None
+            if self.cascade_extend_meta is None:
+                self.extend_meta = _extend_metadata(fb, with_kernel=self.extend_kernel is not None)
 
     def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy], Plan | None], fb: ForwardBatch,
               mode: str) -> Plan | None:
@@ -92,6 +110,10 @@ class TorchAttnBackend(AttentionBackend):
     def _kernel_for(self, q: torch.Tensor, layer: RadixAttention) -> DecodeKernel | None:
         kernel = self.decode_kernel
         return kernel if kernel is not None and kernel.supports(q, layer.num_kv_heads) else None
+
+    def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | None:
+        kernel = self.extend_kernel
+        return kernel if kernel is not None and kernel.extend_supports(q, k_all) else None
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch) -> torch.Tensor:
@@ -114,31 +136,43 @@ class TorchAttnBackend(AttentionBackend):
                        fb: ForwardBatch) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k_all, v_all = pool.get_kv_buffer(layer.layer_id)
+        extend_kernel = self._extend_kernel_for(q, k_all)
         if self.cascade_extend_meta is not None:
-            k_all, v_all = pool.get_kv_buffer(layer.layer_id)
             out = cascade.cascade_extend(q, k_all, v_all, self.cascade_extend_meta, layer.scaling,
-                                         self._kernel_for(q, layer))
+                                         self._kernel_for(q, layer), extend_kernel)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.extend_meta
+        if extend_kernel is not None and meta.kernel_reqs is not None:
+            out, _ = extend_kernel.extend(q, k_all, v_all, meta.kernel_indices, meta.kernel_reqs, layer.scaling)
+            return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         if meta.kv_indices is not None:
-            k_all, v_all = pool.get_kv_buffer(layer.layer_id)
             k, v = k_all.index_select(0, meta.kv_indices), v_all.index_select(0, meta.kv_indices)
         out = torch.empty(q.shape[0], layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         for s in meta.slices:
             out[s.q_start : s.q_start + s.q_len] = _causal_sdpa(
                 q[s.q_start : s.q_start + s.q_len], k[s.kv_start : s.kv_start + s.kv_len],
-                v[s.kv_start : s.kv_start + s.kv_len], s.mask, layer.scaling)
+                v[s.kv_start : s.kv_start + s.kv_len], s.mask(q.device), layer.scaling)
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
 
+PREFILL_KERNEL_ENV = "RADIXSERVE_CPU_PREFILL_KERNEL"  # "0": extend attention stays on torch's SDPA
+
+
 class CpuAttnBackend(TorchAttnBackend):
-    """The torch backend with decode attention in a compiled C kernel that reads the pool in place."""
+    """The torch backend with decode and extend attention in compiled C kernels that read the pool in place."""
 
     def __init__(self, runner: object) -> None:
         from radixserve.layers.attention.native import load_decode_kernel
 
         super().__init__(runner)
         self.decode_kernel = load_decode_kernel()
+        self.extend_kernel = self.decode_kernel if prefill_kernel_enabled() else None
+
+
+def prefill_kernel_enabled() -> bool:
+    """The C extend kernel's switch, read when a backend is built: on unless RADIXSERVE_CPU_PREFILL_KERNEL=0."""
+    return os.environ.get(PREFILL_KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def decode_block_diagonal(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: DecodeMetadata,
@@ -212,18 +246,25 @@ def _decode_metadata(fb: ForwardBatch) -> DecodeMetadata:
     return DecodeMetadata(kv_indices, max_len, mask)
 
 
-def _extend_metadata(fb: ForwardBatch) -> ExtendMetadata:
+def _extend_metadata(fb: ForwardBatch, with_kernel: bool) -> ExtendMetadata:
+    meta = _extend_slices(fb)
+    if with_kernel:
+        # NOTE: with nothing cached, a request's context is its new tokens, stored in the pool before attention
+        meta.kernel_indices = meta.kv_indices if meta.kv_indices is not None else fb.out_cache_loc.to(torch.int32)
+        meta.kernel_reqs = torch.tensor([(s.q_start, s.q_len, s.kv_start, s.kv_len) for s in meta.slices],
+                                        dtype=torch.int64)
+    return meta
+
+
+def _extend_slices(fb: ForwardBatch) -> ExtendMetadata:
     prefix_lens, extend_lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
-    device = fb.input_ids.device
     if not any(prefix_lens):
         starts = cascade.offsets(extend_lens)
-        return ExtendMetadata([ExtendSlice(s, n, s, n, None) for s, n in zip(starts, extend_lens, strict=True)], None)
+        return ExtendMetadata([ExtendSlice(s, n, s, n) for s, n in zip(starts, extend_lens, strict=True)], None)
     table = fb.req_to_token_pool.req_to_token
     seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
     rows = table[fb.req_pool_indices, : max(seq_lens)]
-    valid = torch.arange(rows.shape[1], device=device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
-    slices = [
-        ExtendSlice(qs, n, ks, p + n, cascade.shifted_causal(p, n, device) if p else None)
-        for qs, ks, p, n in zip(cascade.offsets(extend_lens), cascade.offsets(seq_lens), prefix_lens, extend_lens, strict=True)
-    ]
+    valid = torch.arange(rows.shape[1], device=fb.input_ids.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
+    starts = zip(cascade.offsets(extend_lens), cascade.offsets(seq_lens), strict=True)
+    slices = [ExtendSlice(qs, n, ks, m) for (qs, ks), n, m in zip(starts, extend_lens, seq_lens, strict=True)]
     return ExtendMetadata(slices, rows[valid])

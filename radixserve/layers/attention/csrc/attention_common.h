@@ -1,5 +1,5 @@
 /* What the CPU attention kernels share: bf16 conversions, a portable row-attention loop, and the
- * AVX-512 exp and online-softmax helpers. Included by decode_attention.c and prefix_attention.c.
+ * AVX-512 exp and online-softmax helpers. Included by every kernel.
  *
  * Conventions: scores are scale * q.k in float32; a row's softmax state is (run_max, run_sum, acc)
  * with acc = sum_t exp(score_t - run_max) * v_t; its log-sum-exp is run_max + log(run_sum), or
@@ -41,12 +41,14 @@ static inline float row_lse(float run_max, float run_sum) {
 
 /* Attends query rows ids[0..nr) (row id i: q + i * dim, out + i * dim, lse + i) of kv head h over
  * slots[0..len) of the pool, in float32. Every K and V row is read once for all nr rows. With a
- * non-NULL seed_lse each row starts from the partial result (seed_out, seed_lse) of the same row id;
- * lse (output) may be NULL. */
+ * non-NULL `limits`, row r sees only slots[0..limits[r]) (a causal mask; each limit >= 1 or a seed).
+ * With a non-NULL seed_lse each row starts from the partial result (seed_out, seed_lse) of the same
+ * row id; lse (output) may be NULL. */
 #define DEFINE_ATTEND_ROWS(NAME, T, LOAD, STORE)                                                         \
     static void NAME(const T *q, const T *k_buf, const T *v_buf, const int64_t *ids, int64_t nr,         \
-                     const int32_t *slots, int64_t len, int64_t kv_heads, int64_t h, int64_t dim,        \
-                     float scale, const T *seed_out, const float *seed_lse, T *out, float *lse) {        \
+                     const int32_t *slots, int64_t len, const int32_t *limits, int64_t kv_heads,         \
+                     int64_t h, int64_t dim, float scale, const T *seed_out, const float *seed_lse,      \
+                     T *out, float *lse) {                                                               \
         float qf[MAX_ROWS][MAX_DIM], acc[MAX_ROWS][MAX_DIM], row[MAX_DIM];                               \
         float score[MAX_ROWS][CHUNK], run_max[MAX_ROWS], run_sum[MAX_ROWS];                              \
         for (int64_t r = 0; r < nr; r++) {                                                               \
@@ -66,17 +68,18 @@ static inline float row_lse(float run_max, float run_sum) {
                     float dot = 0.0f;                                                                    \
                     _Pragma("omp simd reduction(+ : dot)")                                               \
                     for (int64_t d = 0; d < dim; d++) dot += qf[r][d] * row[d];                          \
-                    score[r][t] = dot;                                                                   \
+                    score[r][t] = limits != NULL && t0 + t >= limits[r] ? -INFINITY : dot;               \
                 }                                                                                        \
             }                                                                                            \
             for (int64_t r = 0; r < nr; r++) {                                                           \
                 float chunk_max = run_max[r];                                                            \
                 for (int64_t t = 0; t < n; t++) chunk_max = score[r][t] > chunk_max ? score[r][t] : chunk_max; \
-                const float rescale = expf(run_max[r] - chunk_max);                                      \
+                const float base = chunk_max == -INFINITY ? 0.0f : chunk_max; /* nothing seen yet */     \
+                const float rescale = expf(run_max[r] - base);                                           \
                 run_sum[r] *= rescale;                                                                   \
                 for (int64_t d = 0; d < dim; d++) acc[r][d] *= rescale;                                  \
                 for (int64_t t = 0; t < n; t++) {                                                        \
-                    score[r][t] = expf(score[r][t] - chunk_max);                                         \
+                    score[r][t] = expf(score[r][t] - base);                                              \
                     run_sum[r] += score[r][t];                                                           \
                 }                                                                                        \
                 run_max[r] = chunk_max;                                                                  \
@@ -102,9 +105,12 @@ static inline float row_lse(float run_max, float run_sum) {
 DEFINE_ATTEND_ROWS(attend_rows_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ATTEND_ROWS(attend_rows_f32, float, f32_id, f32_id)
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define HAVE_AVX512_BF16 1
+#if defined(__AVX512F__)
+#define HAVE_AVX512 1 /* the exp and softmax helpers below, and the float32 lanes of attention_lanes.h */
 #include <immintrin.h>
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1 /* the bf16 paths: vdpbf16ps */
+#endif
 
 /* exp for x <= 0 (scores minus their running max), Cephes expf's reduction and polynomial. */
 static inline __m512 exp_nonpositive(__m512 x) {

@@ -12,17 +12,17 @@
 
 #define DEFINE_DECODE(NAME, T, ATTEND_ROWS)                                                              \
     int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,                      \
-             const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,     \
+             const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,      \
              int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) { \
         const int64_t group = heads / kv_heads;                                                          \
-        if (dim > MAX_DIM || group > MAX_GROUP || group * kv_heads != heads) return 1;                  \
+        if (dim > MAX_DIM || group > MAX_GROUP || group * kv_heads != heads) return 1;                   \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")            \
         for (int64_t b = 0; b < bs; b++) {                                                               \
             for (int64_t h = 0; h < kv_heads; h++) {                                                     \
                 int64_t ids[MAX_GROUP];                                                                  \
                 for (int64_t g = 0; g < group; g++) ids[g] = b * heads + h * group + g;                  \
-                ATTEND_ROWS(q, k_buf, v_buf, ids, group, kv_indices + b * max_len, seq_lens[b], kv_heads, \
-                            h, dim, scale, seed_out, seed_lse, out, NULL);                               \
+                ATTEND_ROWS(q, k_buf, v_buf, ids, group, kv_indices + b * max_len, seq_lens[b], NULL,    \
+                            kv_heads, h, dim, scale, seed_out, seed_lse, out, NULL);                     \
             }                                                                                            \
         }                                                                                                \
         return 0;                                                                                        \
