@@ -71,16 +71,13 @@ def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, info: Samplin
                      top_k: int) -> TokenLogprobs:
     """Log-probabilities under the temperature-scaled distribution, before top-k/top-p/min-p (as
     SGLang); greedy rows use temperature 1, i.e. the model's own distribution."""
-    logprobs = torch.log_softmax(logits.float() / info.temperatures, dim=-1)
-    chosen = logprobs.gather(1, next_ids.view(-1, 1).to(torch.int64)).squeeze(1)
-    top = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
-    return TokenLogprobs(chosen, top.values, top.indices)
+    return compute_input_logprobs(logits.float() / info.temperatures, next_ids, top_k)
 
 
 def compute_input_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, top_k: int) -> TokenLogprobs:
-    """Prompt-token logprobs: row i scores `target_ids[i]` under the model's own distribution."""
+    """Row i scores `target_ids[i]` under softmax(logits): prompt tokens under the model's own distribution."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, target_ids.view(-1, 1)).squeeze(1)
+    chosen = logprobs.gather(1, target_ids.view(-1, 1).to(torch.int64)).squeeze(1)
     top = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
     return TokenLogprobs(chosen, top.values, top.indices)
 

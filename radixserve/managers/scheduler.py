@@ -182,7 +182,8 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
         expired = [r for r in self.waiting_queue if not r.retraction_count and now - r.wait_since > timeout]
         if not expired:
             return
-        self.waiting_queue = [r for r in self.waiting_queue if all(r is not e for e in expired)]
+        gone = {id(r) for r in expired}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in gone]
         for req in expired:
             req.forget_prefix_match()
             self.stats.num_queue_timeouts += 1
@@ -313,11 +314,18 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
         return None if top_k is None else self.model_runner.logprobs(logits, next_ids, info, top_k)
 
     def make_sampling_info(self, batch: ScheduleBatch) -> Any:
+        return self.sampling_info(batch.reqs, [len(r.output_ids) for r in batch.reqs], batch.forward_mode.is_extend())
+
+    def sampling_info(self, reqs: list[Req], output_lens: list[int], is_extend: bool) -> Any:
+        """Sampling parameters and logit processing of a batch whose rows are assigned (both loops).
+
+        `output_lens`: tokens each request generated before this step; under overlap the host's
+        output_ids lag one step and the caller passes the true counts."""
         from radixserve.layers.sampler import SamplingBatchInfo
 
-        output_lens = [len(r.output_ids) for r in batch.reqs]
-        info = SamplingBatchInfo.from_params([r.sampling_params for r in batch.reqs], output_lens, self.device)
-        info.penalties = penalty_info(batch.reqs, output_lens, self.device, batch.forward_mode.is_extend())
+        info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], output_lens, self.device,
+                                             default_generator_seed=self.server_args.random_seed)
+        info.penalties = penalty_info(reqs, output_lens, self.device, is_extend)
         return info
 
     # ---- state and checks -----------------------------------------------------------------------

@@ -259,16 +259,10 @@ class SchedulerOverlapMixin:
         return LaunchedBatch(copy, rows, host_output, copy_done, job, forward_done)
 
     def _sampling_info(self: Scheduler, reqs: list[Req], is_extend: bool) -> Any:
-        from radixserve.layers.sampler import SamplingBatchInfo
-        from radixserve.managers.schedule_batch import penalty_info
-
         # NOTE: output_ids lag one step here; the output index of the token this step samples is
         # kv_committed_len - prompt length in both loops (0 for a non-final chunk, whose token is dropped).
         output_lens = [max(r.kv_committed_len - len(r.origin_input_ids), 0) for r in reqs]
-        info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], output_lens, self.device,
-                                             default_generator_seed=self.server_args.random_seed)
-        info.penalties = penalty_info(reqs, output_lens, self.device, is_extend)
-        return info
+        return self.sampling_info(reqs, output_lens, is_extend)
 
     def _expected_rows(self: Scheduler, fb: ForwardBatch) -> torch.Tensor:
         width = max(fb.seq_lens_cpu)
