@@ -8,12 +8,12 @@ are re-exported here. `FutureMap` relays sampled tokens from one forward to the 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from radixserve import envs
 from radixserve.managers.overlap_streams import (
     CpuEvent,
     CudaEvent,
@@ -38,10 +38,6 @@ class FutureMapError(RuntimeError):
     """A future-token entry was read before it was written, or read twice (check mode)."""
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 @dataclass(frozen=True)
 class OverlapDebug:
     """Debug switches of the overlap loop. Defaults are the production setting.
@@ -61,10 +57,10 @@ class OverlapDebug:
     @classmethod
     def from_env(cls) -> OverlapDebug:
         return cls(
-            war_barrier=not _env_flag("RADIXSERVE_DISABLE_WAR_BARRIER"),
-            forward_read_delay_s=float(os.environ.get("RADIXSERVE_FORWARD_READ_DELAY_S", "0") or 0),
-            check_future_map=_env_flag("RADIXSERVE_CHECK_FUTURE_MAP"),
-            check_reads=_env_flag("RADIXSERVE_CHECK_READS"),
+            war_barrier=not envs.DISABLE_WAR_BARRIER.get(),
+            forward_read_delay_s=envs.FORWARD_READ_DELAY_S.get(),
+            check_future_map=envs.CHECK_FUTURE_MAP.get(),
+            check_reads=envs.CHECK_READS.get(),
         )
 
 

@@ -9,13 +9,13 @@ total KV (free + evictable, minus a reserve for the running requests' future dec
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any
 
+from radixserve import envs
 from radixserve.managers.schedule_batch import Req
 from radixserve.mem_cache.radix_cache import RadixCache, RadixKey
 
@@ -25,18 +25,19 @@ IN_BATCH_CHECK_THRESHOLD = 32  # only requests whose real cache hit is at most t
 IN_BATCH_DEPRIORITIZE_THRESHOLD = 32  # ... and wait a round if an earlier one shares this many tokens
 CLIP_MAX_NEW_TOKENS = 4096  # cap on the decode reserve of one request
 # Ours: a request that has waited this long goes first, whatever its prefix match.
-STARVATION_TIMEOUT_S = float(os.environ.get("RADIXSERVE_STARVATION_TIMEOUT_S", "30"))
+STARVATION_TIMEOUT_S = envs.STARVATION_TIMEOUT_S  # read when a policy is built
 
 
 class SchedulePolicy:
     """Orders the waiting queue in place. Cache-aware policies fall back to fcfs without a cache."""
 
-    def __init__(self, policy: str, tree_cache: Any, starvation_timeout_s: float = STARVATION_TIMEOUT_S) -> None:
+    def __init__(self, policy: str, tree_cache: Any, starvation_timeout_s: float | None = None) -> None:
         if policy not in ("lpm", "dfs-weight", "fcfs"):
             raise ValueError(f"unknown schedule policy {policy!r}; valid: lpm, dfs-weight, fcfs")
         self.policy = policy
         self.tree_cache = tree_cache
-        self.starvation_timeout_s = starvation_timeout_s
+        self.starvation_timeout_s = (
+            STARVATION_TIMEOUT_S.get() if starvation_timeout_s is None else starvation_timeout_s)
         self.deprioritized: set[str] = set()  # rids that wait a round (in-batch prefix dedup)
         self._scratch = RadixCache(page_size=1)
 

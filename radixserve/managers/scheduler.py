@@ -9,13 +9,13 @@ normal one: both use `get_next_batch_to_run`, `run_batch` and `process_batch_res
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from radixserve import envs
 from radixserve.managers.schedule_batch import (
     RETRACT_DECODE_STEPS,
     FinishReason,
@@ -83,9 +83,9 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
         self.output_sink = output_sink or (lambda out: None)
         self.stop_event = threading.Event()
         self.decode_throughput = DecodeThroughput()
-        self.strict_checks = os.environ.get("RADIXSERVE_STRICT_CHECKS") == "1"
+        self.strict_checks = envs.STRICT_CHECKS.get()
         # Test hook (SGLang's SGLANG_TEST_RETRACT): retract one request every N decode steps.
-        self.test_retract_interval = int(os.environ.get("RADIXSERVE_TEST_RETRACT_INTERVAL", "0"))
+        self.test_retract_interval = envs.TEST_RETRACT_INTERVAL.get()
         self.decode_steps = 0
         self._idle_checked = False
 

@@ -7,16 +7,17 @@ is free, pending in the current free group, out of range, or never allocated rai
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
-DEBUG_ENV = "RADIXSERVE_DEBUG_ALLOC"
+from radixserve import envs
+
+DEBUG_ENV = envs.DEBUG_ALLOC.name
 
 
 def debug_alloc_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "0") not in ("", "0", "false", "False")
+    return envs.DEBUG_ALLOC.get()
 
 
 def _as_list(values: torch.Tensor | Sequence[int]) -> list[int]:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from radixserve import envs
 from radixserve.models.config import ModelLoadError
 from radixserve.models.gguf_dequant import dequantize
 
@@ -40,7 +41,7 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("RADIXSERVE_CACHE_DIR") or Path.home() / ".cache" / "radixserve")
+    return envs.CACHE_DIR.get()
 
 
 def gguf_to_hf_folder(path: Path, dtype: torch.dtype) -> Path:

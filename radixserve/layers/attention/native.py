@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve import envs
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -183,8 +185,7 @@ def _build() -> Path:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("RADIXSERVE_CACHE_DIR") or Path.home() / ".cache" / "radixserve"
-    return Path(root) / "kernels"
+    return envs.CACHE_DIR.get() / "kernels"
 
 
 def _cpu_flags() -> str:

@@ -18,7 +18,6 @@ Cascade (cascade.py): when every request of a batch shares a long enough prefix 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.nn.functional as F
 
+from radixserve import envs
 from radixserve.layers.attention import cascade
 from radixserve.layers.attention.base import AttentionBackend
 
@@ -156,7 +156,7 @@ class TorchAttnBackend(AttentionBackend):
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
 
-PREFILL_KERNEL_ENV = "RADIXSERVE_CPU_PREFILL_KERNEL"  # "0": extend attention stays on torch's SDPA
+PREFILL_KERNEL_ENV = envs.CPU_PREFILL_KERNEL.name  # "0": extend attention stays on torch's SDPA
 
 
 class CpuAttnBackend(TorchAttnBackend):
@@ -172,7 +172,7 @@ class CpuAttnBackend(TorchAttnBackend):
 
 def prefill_kernel_enabled() -> bool:
     """The C extend kernel's switch, read when a backend is built: on unless RADIXSERVE_CPU_PREFILL_KERNEL=0."""
-    return os.environ.get(PREFILL_KERNEL_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return envs.CPU_PREFILL_KERNEL.get()
 
 
 def decode_block_diagonal(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: DecodeMetadata,

@@ -1,0 +1,93 @@
+"""Every environment switch radixserve reads, declared once with its type, default and meaning.
+
+Values are read when asked for (`envs.STRICT_CHECKS.get()`), not at import, so a test can set one
+with `monkeypatch.setenv` and the next reader sees it. An unset or empty variable takes its
+default. Booleans have one rule: 1/true/yes/on are true, 0/false/no/off are false, anything else is
+an error naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class EnvError(ValueError):
+    """An environment switch holds a value its type does not accept."""
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw.strip() == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise EnvError(f"{self.name}={raw!r}: {e}") from None
+
+    def is_set(self) -> bool:
+        return self.name in os.environ
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "radixserve"
+
+
+REGISTRY: list[EnvVar] = []
+
+
+def _declare(name: str, default: T, parse: Callable[[str], T], doc: str) -> EnvVar[T]:
+    var = EnvVar(name, default, parse, doc)
+    REGISTRY.append(var)
+    return var
+
+
+CACHE_DIR = _declare("RADIXSERVE_CACHE_DIR", _default_cache_dir(), Path,
+                     "converted GGUF folders and compiled kernels")
+CPU_PREFILL_KERNEL = _declare("RADIXSERVE_CPU_PREFILL_KERNEL", True, parse_bool,
+                              "0: extend attention on the CPU stays on torch's SDPA instead of the C kernel")
+STRICT_CHECKS = _declare("RADIXSERVE_STRICT_CHECKS", False, parse_bool,
+                         "the idle KV conservation check raises instead of logging (the tests turn it on)")
+DEBUG_ALLOC = _declare("RADIXSERVE_DEBUG_ALLOC", False, parse_bool,
+                       "every free is checked at once: a double free raises (the tests turn it on)")
+STARVATION_TIMEOUT_S = _declare("RADIXSERVE_STARVATION_TIMEOUT_S", 30.0, float,
+                                "seconds after which a waiting request goes first, whatever its prefix match")
+TEST_RETRACT_INTERVAL = _declare("RADIXSERVE_TEST_RETRACT_INTERVAL", 0, int,
+                                 "tests: retract one request every N decode steps (0: never)")
+DISABLE_WAR_BARRIER = _declare("RADIXSERVE_DISABLE_WAR_BARRIER", False, parse_bool,
+                               "tests: remove the overlap loop's write-after-read barrier")
+FORWARD_READ_DELAY_S = _declare("RADIXSERVE_FORWARD_READ_DELAY_S", 0.0, float,
+                                "tests: the CPU forward stream sleeps this long before each task")
+CHECK_FUTURE_MAP = _declare("RADIXSERVE_CHECK_FUTURE_MAP", False, parse_bool,
+                            "debug: poison the future-token map and assert write-before-read, read-once")
+CHECK_READS = _declare("RADIXSERVE_CHECK_READS", False, parse_bool,
+                       "debug: count forwards that read req_to_token rows overwritten after launch")
+
+
+def describe() -> str:
+    """One line per switch: name, default, meaning (for docs and --help epilogues)."""
+    return "\n".join(f"{v.name} (default {v.default!s}): {v.doc}" for v in REGISTRY)
