@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.launch_server import add_serve_args
 
     add_serve_args(serve)  # the server arguments plus the HTTP-only flags (docs/server.md)
+    from radixserve.entrypoints.dp_launcher import add_dp_args
+
+    add_dp_args(serve)  # --dp N: N workers behind SGLang's model gateway (docs/scale_out.md)
     return parser
 
 
@@ -161,6 +164,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     # NOTE: the server and its dependencies load only for `serve` (run_serve imports them).
+    if args.dp > 1:
+        from radixserve.entrypoints.dp_launcher import run_dp
+
+        run_dp(args)
+        return
     from radixserve.launch_server import run_serve
 
     run_serve(args)

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from radixserve.entrypoints.gateway_api import GATEWAY_UNSET_MODEL
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, unavailable
 from radixserve.entrypoints.logprobs import TokenTexts, chat_logprobs, check_top_logprobs, completion_logprobs
 from radixserve.entrypoints.openai_protocol import (
@@ -95,7 +96,7 @@ class OpenAIServing:
         self.texts = texts or TokenTexts(tm.tokenizer)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in (self.model_name, GATEWAY_UNSET_MODEL):
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
