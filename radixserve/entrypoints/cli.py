@@ -164,7 +164,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     # NOTE: the server and its dependencies load only for `serve` (run_serve imports them).
-    if args.dp > 1:
+    if args.dp != 1:
         from radixserve.entrypoints.dp_launcher import run_dp
 
         run_dp(args)

@@ -34,12 +34,13 @@ INSTALL_HINT = ("`radixserve serve --dp N` runs SGLang's model gateway in front 
 STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 20.0
 # NOTE: the gateway's defaults notice a dead worker after 3 failed health checks 60 s apart and open its
-# circuit after 10 failures; these make a dead worker leave rotation within a few seconds, and a request
-# that met it is retried (up to 3 times) on a worker whose circuit is still closed.
+# circuit after 10 failures; with these its circuit opens after 2 failed attempts, so a request that met it
+# is retried (the gateway retries up to 5 times) on the survivor, and health checks drop it within ~4 s.
+# The launcher also removes a worker it sees exit at once (DPLauncher.supervise).
 GATEWAY_FAULT_ARGS = ("--health-check-interval-secs", "2", "--health-failure-threshold", "2",
                       "--health-success-threshold", "1", "--cb-failure-threshold", "2",
-                      "--cb-timeout-duration-secs", "30", "--retry-max-retries", "3",
-                      "--worker-startup-timeout-secs", "60", "--shutdown-grace-period-secs", "10")
+                      "--cb-timeout-duration-secs", "30", "--worker-startup-timeout-secs", "60",
+                      "--shutdown-grace-period-secs", "10")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ def router_installed() -> bool:
 def run_dp(args: argparse.Namespace) -> None:
     """`radixserve serve --dp N`: runs until Ctrl-C / SIGTERM, or until no worker is left."""
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s dp] %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health poll
+    if args.dp < 1:
+        sys.exit(f"--dp must be >= 1, got {args.dp}")
     config = DPConfig(args.dp, args.router_policy, args.router_log_level, tuple(shlex.split(args.router_extra_args)))
     if not router_installed():
         sys.exit(INSTALL_HINT)
@@ -85,8 +89,8 @@ class DPLauncher:
     """Starts the workers, then the gateway; supervises them; stops them all together."""
 
     def __init__(self, server_args: ServerArgs, config: DPConfig, http_flags: list[str]) -> None:
-        if config.dp_size < 2:
-            raise ValueError(f"--dp must be >= 2 to start a gateway, got {config.dp_size}")
+        if config.dp_size < 1:
+            raise ValueError(f"--dp must be >= 1, got {config.dp_size}")
         self.server_args = server_args
         self.config = config
         self.http_flags = http_flags
@@ -112,7 +116,7 @@ class DPLauncher:
             return self.supervise()
         except KeyboardInterrupt:
             return 0
-        except (RuntimeError, TimeoutError) as e:
+        except (RuntimeError, TimeoutError, ValueError) as e:
             logger.error("%s", e)
             return 1
         finally:
@@ -133,7 +137,7 @@ class DPLauncher:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]
             cmd = [sys.executable, "-m", "radixserve.launch_server", *args]
             self.workers.append(Child.start(f"worker {rank}", cmd, env, cores, f"http://127.0.0.1:{port}"))
-            logger.info("worker %d: %s on CPUs %s, %d torch thread(s)%s", rank, self.workers[-1].url,
+            logger.info("worker %d: %s, CPUs [%s], torch threads %d%s", rank, self.workers[-1].url,
                         _cpu_list(cores), threads, "" if gpus is None else f", GPU {gpus[rank % len(gpus)]}")
 
     def wait_workers_healthy(self) -> None:
