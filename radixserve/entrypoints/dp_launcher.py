@@ -126,7 +126,7 @@ class DPLauncher:
     # ------------------------------------------------------------------------------ start
 
     def start_workers(self) -> None:
-        shares = core_shares(sorted(_allowed_cpus()), self.config.dp_size)
+        shares = core_shares(sorted(allowed_cpus()), self.config.dp_size)
         gpus = _gpu_ids(self.server_args.device, self.config.dp_size)
         for rank, cores in enumerate(shares):
             port = free_port()
@@ -232,7 +232,7 @@ class DPLauncher:
             raise KeyboardInterrupt
 
 
-def _allowed_cpus() -> set[int]:
+def allowed_cpus() -> set[int]:
     if hasattr(os, "sched_getaffinity"):
         return set(os.sched_getaffinity(0))
     return set(range(os.cpu_count() or 1))
