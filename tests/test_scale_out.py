@@ -4,13 +4,11 @@ One cluster for the module, started the way a user does: `radixserve serve --dp 
 (two `launch_server` workers on loopback ports, one CPU each, and the gateway with `--policy
 cache_aware` in front, passing each client's key through). Requests go through the gateway; every
 worker's KV accounting is checked after each test. The fault test kills a worker, and the last test
-stops the whole cluster with SIGTERM. The tests that need no gateway (CPU shares, worker flags, the
-install hint) run everywhere.
+stops the whole cluster with SIGTERM. What needs no gateway is in test_dp_launcher.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -26,12 +24,6 @@ from pathlib import Path
 import httpx
 import pytest
 from server_harness import REPO, START_TIMEOUT_S, ServerHandle, assert_conservation, free_port, wait_idle
-
-from radixserve.entrypoints import dp_launcher
-from radixserve.entrypoints.dp_processes import core_shares, worker_flags
-from radixserve.entrypoints.gateway_api import load_entry
-from radixserve.launch_server import add_serve_args
-from radixserve.server_args import ServerArgs
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "tenant-a-secret", "tenant-b-secret"
@@ -410,37 +402,3 @@ def test_sigterm_stops_the_gateway_and_every_worker_together(cluster: Cluster) -
     with pytest.raises(httpx.ConnectError):
         httpx.get(cluster.url + "/health", timeout=2)
     cluster.dead.update(w.base_url for w in cluster.workers)
-
-
-# ------------------------------------------------------------------------------ no gateway needed
-
-
-def test_core_shares_are_contiguous_and_refuse_more_workers_than_cpus() -> None:
-    assert core_shares([0, 1], 2) == [[0], [1]]
-    assert core_shares([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
-    assert core_shares([4, 5, 6, 7], 1) == [[4, 5, 6, 7]]
-    with pytest.raises(ValueError, match="--dp 3 needs at least 3 CPUs"):
-        core_shares([0, 1], 3)
-
-
-def test_worker_flags_round_trip_through_the_serve_parser() -> None:
-    args = ServerArgs(dtype="float32", max_total_tokens=4096, disable_radix_cache=True, api_key="a,b", port=9)
-    parser = argparse.ArgumentParser()
-    add_serve_args(parser)
-    parsed = ServerArgs.from_cli_args(parser.parse_args(worker_flags(args, 41000, 3)))
-    assert parsed == args.replace(host="127.0.0.1", port=41000, torch_threads=3)
-
-
-def test_dp_without_sglang_router_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from radixserve.entrypoints.cli import main
-
-    monkeypatch.setattr(dp_launcher, "router_installed", lambda: False)
-    with pytest.raises(SystemExit) as e:
-        main(["serve", "--dp", "2"])
-    assert "pip install 'radixserve[router]'" in str(e.value.code)
-
-
-def test_load_entry_counts_kv_held_by_requests() -> None:
-    state = {"max_total_num_tokens": 1000, "token_usage": 0.25, "num_waiting_reqs": 3}
-    assert load_entry(5, state) == {"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 3, "num_tokens": 250}
-    assert load_entry(0, {})["num_tokens"] == 0
