@@ -25,6 +25,8 @@ import httpx
 import pytest
 from server_harness import REPO, START_TIMEOUT_S, ServerHandle, assert_conservation, free_port, wait_idle
 
+pytestmark = pytest.mark.slow
+
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "tenant-a-secret", "tenant-b-secret"
 WORKER_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning")
