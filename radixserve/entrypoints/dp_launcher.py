@@ -15,6 +15,7 @@ import logging
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -239,18 +240,29 @@ def allowed_cpus() -> set[int]:
 
 
 def _gpu_ids(device: str, n: int) -> list[str] | None:
-    """The GPUs to hand out one per worker, or None on CPU (no torch import unless CUDA may be used)."""
+    """The GPUs to hand out one per worker, or None when the workers run on the CPU."""
     if device == "cpu":
         return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [g for g in visible.split(",") if g] if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if visible is not None:
+        ids = [g for g in visible.split(",") if g.strip()]
+    else:
+        ids = [str(i) for i in range(_cuda_device_count())]
+    if not ids:
+        return None
     if len(ids) < n:
         logger.warning("%d workers share %d GPU(s)", n, len(ids))
     return ids
+
+
+def _cuda_device_count() -> int:
+    # NOTE: asked in a child process, so the launcher itself never loads torch (or holds a CUDA context).
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        return int(out.stdout.strip() or 0)
+    except (subprocess.SubprocessError, ValueError):
+        return 0
 
 
 def _cpu_list(cores: list[int]) -> str:
