@@ -173,15 +173,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def reading(rows: list[dict], rate: float) -> str:
+def reading(rows: list[dict], rate: float, last_arrival_s: float) -> str:
     single, aware, rr = rows
-    return (f"Reading: the two workers share the {sum(len(c) for c in single['cores'])} cores the single worker had, "
-            "so here scale-out adds no compute; it shows what routing does to the caches. round_robin computed "
+    cores = sum(len(c) for c in single["cores"])
+    return (f"Reading: the two workers share the {cores} cores the single worker had, so scale-out adds no compute "
+            "here; what it shows is what routing does to the caches. round_robin computed "
             f"{rr['prefill_computed'] / max(aware['prefill_computed'], 1):.2f}x the prefill tokens of cache_aware, "
-            "which computed about what one worker computes. The single worker runs each prefill on all its cores, "
-            "each of the two workers on one, which weighs on their TTFT. With arrivals at "
-            f"{rate:g}/s, throughput is mostly bounded by the arrivals. TTFT and throughput are one run each on a "
-            "machine shared with other jobs (load average above): differences of tens of percent are noise.")
+            f"and cache_aware {aware['prefill_computed'] / max(single['prefill_computed'], 1):.2f}x those of one "
+            f"worker. cache_aware put {' / '.join(map(str, aware['per_worker_requests']))} requests on the workers: "
+            "it sends a tenant it has not seen to the less loaded worker at that moment, then keeps it there. "
+            f"The last request arrives at {last_arrival_s:.1f} s and every configuration finished within "
+            f"{max(r['wall_s'] for r in rows) - last_arrival_s:.1f} s of it, so throughput is bounded by the "
+            f"arrivals ({rate:g}/s). TTFT and throughput are one run each on a machine shared with other jobs (load "
+            "average above); differences of tens of percent between them are within its noise.")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -201,7 +205,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
         for i, v in enumerate(values):
-            ax.annotate(f"{v:,.1f}" if v < 1000 else f"{v:,.0f}", (i, v), ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{v:.2f}" if v < 10 else f"{v:,.1f}" if v < 1000 else f"{v:,.0f}", (i, v), ha="center", va="bottom", fontsize=8)
     fig.suptitle("Scale-out behind SGLang's model gateway (shared-prefix multi-tenant workload)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -254,7 +258,7 @@ def main() -> None:
         f"Command: `{command.strip()}`",
         text,
         verdict,
-        reading(rows, args.rate),
+        reading(rows, args.rate, requests[-1].arrival_s),
         "The gateway's cache_aware policy keeps an approximate radix tree of the request texts it sent to each "
         "worker and sends a request to the worker with the longest match (when the match is over 30% of the "
         "text and the load is balanced), so each tenant's prompt is computed on one worker only; round_robin "
