@@ -10,6 +10,7 @@ from typing import Any
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -22,6 +23,8 @@ class ServerArgs:
     served_model_name: str | None = _opt(None, "name reported by /v1/models (default: derived from the model path)")
     dtype: str = _opt("auto", "compute dtype; auto is bfloat16 on CPU and CUDA", DTYPES)
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
+    quantization: str = _opt("none", "packed linear weights on the CPU (GGUF tensors keep their nearest format)",
+                             QUANTIZATIONS)
     context_length: int | None = _opt(None, "maximum context; default: the model's own")
     page_size: int = _opt(1, "tokens per KV page; radix matches are rounded down to a page")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens; default: from --mem-fraction-static")
@@ -46,7 +49,7 @@ class ServerArgs:
     log_interval: int = _opt(40, "decode steps between decode log lines")
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "schedule_policy", "radix_eviction_policy"):
+        for name in ("dtype", "quantization", "schedule_policy", "radix_eviction_policy"):
             choices = _choices(name)
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")

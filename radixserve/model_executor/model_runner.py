@@ -60,10 +60,13 @@ class ModelRunner:
         if server_args.torch_threads is not None:
             # NOTE: process-wide; set only when asked (on a busy machine 1 thread can beat 2)
             torch.set_num_threads(server_args.torch_threads)
+        if server_args.quantization != "none" and self.device.type != "cpu":
+            raise ValueError(f"--quantization {server_args.quantization} has no {self.device.type} path yet; "
+                             "use --device cpu, or --quantization none")
         if loaded is None:
             from radixserve.models.loader import load_model
 
-            loaded = load_model(server_args.model_path, self.dtype, self.device)
+            loaded = load_model(server_args.model_path, self.dtype, self.device, server_args.quantization)
         self.loaded = loaded
         self.model = loaded.model.to(device=self.device, dtype=self.dtype)
         self.model_config = loaded.config
@@ -155,6 +158,9 @@ class ModelRunner:
             "max running requests %d | max context %d | attention %s",
             self.loaded.name, str(self.dtype).removeprefix("torch."), self.device, self.max_total_num_tokens, gib,
             self.page_size, self.max_running_requests, self.context_len, self.server_args.attention_backend)
+        from radixserve.layers.quantization.model_quant import weight_summary
+
+        logger.info("weights (quantization %s): %s", self.server_args.quantization, weight_summary(self.model))
         if self.max_total_num_tokens < self.context_len:
             logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): one request "
                            "can use at most the pool", self.max_total_num_tokens, self.context_len)

@@ -44,9 +44,12 @@ def cache_root() -> Path:
     return envs.CACHE_DIR.get()
 
 
-def gguf_to_hf_folder(path: Path, dtype: torch.dtype) -> Path:
-    """The cached folder for this GGUF file and dtype, converting it first if needed."""
-    folder = cache_root() / f"{path.stem}-{_file_key(path)}-{str(dtype).removeprefix('torch.')}"
+def gguf_to_hf_folder(path: Path, dtype: torch.dtype | None) -> Path:
+    """The cached folder for this GGUF file and dtype, converting it first if needed.
+
+    dtype None: config and tokenizer only (the packed loader reads the weights from the file itself)."""
+    kind = "meta" if dtype is None else str(dtype).removeprefix("torch.")
+    folder = cache_root() / f"{path.stem}-{_file_key(path)}-{kind}"
     if (folder / "config.json").exists():
         return folder
     reader = open_gguf(path)
@@ -55,7 +58,8 @@ def gguf_to_hf_folder(path: Path, dtype: torch.dtype) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
     try:
         logger.info("converting %s to %s (first start only)", path, folder)
-        _write_weights(reader, config, tmp, dtype)
+        if dtype is not None:
+            _write_weights(reader, config, tmp, dtype)
         _write_tokenizer(path, tmp)
         # NOTE: config.json is written last and the folder renamed into place whole, so a folder
         # with a config.json is always complete, even when two processes convert at once.

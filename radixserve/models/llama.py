@@ -103,7 +103,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        # NOTE: packed (quantized) modules share their table instead (layers/quantization/model_quant.py).
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
@@ -123,7 +124,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up; raises on missing or unknown ones."""
-        params = dict(self.named_parameters())
+        from radixserve.layers.quantization.model_quant import packed_weight_slots
+
+        params: dict = {**dict(self.named_parameters()), **packed_weight_slots(self)}
         loaded: set[tuple[str, int]] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
@@ -149,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
             return ((0, c.q_size), (c.q_size, c.kv_size), (c.q_size + c.kv_size, c.kv_size))[shard]
         return shard * c.intermediate_size, c.intermediate_size
 
-    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[tuple[str, int]]) -> None:
+    def _check_complete(self, params: dict, loaded: set[tuple[str, int]]) -> None:
         missing = []
         for name in params:
             shards = [s for f, _, s in self.stacked_params if f".{f}." in name] or [-1]
@@ -160,6 +163,12 @@ class LlamaForCausalLM(nn.Module):
 
 
 def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, start: int, length: int) -> None:
+    if hasattr(param, "load_rows"):  # a packed (quantized) layer quantizes its rows as they arrive
+        try:
+            param.load_rows(tensor, max(start, 0), length)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
+        return
     target = param.data if length < 0 else param.data.narrow(0, start, length)
     if tuple(target.shape) != tuple(tensor.shape):
         raise ModelLoadError(f"tensor shape {tuple(tensor.shape)} does not fit parameter slice {tuple(target.shape)}")

@@ -38,8 +38,15 @@ class LoadedModel:
 
 
 def load_model(model_path: str | None, dtype: torch.dtype = torch.bfloat16,
-               device: torch.device | str = "cpu") -> LoadedModel:
-    """Loads a Llama-family model. None means the embedded SmolLM2-135M-Instruct GGUF."""
+               device: torch.device | str = "cpu", quantization: str = "none") -> LoadedModel:
+    """Loads a Llama-family model. None means the embedded SmolLM2-135M-Instruct GGUF.
+
+    quantization int8/int4: linear layers keep packed weights (layers/quantization/); a GGUF file's
+    quantized tensors keep their nearest packed format, float weights are quantized at load."""
+    device = torch.device(device)
+    if quantization != "none" and device.type != "cpu":
+        raise ModelLoadError(f"--quantization {quantization} runs on the CPU only; on {device.type} use "
+                             "--quantization none (a GGUF file is then dequantized to --dtype)")
     path = embedded_model_path() if model_path is None else Path(model_path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist")
@@ -50,8 +57,8 @@ def load_model(model_path: str | None, dtype: torch.dtype = torch.bfloat16,
         elif not (path / "config.json").exists():
             raise ModelLoadError(f"{path} has no config.json (a Hugging Face model folder) and no single .gguf file")
     if path.is_file():
-        return _load_gguf(path, dtype, torch.device(device), EMBEDDED_NAME if model_path is None else path.stem)
-    model, config, tokenizer = load_hf_folder(path, dtype, torch.device(device))
+        return _load_gguf(path, dtype, device, EMBEDDED_NAME if model_path is None else path.stem, quantization)
+    model, config, tokenizer = load_hf_folder(path, dtype, device, quantization)
     return LoadedModel(model, config, tokenizer, path.name, str(path))
 
 
@@ -66,23 +73,34 @@ def embedded_model_path() -> Path:
     return path
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ModelConfig, object]:
-    config = _read_config(folder)
-    tokenizer = load_tokenizer(folder)
-    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
-        config = dataclasses.replace(config, eos_token_ids=(tokenizer.eos_token_id,))
+def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device,
+                   quantization: str = "none") -> tuple[nn.Module, ModelConfig, object]:
+    config, tokenizer = read_config_and_tokenizer(folder)
     files = _weight_files(folder)
-    model = build_model(config, dtype, device)
+    model = build_model(config, dtype, device, quantization)
     model.load_weights(_iter_safetensors(files))
     return model, config, tokenizer
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def read_config_and_tokenizer(folder: Path) -> tuple[ModelConfig, object]:
+    config = _read_config(folder)
+    tokenizer = load_tokenizer(folder)
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config = dataclasses.replace(config, eos_token_ids=(tokenizer.eos_token_id,))
+    return config, tokenizer
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                quantization: str = "none") -> nn.Module:
     """An uninitialised model on `device` (built on the meta device, so nothing is initialised twice)."""
+    from radixserve.layers.quantization.model_quant import default_plan, quantize_model
     from radixserve.models.llama import LlamaForCausalLM
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(dtype)
+    if quantization != "none":
+        # NOTE: swapped before any weight exists: packed layers never hold a float copy.
+        quantize_model(model, default_plan(model, quantization), dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
     return model.eval()
@@ -103,9 +121,14 @@ def load_tokenizer(folder: Path):
     return tokenizer
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str, quantization: str) -> LoadedModel:
     from radixserve.models.gguf_loader import gguf_to_hf_folder
 
+    if quantization != "none":
+        from radixserve.models.gguf_packed import load_gguf_packed
+
+        model, config, tokenizer = load_gguf_packed(path, dtype, device, quantization)
+        return LoadedModel(model, config, tokenizer, name, str(path))
     model, config, tokenizer = load_hf_folder(gguf_to_hf_folder(path, dtype), dtype, device)
     return LoadedModel(model, config, tokenizer, name, str(path))
 

@@ -1,0 +1,145 @@
+"""The C kernels of the packed formats (csrc/quant_matmul.c), one library per ISA level.
+
+Levels, best first: `avx512_vnni` (vpdpbusd on 512 bits), `avx_vnni` (vpdpbusd on 256 bits),
+`avx2` (maddubs/madd), `portable` (plain C; what any other CPU gets). Each level is compiled with
+its own target flags (not -march=native), so a machine can build and test the lower levels too; the
+library lands in $RADIXSERVE_CACHE_DIR/kernels keyed by the source, the level and the compiler, and
+is called through ctypes (which releases the GIL) on torch's OpenMP pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from radixserve import envs
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
+QUANT_ISAS = ("avx512_vnni", "avx_vnni", "avx2", "portable")
+_X86_BASE = ("-mavx2", "-mfma", "-mf16c")
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512_vnni": (*_X86_BASE, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+    "avx_vnni": (*_X86_BASE, "-mavxvnni"),
+    "avx2": _X86_BASE,
+    "portable": (),
+}
+# /proc/cpuinfo flags each level needs.
+ISA_REQUIRES: dict[str, frozenset[str]] = {
+    "avx512_vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+    "avx_vnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "portable": frozenset(),
+}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags. NOTE: the one place to point at radixserve.platform once it lands."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def best_quant_isa(flags: frozenset[str] | None = None) -> str:
+    """The best level this CPU runs (x86 levels only on x86)."""
+    flags = cpu_flags() if flags is None else flags
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "portable"
+    return next(isa for isa in QUANT_ISAS if ISA_REQUIRES[isa] <= flags)
+
+
+def runnable_isas() -> list[str]:
+    """Every level this CPU can run, best first (tests cover each)."""
+    best = best_quant_isa()
+    return list(QUANT_ISAS[QUANT_ISAS.index(best):])
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class QuantKernel:
+    """`matmul` (small M: int8-quantized activations, integer dot products) and `dequant` of packed rows."""
+
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa
+        lib.quant_isa.restype = ctypes.c_char_p
+        self.compiled_isa = lib.quant_isa().decode()
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._matmul = lib.quant_matmul
+        self._matmul.restype = i32
+        self._matmul.argtypes = [i32, ptr, ptr, ptr, i64, ptr, i32, ptr, i32, i64, i64, i64, i32]
+        self._dequant = lib.dequant_rows
+        self._dequant.restype = i32
+        self._dequant.argtypes = [i32, ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32, i32]
+
+    def matmul(self, packed, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x [M, K] float32/bfloat16, contiguous -> [M, N] in out_dtype (float32 or bfloat16)."""
+        m, (n, k) = x.shape[0], packed.shape
+        y = torch.empty(m, n, dtype=out_dtype)
+        status = self._matmul(packed.bits, packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.mins),
+                              packed.scales.shape[1], x.data_ptr(), int(x.dtype == torch.bfloat16), y.data_ptr(),
+                              int(out_dtype == torch.bfloat16), m, n, k, torch.get_num_threads())
+        _check(status, packed)
+        return y
+
+    def dequant(self, packed, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows [start, stop) of the weight into out [stop - start, K] (float32 or bfloat16, contiguous)."""
+        status = self._dequant(packed.bits, packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.mins),
+                               packed.scales.shape[1], start, stop, packed.shape[1], out.data_ptr(),
+                               int(out.dtype == torch.bfloat16), torch.get_num_threads())
+        _check(status, packed)
+        return out
+
+
+def _check(status: int, packed) -> None:
+    if status != 0:
+        raise ValueError(f"quantized kernel rejected a {packed.bits}-bit weight of shape {packed.shape} "
+                         f"with {packed.scales.shape[1]} scale groups per row (status {status})")
+
+
+@functools.cache
+def load_quant_kernel(isa: str | None = None) -> QuantKernel | None:
+    """The kernel library of `isa` (default: the best here), or None (logged once) without a C compiler."""
+    isa = best_quant_isa() if isa is None else isa
+    if isa not in QUANT_ISAS:
+        raise ValueError(f"unknown quantized-kernel level {isa!r}; known: {', '.join(QUANT_ISAS)}")
+    try:
+        return QuantKernel(ctypes.CDLL(str(_build(isa))), isa)
+    except (OSError, subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
+        logger.warning("quantized matmul kernel (%s) unavailable (%s); packed layers use torch", isa, e)
+        return None
+
+
+def _build(isa: str) -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    flags = ISA_FLAGS[isa] if platform.machine().lower() in ("x86_64", "amd64") else ()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
+    target = envs.CACHE_DIR.get() / "kernels" / f"quant-{isa}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c11", str(SOURCE), "-o", str(built),
+               "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
+    logger.info("built %s", target)
+    return target

@@ -1,0 +1,133 @@
+"""Modules that stand in for nn.Linear / nn.Embedding with a packed weight, and the matmul path per batch size.
+
+Paths of `QuantizedLinear.forward` (measured by benchmarks/bench_quant_matmul.py at the model's shapes):
+- M <= SMALL_M rows (decode): the C kernel, integer dot products on int8-quantized activations;
+- more rows (prefill, large decode batches): the C kernel expands the weight into a reused float
+  buffer, in pieces of at most DEQUANT_CHUNK values, and torch's dense GEMM (oneDNN) multiplies;
+- no C compiler: the same in plain torch (`PackedWeight.dequantize`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.quantization.formats import PackedWeight
+from radixserve.layers.quantization.kernels import QuantKernel, load_quant_kernel
+
+SMALL_M = 4
+DEQUANT_CHUNK = 1 << 21  # values per expanded piece (4 MiB in bfloat16)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W packed. `packed` is filled by `load_rows` (checkpoint shards) or set whole."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, bias: bool = False,
+                 per_channel: bool = True, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.per_channel = bits, per_channel
+        # NOTE: a plain attribute, not buffers: Module.to(dtype) must never cast the float16 scales.
+        self.packed: PackedWeight | None = None
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.kernel: QuantKernel | None = None
+
+    def load_rows(self, tensor: torch.Tensor, start: int, length: int) -> None:
+        """Quantizes float rows [start, start + length) of the weight (a fused layer's shard); -1: all rows."""
+        if self.packed is None:
+            self.packed = PackedWeight.empty(self.bits, self.out_features, self.in_features, self.per_channel)
+        _load_rows(self.packed, tensor, start, length)
+
+    def set_packed(self, packed: PackedWeight) -> None:
+        if packed.shape != (self.out_features, self.in_features):
+            raise ValueError(f"packed weight {packed.shape} does not fit [{self.out_features}, {self.in_features}]")
+        self.packed = packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        y = packed_linear(self.packed, x2, self._kernel())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def _kernel(self) -> QuantKernel | None:
+        if self.kernel is None:
+            self.kernel = load_quant_kernel()
+        return self.kernel
+
+    def extra_repr(self) -> str:
+        name = self.packed.format_name if self.packed is not None else f"int{self.bits} (empty)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={name}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Row lookup of a packed [vocab, hidden] table (shared with a tied quantized LM head)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.packed: PackedWeight | None = None
+
+    def load_rows(self, tensor: torch.Tensor, start: int, length: int) -> None:
+        _load_rows(self.packed, tensor, start, length)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        return self.packed.dequantize(self.dtype, rows=flat).view(*ids.shape, self.embedding_dim)
+
+    def _apply(self, fn, recurse: bool = True):
+        # NOTE: Module.to(dtype) reaches here; remember the dtype for the rows we dequantize.
+        probe = fn(torch.empty(0, dtype=self.dtype))
+        if probe.is_floating_point():
+            self.dtype = probe.dtype
+        return super()._apply(fn, recurse)
+
+
+def _load_rows(packed: PackedWeight, tensor: torch.Tensor | PackedWeight, start: int, length: int) -> None:
+    """Float rows are quantized into place; an already packed part (a GGUF tensor) is copied."""
+    length = packed.shape[0] if length < 0 else length
+    if tuple(tensor.shape) != (length, packed.shape[1]):
+        raise ValueError(f"tensor shape {tuple(tensor.shape)} does not fit rows {start}..{start + length} of a "
+                         f"packed weight of shape {packed.shape}")
+    if isinstance(tensor, PackedWeight):
+        packed.set_rows(start, tensor)
+    else:
+        packed.load_float_rows(tensor, start)
+
+
+def packed_linear(packed: PackedWeight, x: torch.Tensor, kernel: QuantKernel | None) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype."""
+    dtype = x.dtype
+    if kernel is None or dtype not in _KERNEL_DTYPES:
+        return F.linear(x, packed.dequantize(dtype))
+    x = x.contiguous()
+    if x.shape[0] <= SMALL_M:
+        return kernel.matmul(packed, x, dtype)
+    return _dequant_gemm(packed, x, kernel)
+
+
+_buffers: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _scratch(dtype: torch.dtype, numel: int) -> torch.Tensor:
+    # NOTE: one buffer per dtype, reused by every layer; forwards run one at a time per process.
+    buf = _buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
+def _dequant_gemm(packed: PackedWeight, x: torch.Tensor, kernel: QuantKernel) -> torch.Tensor:
+    n, k = packed.shape
+    rows = max(1, min(n, DEQUANT_CHUNK // k))
+    if rows >= n:
+        return F.linear(x, kernel.dequant(packed, 0, n, _scratch(x.dtype, n * k).view(n, k)))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        w = kernel.dequant(packed, start, stop, _scratch(x.dtype, (stop - start) * k).view(stop - start, k))
+        out[:, start:stop] = F.linear(x, w)
+    return out
