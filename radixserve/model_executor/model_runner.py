@@ -153,14 +153,14 @@ class ModelRunner:
         gib = self.max_total_num_tokens * MHATokenToKVPool.bytes_per_token(
             self.model_config.num_kv_heads, self.model_config.head_dim, self.model_config.num_layers,
             self.dtype) / 2**30
-        logger.info(
-            "model %s | dtype %s | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
-            "max running requests %d | max context %d | attention %s",
-            self.loaded.name, str(self.dtype).removeprefix("torch."), self.device, self.max_total_num_tokens, gib,
-            self.page_size, self.max_running_requests, self.context_len, self.server_args.attention_backend)
         from radixserve.layers.quantization.model_quant import weight_summary
 
-        logger.info("weights (quantization %s): %s", self.server_args.quantization, weight_summary(self.model))
+        logger.info(
+            "model %s | dtype %s | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
+            "max running requests %d | max context %d | attention %s | quantization %s: %s",
+            self.loaded.name, str(self.dtype).removeprefix("torch."), self.device, self.max_total_num_tokens, gib,
+            self.page_size, self.max_running_requests, self.context_len, self.server_args.attention_backend,
+            self.server_args.quantization, weight_summary(self.model))
         if self.max_total_num_tokens < self.context_len:
             logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): one request "
                            "can use at most the pool", self.max_total_num_tokens, self.context_len)
