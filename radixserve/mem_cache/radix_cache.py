@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from radixserve.mem_cache.cache_events import CacheEventLog
 from radixserve.mem_cache.common import release_kv_cache
 from radixserve.mem_cache.evict_policy import get_eviction_key
 from radixserve.mem_cache.radix_key import RadixKey, common_prefix_len
@@ -64,16 +65,23 @@ class RadixCache:
     nothing is cached (reference 2.9): matches are empty, inserts return 0, locks and eviction do
     nothing, `cache_unfinished_req` only records the request's own row as its prefix (so chunked
     prefill continues) and `cache_finished_req` frees the request's private KV.
+
+    `is_eagle=True` keys the tree by the EAGLE bigram view (`RadixKey.to_bigram`): every key passed
+    in is converted, and the slot of position i stands for the pair (t[i], t[i+1]). Set `events` to
+    a `CacheEventLog` to record what the tree does (None, the default, records nothing).
     """
 
     def __init__(self, req_to_token_pool: Any = None, token_to_kv_pool_allocator: Any = None,
-                 page_size: int = 1, disable: bool = False, eviction_policy: str = "lru") -> None:
+                 page_size: int = 1, disable: bool = False, eviction_policy: str = "lru",
+                 is_eagle: bool = False) -> None:
         if page_size <= 0:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.disable = disable
+        self.is_eagle = is_eagle
+        self.events: CacheEventLog | None = None
         self.eviction_policy = eviction_policy
         self._eviction_key = get_eviction_key(eviction_policy)
         self._page_struct = struct.Struct(f"{page_size}q")  # unpacks one page: a child key
@@ -94,6 +102,8 @@ class RadixCache:
         self.evictable_leaves: set[TreeNode] = set()
         self._heap: list[tuple[Any, int, TreeNode]] = []
         self._empty = MatchResult(self.root_node.value, self.root_node)
+        if self.events is not None:
+            self.events.record("reset", None, None, 0)
 
     def _now(self) -> float:
         # NOTE: strictly increasing between operations, so LRU order never depends on clock ties.
@@ -133,8 +143,7 @@ class RadixCache:
 
         `device_indices` may share storage with a node's value: read it, never write into it.
         """
-        if not isinstance(key, RadixKey):
-            key = RadixKey(key)
+        key = self._tree_key(key)
         if self.disable or len(key) < self.page_size:
             return self._empty
         tokens = key.page_aligned(self.page_size).packed
@@ -142,7 +151,19 @@ class RadixCache:
         if not values:
             return MatchResult(self._empty.device_indices, node)
         indices = values[0] if len(values) == 1 else torch.cat(values)
+        if self.events is not None:
+            self.events.record("match", node.id, key.extra_key, len(indices), len(key))
         return MatchResult(indices, node)
+
+    def _tree_key(self, key: Any) -> RadixKey:
+        """`key` as this tree files it: a RadixKey, in the bigram view when the tree is EAGLE's."""
+        if not isinstance(key, RadixKey):
+            key = RadixKey(key)
+        if key.is_bigram != self.is_eagle:
+            if not self.is_eagle:
+                raise ValueError("a bigram key needs a RadixCache(is_eagle=True)")
+            key = key.to_bigram()
+        return key
 
     def _child_key(self, tokens: bytes, pos: int, extra_key: Any) -> Any:
         # NOTE: same value as RadixKey.child_key (pretty_print asserts it); a full page is always there
@@ -190,6 +211,8 @@ class RadixCache:
         child.parent = upper
         child.key = lower_key
         child.value = child.value[split_len:].clone()
+        if self.events is not None:
+            self.events.record("split", upper.id, upper.key.extra_key, split_len, child.id)
         return upper
 
     # ------------------------------------------------------------------ insert
@@ -200,13 +223,12 @@ class RadixCache:
         The tree keeps its own slots for those tokens: the caller must free its duplicates
         `value[:prefix_len]` (beyond what it already shared). `value=None` stores the token ids.
         """
-        if not isinstance(key, RadixKey):
-            key = RadixKey(key)
+        key = self._tree_key(key)
         if self.disable:
             return 0
         key = key.page_aligned(self.page_size)
         if value is None:
-            value = torch.tensor(key.token_ids, dtype=torch.int64)
+            value = torch.tensor(key.raw_token_ids[:len(key)], dtype=torch.int64)
         elif len(value) < len(key):
             raise ValueError(f"insert: {len(value)} values for a key of {len(key)} tokens")
         return self._insert_helper(key.packed, key.extra_key, value, priority, chunked)
@@ -233,13 +255,15 @@ class RadixCache:
             node = child
             pos += matched
         if pos < end:
-            self._add_leaf(node, tokens[pos * 8:], extra_key, value[pos:end].clone(), priority, chunked, now)
+            node = self._add_leaf(node, tokens[pos * 8:], extra_key, value[pos:end].clone(), priority, chunked, now)
+        if self.events is not None:
+            self.events.record("insert", node.id, extra_key, end - pos, pos)
         return pos
 
     def _add_leaf(self, parent: TreeNode, tokens: bytes, extra_key: Any, value: torch.Tensor,
                   priority: int, chunked: bool, now: float) -> TreeNode:
         leaf = TreeNode(now)
-        leaf.key = RadixKey._trusted(tokens, extra_key)
+        leaf.key = RadixKey._trusted(tokens, extra_key, self.is_eagle)
         leaf.value = value
         leaf.parent = parent
         leaf.priority = priority
@@ -273,6 +297,8 @@ class RadixCache:
                 self.protected_size_ += size
                 delta -= size
                 self._update_leaf_status(n)
+        if self.events is not None:
+            self.events.record("lock", node.id, node.key.extra_key, -delta, node.lock_ref)
         return delta
 
     def dec_lock_ref(self, node: TreeNode) -> int:
@@ -291,6 +317,8 @@ class RadixCache:
                 self.protected_size_ -= size
                 delta += size
                 self._update_leaf_status(n)
+        if self.events is not None:
+            self.events.record("unlock", node.id, node.key.extra_key, delta, node.lock_ref)
         return delta
 
     # ------------------------------------------------------------------ eviction
@@ -320,6 +348,7 @@ class RadixCache:
             return 0
         evicted = 0
         freed: list[torch.Tensor] = []
+        victims: list[tuple[int, int, Any, int]] = []
         heap, leaves, eviction_key = self._heap, self.evictable_leaves, self._eviction_key
         while evicted < num_tokens and heap:
             entry_key, _, node = heapq.heappop(heap)
@@ -331,9 +360,13 @@ class RadixCache:
                 continue
             freed.append(node.value)
             evicted += len(node.key)  # NOTE: == len(node.value), without a tensor call
+            if self.events is not None:
+                victims.append((node.id, len(node.key), node.key.extra_key, node.parent.id))
             self._delete_leaf(node)
         if freed and self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
+        if self.events is not None and victims:
+            self.events.record("evict", None, None, evicted, (num_tokens, victims))
         return evicted
 
     def _delete_leaf(self, node: TreeNode) -> None:
@@ -359,7 +392,7 @@ class RadixCache:
             if committed > cpl:
                 alloc.free(row[cpl:committed].to(torch.int64))
             return
-        key = RadixKey(_prefix_of(req.origin_input_ids, req.output_ids, committed), req.extra_key)
+        key = RadixKey(_prefix_of(req.origin_input_ids, req.output_ids, committed), req.extra_key, self.is_eagle)
         key = key.page_aligned(self.page_size)
         key_len = len(key)
         kv_indices = row[:committed].to(torch.int64)
@@ -393,7 +426,7 @@ class RadixCache:
             req.prefix_indices = kv_indices
             return
         cpl = req.cache_protected_len
-        key = RadixKey(req.fill_ids, req.extra_key).page_aligned(self.page_size)
+        key = RadixKey(req.fill_ids, req.extra_key, self.is_eagle).page_aligned(self.page_size)
         key_len = len(key)
         prefix_len = self.insert(key, kv_indices[:key_len].clone(), getattr(req, "priority", 0) or 0,
                                  chunked=chunked)
@@ -427,19 +460,32 @@ class RadixCache:
             )
 
     # ------------------------------------------------------------------ debug
-    def pretty_print(self) -> str:
-        """Depth-first dump (also printed); asserts every child is filed under its own child key."""
-        lines: list[str] = []
-        stack = [(self.root_node, 0)]
+    def pretty_print(self, max_tokens: int | None = 10, tokenizer: Any = None, reveal_namespace: bool = False,
+                     events: int = 0) -> str:
+        """Depth-first dump (also printed); asserts every child is filed under its own child key.
+
+        Each node shows its namespace (kind and a short hash; the value too with `reveal_namespace`),
+        length, lock_ref, evictable or protected, hit count, seconds since last access and its first
+        `max_tokens` tokens (None: all), decoded when a `tokenizer` is given. `events` > 0 appends
+        that many recent events when the tree records them.
+        """
+        from radixserve.mem_cache.cache_view import NamespaceLabels, format_events, format_tree, tree_snapshot
+
+        stack = [self.root_node]
         while stack:
-            node, depth = stack.pop()
-            lines.append(f"{'  ' * depth}{len(node.key)} {list(node.key.token_ids[:10])} "
-                         f"lock_ref={node.lock_ref}")
+            node = stack.pop()
             for child_key, child in node.children.items():
                 assert child.key.child_key(self.page_size) == child_key, (child_key, child)
-                stack.append((child, depth + 1))
-        lines.append(f"#tokens: {self.total_size()}")
-        text = "\n".join(lines)
+                stack.append(child)
+        snapshot = tree_snapshot(self, NamespaceLabels(reveal=reveal_namespace), max_nodes=None,
+                                 max_tokens=max_tokens, max_events=events or None)
+        snapshot["nodes"] = _depth_first(snapshot["nodes"])
+        texts = None
+        if tokenizer is not None:
+            texts = {n["id"]: tokenizer.decode(n["tokens"]) for n in snapshot["nodes"] if n["parent"] is not None}
+        text = format_tree(snapshot, texts)
+        if events > 0 and snapshot["events"]:
+            text += "\nrecent events:\n" + format_events(snapshot, events)
         print(text)
         return text
 
@@ -454,3 +500,16 @@ def _prefix_of(origin: Any, output: Any, length: int) -> Any:
     if type(origin) is type(output):
         return (origin + output)[:length]
     return (list(origin) + list(output))[:length]
+
+
+def _depth_first(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Snapshot nodes (breadth first) reordered so that every node is followed by its subtree."""
+    children: dict[Any, list[dict[str, Any]]] = {}
+    for node in nodes:
+        children.setdefault(node["parent"], []).append(node)
+    ordered, stack = [], list(reversed(children.get(None, [])))
+    while stack:
+        node = stack.pop()
+        ordered.append(node)
+        stack.extend(reversed(children.get(node["id"], [])))
+    return ordered

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
+from radixserve.mem_cache.radix_key import convert_to_bigram_key
+
 
 def longest_cached_prefix(query_tokens: Sequence[int], query_namespace: Hashable,
                           cached_paths: Iterable[tuple[Sequence[int], Hashable]], page_size: int) -> int:
@@ -28,3 +30,14 @@ def longest_cached_prefix(query_tokens: Sequence[int], query_namespace: Hashable
         aligned = common // page_size * page_size
         best = max(best, aligned)
     return best
+
+
+def longest_cached_bigram_prefix(query_tokens: Sequence[int], query_namespace: Hashable,
+                                 cached_paths: Iterable[tuple[Sequence[int], Hashable]], page_size: int) -> int:
+    """The same question in the EAGLE bigram view: pairs (t[i], t[i+1]) are compared, in whole pages of pairs.
+
+    The answer counts pairs, so it is a number of KV slots: slot i is reused only when the cached
+    path has both t[i] and t[i+1] of the query.
+    """
+    paths = [(convert_to_bigram_key(tokens), namespace) for tokens, namespace in cached_paths]
+    return longest_cached_prefix(convert_to_bigram_key(query_tokens), query_namespace, paths, page_size)
