@@ -1,4 +1,4 @@
-"""The `radixserve` command: generate, chat, bench, serve.
+"""The `radixserve` command: generate, chat, bench, serve, cache.
 
 Every subcommand takes the server arguments (`ServerArgs`, SGLang's names with dashes), e.g.
 `--max-total-tokens 8192 --page-size 4 --disable-radix-cache`.
@@ -38,7 +38,7 @@ def _sampling_params(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="radixserve", description="An LLM serving engine built around "
                                      "SGLang's RadixAttention (prefix-sharing KV cache).")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,bench,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,bench,serve,cache}")
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt",
                          description="Generate for one prompt, with the model's chat template unless --raw.")
@@ -74,6 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
     from radixserve.entrypoints.dp_launcher import add_dp_args
 
     add_dp_args(serve)  # --dp N: N workers behind SGLang's model gateway (docs/scale_out.md)
+
+    cache = sub.add_parser("cache", help="print a running server's radix tree and recent cache events",
+                           description="Fetch /cache/tree from a running server and print the tree (one line "
+                           "per node: namespace, length, lock count, evictable or protected, hits, age, tokens "
+                           "and their text), the KV pool and the newest events.")
+    cache.add_argument("--base-url", default="http://127.0.0.1:30000", help="the server (default: %(default)s)")
+    cache.add_argument("--api-key", default=None, help="the server's API key, if it has one (default: none)")
+    cache.add_argument("--max-nodes", type=int, default=400, help="nodes nearest the root (default: %(default)s)")
+    cache.add_argument("--max-tokens", type=int, default=16, help="tokens shown per node (default: %(default)s)")
+    cache.add_argument("--full", action="store_true", default=False,
+                       help="show every token of every node (up to 4096 a node) (default: %(default)s)")
+    cache.add_argument("--events", type=int, default=20, help="newest events to print (default: %(default)s)")
+    cache.add_argument("--json", action="store_true", default=False,
+                       help="print the snapshot as JSON instead (default: %(default)s)")
     return parser
 
 
@@ -174,7 +188,33 @@ def cmd_serve(args: argparse.Namespace) -> None:
     run_serve(args)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve}
+def cmd_cache(args: argparse.Namespace) -> None:
+    import json
+
+    import httpx
+
+    from radixserve.mem_cache.cache_view import format_events, format_pool, format_tree
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    query = {"max_nodes": args.max_nodes, "max_tokens": 4096 if args.full else args.max_tokens}
+    try:
+        r = httpx.get(args.base_url.rstrip("/") + "/cache/tree", params=query, headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        sys.exit(f"cannot reach {args.base_url}: {e}")
+    if r.status_code != 200:
+        sys.exit(f"{args.base_url} answered {r.status_code}: {r.text}")
+    snapshot = r.json()
+    if args.json:
+        print(json.dumps(snapshot, indent=1))
+        return
+    print(format_tree(snapshot))
+    print(format_pool(snapshot))
+    if args.events > 0 and snapshot["events"]:
+        print("recent events:\n" + format_events(snapshot, args.events))
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "serve": cmd_serve,
+            "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> None:

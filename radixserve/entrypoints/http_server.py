@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.entrypoints import serving_native
+from radixserve.entrypoints.cache_explorer import register_cache_explorer
 from radixserve.entrypoints.gateway_api import install_gateway_routes
 from radixserve.entrypoints.http_errors import (
     ApiError,
@@ -180,6 +181,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         return Response(tm.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
     install_gateway_routes(app, tm, server_args, auth)  # what SGLang's model gateway calls (docs/scale_out.md)
+    register_cache_explorer(app, tm, server_args)  # /cache/tree, /cache/view (docs/server.md)
     return app
 
 

@@ -54,6 +54,24 @@ class GetInternalStateOut:
 
 
 @dataclass
+class CacheTreeReq:
+    """Ask for a bounded snapshot of the radix tree and its recent events (the cache explorer).
+
+    The scheduler answers between two steps; the first request starts the tree's event log.
+    """
+
+    max_nodes: int = 400  # nodes nearest the root, breadth first
+    max_tokens: int = 48  # token ids shown per node
+    since: int = 0  # events after this sequence number
+    max_events: int = 300  # at most the newest this many of them
+
+
+@dataclass
+class CacheTreeOut:
+    snapshot: dict[str, Any]
+
+
+@dataclass
 class BatchTokenIDOut:
     """Incremental output of one scheduler step: for each request, its new token ids since the last message."""
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from radixserve.managers.cache_observer import cache_tree_snapshot
 from radixserve.managers.io_struct import (
     MAX_TOP_LOGPROBS,
     AbortReq,
+    CacheTreeReq,
     FlushCacheOut,
     FlushCacheReq,
     GetInternalStateOut,
@@ -37,6 +39,8 @@ class SchedulerInputProcessorMixin:
                 self.output_sink(self.flush_cache())
             elif isinstance(msg, GetInternalStateReq):
                 self.output_sink(GetInternalStateOut(self.get_internal_state()))
+            elif isinstance(msg, CacheTreeReq):
+                self.output_sink(cache_tree_snapshot(self, msg))
             else:
                 logger.error("unknown message %r ignored", type(msg).__name__)
 

@@ -152,6 +152,7 @@ class TokenizerManager:
         self._states: dict[str, _ReqState] = {}
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._state_waiters: deque[asyncio.Future] = deque()
+        self._reply_waiters: dict[type, deque[asyncio.Future]] = {}  # request_reply, by reply type
         self._dead: str | None = None
         self._last_alive = time.monotonic()
         self._probe_pending = False
@@ -241,6 +242,10 @@ class TokenizerManager:
     async def get_internal_state(self, timeout_s: float | None = None) -> dict[str, Any]:
         return await self._control(GetInternalStateReq(), self._state_waiters, timeout_s)
 
+    async def request_reply(self, msg: Any, reply_type: type, timeout_s: float | None = None) -> Any:
+        """Send a control message that the scheduler answers with one `reply_type` message (in order)."""
+        return await self._control(msg, self._reply_waiters.setdefault(reply_type, deque()), timeout_s)
+
     async def _control(self, msg: Any, waiters: deque, timeout_s: float | None = None) -> Any:
         self._ensure_alive()
         future = asyncio.get_running_loop().create_future()
@@ -283,6 +288,8 @@ class TokenizerManager:
                 _resolve_oldest(self._state_waiters, out.state)
             elif isinstance(out, FlushCacheOut):
                 _resolve_oldest(self._flush_waiters, out)
+            elif type(out) in self._reply_waiters:
+                _resolve_oldest(self._reply_waiters[type(out)], out)
             else:
                 logger.warning("unexpected message from the scheduler: %r", type(out).__name__)
 
@@ -347,7 +354,7 @@ class TokenizerManager:
                 state.done = True
                 self._observe_finished(state, aborted=True)
             state.queue.put_nowait(error)
-        for waiters in (self._flush_waiters, self._state_waiters):
+        for waiters in (self._flush_waiters, self._state_waiters, *self._reply_waiters.values()):
             while waiters:
                 future = waiters.popleft()
                 if not future.done():

@@ -81,8 +81,13 @@ def node_tokens(node: Any, max_tokens: int | None, is_eagle: bool) -> tuple[list
 
 
 def tree_snapshot(cache: Any, labels: NamespaceLabels | None = None, *, max_nodes: int | None = 400,
-                  max_tokens: int | None = 48, since: int = 0, max_events: int | None = 300) -> dict[str, Any]:
-    """The tree near the root (breadth first, at most `max_nodes`), and the events after `since`."""
+                  max_tokens: int | None = 48, since: int = 0, max_events: int | None = 300,
+                  requests: list[tuple] = ()) -> dict[str, Any]:
+    """The tree near the root (breadth first, at most `max_nodes`), and the events after `since`.
+
+    `requests`: (rid, locked node id, extra_key, cached tokens, sequence length) of the requests
+    that hold KV, listed with their namespace so a viewer can highlight the paths they hold.
+    """
     labels = labels or NamespaceLabels()
     now = time.monotonic()
     namespaces: list[dict[str, Any]] = []
@@ -102,6 +107,8 @@ def tree_snapshot(cache: Any, labels: NamespaceLabels | None = None, *, max_node
         "evictable_tokens": cache.evictable_size(), "protected_tokens": cache.protected_size(),
         "nodes": nodes, "truncated": truncated, "max_tokens": max_tokens,
         "namespaces": namespaces,
+        "requests": [{"rid": rid, "node": node, "ns": ns_of(extra_key), "cached": cached, "seqlen": seqlen}
+                     for rid, node, extra_key, cached, seqlen in requests],
     }
     out.update(_events(cache, ns_of, now, since, max_events))
     return out
@@ -156,8 +163,9 @@ def _event_dict(event: Any, ns_of: Any, now: float) -> dict[str, Any]:
 def format_tree(snapshot: dict[str, Any], texts: dict[int, str] | None = None) -> str:
     """One line per node, indented by depth: namespace, length, lock_ref, evictability, hits, age, tokens."""
     namespaces = snapshot["namespaces"]
+    unit = "pairs" if snapshot["is_eagle"] else "tok"
     lines = []
-    for node in snapshot["nodes"]:
+    for node in depth_first(snapshot["nodes"]):
         indent = "  " * node["depth"]
         if node["parent"] is None:
             lines.append(f"{indent}#{node['id']} root lock_ref={node['lock_ref']} page_size={snapshot['page_size']}"
@@ -166,7 +174,7 @@ def format_tree(snapshot: dict[str, Any], texts: dict[int, str] | None = None) -
         state = "evictable" if node["evictable"] else "protected"
         more = f", ... +{node['elided']}" if node["elided"] else ""
         tokens = ", ".join(map(str, node["tokens"]))
-        line = (f"{indent}#{node['id']} [{label_text(namespaces[node['ns']])}] {node['len']} tok "
+        line = (f"{indent}#{node['id']} [{label_text(namespaces[node['ns']])}] {node['len']} {unit} "
                 f"lock_ref={node['lock_ref']} {state} hits={node['hits']} age={node['age_s']:.2f}s "
                 f"[{tokens}{more}]")
         text = (texts or {}).get(node["id"], node.get("text"))
@@ -179,6 +187,26 @@ def format_tree(snapshot: dict[str, Any], texts: dict[int, str] | None = None) -
     lines.append(f"#tokens: {total} (evictable {snapshot['evictable_tokens']}, "
                  f"protected {snapshot['protected_tokens']})")
     return "\n".join(lines)
+
+
+def depth_first(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Snapshot nodes (breadth first) reordered so that every node is followed by its subtree."""
+    children: dict[Any, list[dict[str, Any]]] = {}
+    for node in nodes:
+        children.setdefault(node["parent"], []).append(node)
+    ordered, stack = [], list(reversed(children.get(None, [])))
+    while stack:
+        node = stack.pop()
+        ordered.append(node)
+        stack.extend(reversed(children.get(node["id"], [])))
+    return ordered
+
+
+def format_pool(snapshot: dict[str, Any]) -> str:
+    pool = snapshot["pool"]
+    return (f"KV pool {pool['size']} tokens: free {pool['available']}, evictable {pool['evictable']}, "
+            f"protected {pool['protected']}, in requests {pool['in_requests']}; "
+            f"{len(snapshot['requests'])} running, {snapshot['waiting_requests']} waiting")
 
 
 def format_events(snapshot: dict[str, Any], limit: int = 20) -> str:

@@ -479,7 +479,6 @@ class RadixCache:
                 stack.append(child)
         snapshot = tree_snapshot(self, NamespaceLabels(reveal=reveal_namespace), max_nodes=None,
                                  max_tokens=max_tokens, max_events=events or None)
-        snapshot["nodes"] = _depth_first(snapshot["nodes"])
         texts = None
         if tokenizer is not None:
             texts = {n["id"]: tokenizer.decode(n["tokens"]) for n in snapshot["nodes"] if n["parent"] is not None}
@@ -500,16 +499,3 @@ def _prefix_of(origin: Any, output: Any, length: int) -> Any:
     if type(origin) is type(output):
         return (origin + output)[:length]
     return (list(origin) + list(output))[:length]
-
-
-def _depth_first(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Snapshot nodes (breadth first) reordered so that every node is followed by its subtree."""
-    children: dict[Any, list[dict[str, Any]]] = {}
-    for node in nodes:
-        children.setdefault(node["parent"], []).append(node)
-    ordered, stack = [], list(reversed(children.get(None, [])))
-    while stack:
-        node = stack.pop()
-        ordered.append(node)
-        stack.extend(reversed(children.get(node["id"], [])))
-    return ordered

@@ -1,0 +1,1 @@
+"""Runnable examples: `python -m radixserve.examples.lesson` replays the lesson's radix cache example."""
