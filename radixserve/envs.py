@@ -84,6 +84,8 @@ FORWARD_READ_DELAY_S = _declare("RADIXSERVE_FORWARD_READ_DELAY_S", 0.0, float,
                                 "tests: the CPU forward stream sleeps this long before each task")
 CHECK_FUTURE_MAP = _declare("RADIXSERVE_CHECK_FUTURE_MAP", False, parse_bool,
                             "debug: poison the future-token map and assert write-before-read, read-once")
+EXPLORER_SCREENSHOT = _declare("RADIXSERVE_EXPLORER_SCREENSHOT", None, Path,
+                               "tests: the browser test also saves its screenshot of /cache/view here")
 CHECK_READS = _declare("RADIXSERVE_CHECK_READS", False, parse_bool,
                        "debug: count forwards that read req_to_token rows overwritten after launch")
 

@@ -119,6 +119,7 @@
       if (!state.seen.has(node.id)) box.classList.add("fresh");
       const text = nodeText(node);
       box.title = text;
+      if (node.text !== undefined) box.dataset.text = node.text;
       box.append(el("div", "node-text", text));
       const badges = el("div", "badges");
       const lock = el("span", node.lock_ref ? "lock" : "lock zero", `lock ${node.lock_ref}`);
