@@ -6,12 +6,14 @@ evict sequences on `RadixCache(is_eagle=True)` against `longest_cached_bigram_pr
 test drives real pools and checks that every reused slot was computed with the same next token.
 """
 
+import functools
+
 import pytest
+import test_lifecycle
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_lifecycle import Req, World
 
 from radixserve.mem_cache import RadixCache, RadixKey, convert_to_bigram_key
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -223,12 +225,30 @@ TestBigramPs4 = _machine_test(4)
 
 # ---------------------------------------------------------------------------------------------- lifecycle
 
-class DraftWorld(World):
-    """World whose slots hold draft KV: position i's KV also depends on token i + 1 (known once it exists)."""
+def _kv(req):
+    """The request's KV fields (on the request itself, or on its KV handle where it has one)."""
+    return getattr(req, "kv", None) or req
 
-    def __init__(self, page_size: int, is_eagle: bool) -> None:
+
+def _seq(req) -> list[int]:
+    return list(req.origin_input_ids) + list(req.output_ids)
+
+
+def _request(prompt: list[int], namespace=None):
+    make = getattr(test_lifecycle, "request", None) or test_lifecycle.Req
+    return make(prompt, namespace)
+
+
+class DraftWorld(test_lifecycle.World):
+    """The lifecycle world, but slots hold draft KV: position i's KV also depends on token i + 1.
+
+    NOTE: it reuses test_lifecycle's stand-in scheduler and only builds its tree with `is_eagle`.
+    """
+
+    def __init__(self, page_size: int, is_eagle: bool, monkeypatch) -> None:
+        monkeypatch.setattr(test_lifecycle, "RadixCache", functools.partial(RadixCache, is_eagle=is_eagle))
         super().__init__(page_size, size=256)
-        self.cache = RadixCache(self.pool, self.alloc, page_size=page_size, is_eagle=is_eagle)
+        assert self.cache.is_eagle == is_eagle
         self.next_of: dict[int, int] = {}  # slot -> the next token its draft KV was computed with
 
     def _record(self, req, start, end):
@@ -236,41 +256,41 @@ class DraftWorld(World):
         self._record_next(req, start, end)
 
     def _record_next(self, req, start, end):
-        seq = req.seq()
+        seq = _seq(req)
         for pos in range(start, min(end, len(seq) - 1)):
-            self.next_of[int(self.pool.req_to_token[req.req_pool_idx, pos])] = seq[pos + 1]
+            self.next_of[int(self.pool.req_to_token[_kv(req).req_pool_idx, pos])] = seq[pos + 1]
 
     def prefill_done(self, req, token, finished=False):
         req.output_ids.append(token)
-        self._record_next(req, len(req.seq()) - 2, len(req.seq()) - 1)  # the last prompt slot learns its next
+        self._record_next(req, len(_seq(req)) - 2, len(_seq(req)) - 1)  # the last prompt slot learns its next
         req.output_ids.pop()
         super().prefill_done(req, token, finished)
 
     def check(self):
         report = super().check()
         for req in self.active:
-            seq = req.seq()
-            for pos in range(min(req.cache_protected_len, len(seq) - 1)):  # reused tree slots
-                slot = int(self.pool.req_to_token[req.req_pool_idx, pos])
+            seq, kv = _seq(req), _kv(req)
+            for pos in range(min(kv.cache_protected_len, len(seq) - 1)):  # reused tree slots
+                slot = int(self.pool.req_to_token[kv.req_pool_idx, pos])
                 assert self.next_of.get(slot) == seq[pos + 1], f"slot {slot} reused with another next token"
         return report
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_bigram_tree_reuses_a_draft_slot_only_with_its_next_token(page_size):
-    world = DraftWorld(page_size, is_eagle=True)
+def test_bigram_tree_reuses_a_draft_slot_only_with_its_next_token(page_size, monkeypatch):
+    world = DraftWorld(page_size, is_eagle=True, monkeypatch=monkeypatch)
     shared = list(range(100, 100 + 2 * page_size))
-    first = Req(shared + [1, 2, 3], "lora_finance")
+    first = _request(shared + [1, 2, 3], "lora_finance")
     world.admit([first])
     world.prefill_done(first, 10)
     world.decode([first], [11])
     world.finish(first)
-    second = Req(shared + [1, 9, 9], "lora_finance")  # the pair (1, 2) differs: slot of token 1 is not reused
+    second = _request(shared + [1, 9, 9], "lora_finance")  # the pair (1, 2) differs: slot of token 1 is not reused
     world.admit([second])
     assert second.cache_protected_len == len(shared)  # a token tree would reuse one more
     world.prefill_done(second, 20)
     world.finish(second)
-    other = Req(shared + [1, 2, 3], "lora_medical")
+    other = _request(shared + [1, 2, 3], "lora_medical")
     world.admit([other])
     assert other.cache_protected_len == 0
     world.prefill_done(other, 30, finished=True)
@@ -279,18 +299,18 @@ def test_bigram_tree_reuses_a_draft_slot_only_with_its_next_token(page_size):
     assert world.check()["available"] == world.alloc.size
 
 
-def test_a_token_tree_would_reuse_a_draft_slot_with_the_wrong_next_token():
-    world = DraftWorld(1, is_eagle=False)
-    first = Req([1, 2, 3, 4])
+def test_a_token_tree_would_reuse_a_draft_slot_with_the_wrong_next_token(monkeypatch):
+    world = DraftWorld(1, is_eagle=False, monkeypatch=monkeypatch)
+    first = _request([1, 2, 3, 4])
     world.admit([first])
     world.prefill_done(first, 5, finished=True)
     with pytest.raises(AssertionError, match="reused with another next token"):
-        world.admit([Req([1, 2, 3, 9, 9])])
+        world.admit([_request([1, 2, 3, 9, 9])])
 
 
-def test_bigram_cache_finished_req_frees_the_last_position():
-    world = DraftWorld(1, is_eagle=True)
-    req = Req([1, 2, 3, 4, 5, 6])
+def test_bigram_cache_finished_req_frees_the_last_position(monkeypatch):
+    world = DraftWorld(1, is_eagle=True, monkeypatch=monkeypatch)
+    req = _request([1, 2, 3, 4, 5, 6])
     world.admit([req])
     world.prefill_done(req, 7)
     world.decode([req], [8])
