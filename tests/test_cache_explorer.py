@@ -155,6 +155,11 @@ def test_the_page_draws_locks_unlocks_and_evictions_live(server: ServerHandle, t
             _complete(server, f"Filler {i} {uuid.uuid4().hex}: " + "flour water salt yeast " * 75)
         evicted = page.wait_for_selector("#events li[data-kind=evict]", timeout=60_000)
         assert evicted.is_visible() and "evict" in evicted.inner_text() and "tok" in evicted.inner_text()
+
+        page.set_viewport_size({"width": 390, "height": 844})  # a phone: one column, nothing wider than it
+        page.wait_for_timeout(500)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        assert page.is_visible("#tree .node.root") and page.is_visible("#events")
         context.close()
     assert not errors, errors
     target = envs.EXPLORER_SCREENSHOT.get()
