@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,12 @@ def register_cache_explorer(app: FastAPI, tm: TokenizerManager, server_args: Ser
             out = await guarded(lambda: tm.request_reply(CacheTreeReq(**query), CacheTreeOut))
         except _Challenge as c:
             return c.response()
+        start = time.perf_counter()
         snapshot = visible_to(out.snapshot, owner) if auth.enabled else out.snapshot
         add_texts(snapshot, tm.tokenizer)
-        return JSONResponse(public(snapshot), headers={"Cache-Control": "no-store"})
+        snapshot = public(snapshot)
+        snapshot["http_ms"] = round((time.perf_counter() - start) * 1000, 3)  # this process's share of the work
+        return JSONResponse(snapshot, headers={"Cache-Control": "no-store"})
 
     @app.get("/cache/view")
     async def cache_view(request: Request) -> Response:
