@@ -1,19 +1,34 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction, and against the loaded model before use.
+
+The rules live here once, for every front end (OpenAI and native HTTP endpoints, the offline Engine):
+`SamplingParams(...)` checks types and ranges that need no model; `verify_for_model(vocab_size)`
+checks token ids against the vocabulary; `check_input_ids` checks a token-id prompt. A failure is a
+`SamplingParamsError` naming the parameter (HTTP 400 in the server, ValueError in the Engine).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 _MAX_STOP_STRINGS = 16
+MAX_N = 16
+# NOTE: a temperature below this samples greedily. Dividing logits by a tiny temperature overflows
+# float32 (1e-300 is 0.0 there: inf / inf = NaN logprobs and garbage tokens); 1e-5 keeps |logit| / T
+# finite for any logit below ~3e33 and is already indistinguishable from argmax.
+TEMPERATURE_FLOOR = 1e-5
+MAX_TOP_K = 2**31 - 1  # a larger top_k means the whole vocabulary as much as -1 does; refused, not wrapped
+MAX_TOKEN_ID = 2**31 - 1
+_FLOAT32_MAX = 3.4e38
 
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 1.0
+    temperature: float = 1.0  # below TEMPERATURE_FLOOR: greedy
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1: off; at or above the vocabulary size: the whole vocabulary
     min_p: float = 0.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -29,36 +44,50 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(self.stop is None or isinstance(self.stop, (list, tuple)), "stop",
+               f"must be a string or a list of strings, got {type(self.stop).__name__}")
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids",
+               f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.verify()
 
     def verify(self) -> None:
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-               "max_new_tokens", f"must be an integer >= 0, got {self.max_new_tokens!r}")
+        """Types and ranges that need no model; raises SamplingParamsError naming the parameter."""
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 0,
+               "max_new_tokens", f"must be an integer >= 0, got {_show(self.max_new_tokens)}")
         _check(_is_number(self.temperature) and self.temperature >= 0,
-               "temperature", f"must be >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
-               "top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
-        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+               "temperature", f"must be a finite number >= 0, got {_show(self.temperature)}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {_show(self.top_p)}")
+        _check(_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K),
+               "top_k", f"must be -1 (off) or in [1, {MAX_TOP_K}], got {_show(self.top_k)}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {_show(self.min_p)}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(all(_is_text(s) for s in self.stop), "stop", "must be valid Unicode (no lone surrogates)")
         _check(len(self.stop) <= _MAX_STOP_STRINGS, "stop", f"at most {_MAX_STOP_STRINGS} stop strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               "stop_token_ids", "must be non-negative integers")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
-        _check(isinstance(self.n, int) and 1 <= self.n <= 16, "n", f"must be in [1, 16], got {self.n!r}")
+        _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+               "stop_token_ids", "must be token ids (integers >= 0)")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {_show(self.ignore_eos)}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {_show(self.seed)}")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {_show(self.n)}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+            _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {_show(value)}")
         _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
-               f"must be in (0, 2], got {self.repetition_penalty!r}")
-        _check(isinstance(self.min_new_tokens, int) and not isinstance(self.min_new_tokens, bool)
-               and self.min_new_tokens >= 0, "min_new_tokens", f"must be an integer >= 0, got {self.min_new_tokens!r}")
+               f"must be in (0, 2], got {_show(self.repetition_penalty)}")
+        _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
+               "min_new_tokens", f"must be an integer >= 0, got {_show(self.min_new_tokens)}")
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_number(v) and -100 <= v <= 100
+            _is_int(t) and 0 <= t <= MAX_TOKEN_ID and _is_number(v) and -100 <= v <= 100
             for t, v in self.logit_bias.items())), "logit_bias",
             "must map token ids (integers >= 0) to values in [-100, 100]")
+
+    def verify_for_model(self, vocab_size: int) -> None:
+        """Token ids (stop ids, logit_bias keys) must lie in the loaded model's vocabulary [0, vocab_size)."""
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        _check(bad is None, "stop_token_ids", f"must be token ids in [0, {vocab_size}), got {_show(bad)}")
+        bad = next((t for t in self.logit_bias or {} if t >= vocab_size), None)
+        _check(bad is None, "logit_bias", f"keys must be token ids in [0, {vocab_size}), got {_show(bad)}")
 
     @property
     def uses_history(self) -> bool:
@@ -71,7 +100,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < TEMPERATURE_FLOOR or self.top_k == 1
 
     @classmethod
     def from_any(cls, value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -82,9 +111,10 @@ class SamplingParams:
         if not isinstance(value, dict):
             raise TypeError(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
+        unknown = sorted(set(value) - known, key=str)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(map(str, unknown))}; "
+                             f"valid: {', '.join(sorted(known))}")
         return cls(**value)
 
 
@@ -94,10 +124,43 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+def check_input_ids(input_ids: Any, vocab_size: int, param: str = "input_ids") -> None:
+    """A token-id prompt: a non-empty list of integers in [0, vocab_size)."""
+    _check(isinstance(input_ids, (list, tuple)) and len(input_ids) > 0, param, "must be a non-empty list of token ids")
+    bad = next((t for t in input_ids if not _is_int(t) or not 0 <= t < vocab_size), None)
+    _check(bad is None, param, f"token id {_show(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an int over Python's digit limit
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:
         raise SamplingParamsError(param, message)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float that float32 holds (a huge int would overflow the sampler's tensors)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x) and abs(x) < _FLOAT32_MAX
+    except OverflowError:
+        return False
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

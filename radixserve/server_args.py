@@ -45,6 +45,12 @@ class ServerArgs:
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
     api_key: str | None = _opt(None, "comma-separated API keys; each key gets its own cache namespace")
+    admin_api_key: str | None = _opt(None, "the operator's key: /flush_cache, aborting any request, server "
+                                           "internals in /get_server_info, /metrics (docs/server.md)")
+    metrics_public: bool = _opt(False, "/metrics needs no key even when keys are set")
+    max_request_fanout: int = _opt(256, "most sequences (prompts x n) one request may run; more is a 400")
+    max_queued_requests: int = _opt(1024, "most sequences waiting for the scheduler; more get 503 with Retry-After")
+    fair_share_slice: int = _opt(16, "sequences of one request queued in the scheduler at a time (fair sharing)")
     log_level: str = _opt("info", "logging level")
     log_interval: int = _opt(40, "decode steps between decode log lines")
 
@@ -65,6 +71,12 @@ class ServerArgs:
             raise ValueError(f"queue_timeout must be positive, got {self.queue_timeout}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        for name in ("max_request_fanout", "max_queued_requests", "fair_share_slice"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_request_fanout > self.max_queued_requests:
+            raise ValueError(f"max_request_fanout={self.max_request_fanout} is over max_queued_requests="
+                             f"{self.max_queued_requests}: such a request could never be queued")
 
     @property
     def api_keys(self) -> list[str]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -16,9 +19,14 @@ logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
+MAX_JSON_DEPTH = 32  # the deepest request (chat content parts) nests 4 levels
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
 _STATUS_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     409: "conflict_error",
@@ -32,9 +40,11 @@ class ApiError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, extra: dict[str, Any] | None = None) -> None:
+                 type: str | None = None, extra: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.extra = extra or {}
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -46,7 +56,9 @@ class ApiError(Exception):
         return {"error": error, **self.extra}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # NOTE: ASCII-escaped, so no client-chosen text (a lone surrogate) can make the error itself fail.
+        content = json.dumps(self.body(), ensure_ascii=True, separators=(",", ":")).encode()
+        return Response(content, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -55,6 +67,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, code="scheduler_unavailable")
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
+    """503 with Retry-After: the scheduler's queue is full; the same request may succeed a moment later."""
+    return ApiError(503, message, code="server_overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
 def _reject_constant(name: str) -> Any:
@@ -88,6 +105,7 @@ def parse_json(raw: bytes) -> Any:
                           code="invalid_utf8") from None
     if not text.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    check_depth(raw)
     try:
         return json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
@@ -97,20 +115,63 @@ def parse_json(raw: bytes) -> Any:
         raise bad_request(f"could not parse the JSON body: {e}", code="invalid_json") from None
 
 
-async def parse_request(request: Request, model: type[ModelT], limit: int) -> ModelT:
-    """Reads, size-checks, UTF-8-decodes, JSON-parses and validates a request body."""
-    data = parse_json(await read_body(request, limit))
+def check_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuses a body nested deeper than `limit` arrays/objects, before the recursive parser sees it."""
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    if brackets.size == 0:
+        return
+    opens = (brackets == ord("[")) | (brackets == ord("{"))
+    depth = np.cumsum(np.where(opens, 1, -1)).max()
+    if depth > limit:
+        raise bad_request(f"request body nests {int(depth)} levels deep; at most {limit} are accepted",
+                          code="invalid_json")
+
+
+def check_strings(data: Any) -> None:
+    """Every string of a parsed body, keys included, must be valid Unicode (JSON allows lone surrogates)."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            check_text(value, path or "body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else str(key)
+                if not _is_text(key):
+                    raise bad_request(f"a key of '{path or 'body'}' is not valid UTF-8 text (lone surrogate)",
+                                      param=path or None, code="invalid_utf8")
+                stack.append((item, name))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{i}") for i, item in enumerate(value))
+
+
+def decode_body(raw: bytes, model: type[ModelT]) -> ModelT:
+    """UTF-8-decodes, depth-checks, JSON-parses, Unicode-checks and validates a body (CPU work: off the loop)."""
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    check_strings(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
 
 
+async def parse_request(request: Request, model: type[ModelT], limit: int) -> ModelT:
+    """Reads and size-checks a request body, then decodes it in a worker thread (see decode_body)."""
+    raw = await read_body(request, limit)
+    if len(raw) < _INLINE_BODY_BYTES:
+        return decode_body(raw, model)
+    return await asyncio.to_thread(decode_body, raw, model)
+
+
 def validation_error(e: ValidationError) -> ApiError:
     first = e.errors()[0]
     loc = [str(p) for p in first["loc"] if not _is_union_tag(p)]
+    if first["type"] == "extra_forbidden" and len(loc) > 1:
+        parent = ".".join(loc[:-1])
+        return bad_request(f"unknown parameter '{loc[-1]}' in '{parent}'"[:300], param=parent,
+                           code="unknown_parameter")
     param = ".".join(loc) or None
     got = first.get("input")
     shown = json.dumps(got)[:80] if _json_safe(got) else type(got).__name__
@@ -132,6 +193,17 @@ def _json_safe(value: Any) -> bool:
         return False
 
 
+_INLINE_BODY_BYTES = 16 * 1024  # smaller bodies parse in microseconds: a thread hop would cost more
+
+
+def _is_text(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def check_text(text: str, param: str) -> None:
     """Rejects strings that are not valid Unicode (lone surrogates from JSON escapes such as \\ud800)."""
     try:
@@ -143,18 +215,19 @@ def check_text(text: str, param: str) -> None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(_: Request, exc: ApiError) -> Response:
         return exc.response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail)).response()
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        # NOTE: keeps the exception's headers: a 405 must say which methods are allowed (Allow).
+        return ApiError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
         return bad_request(f"invalid request: {exc.errors()[0].get('msg', exc)}").response()
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in a request")
         return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()

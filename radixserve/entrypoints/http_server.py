@@ -1,14 +1,14 @@
 """The HTTP server: FastAPI app over a TokenizerManager, with the scheduler in a child process.
 
 `launch_server(server_args)` spawns the scheduler process, waits for its model, then serves with
-uvicorn until interrupted. `create_app(tm, server_args)` builds the app alone (tests, embedding).
+uvicorn until interrupted, or until the scheduler has died more often than its restart budget allows
+(then it exits with status 1). `create_app(tm, server_args)` builds the app alone (tests, embedding).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -18,9 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints import serving_native
 from radixserve.entrypoints.cache_explorer import register_cache_explorer
 from radixserve.entrypoints.gateway_api import install_gateway_routes
+from radixserve.entrypoints.http_auth import Auth, Principal
 from radixserve.entrypoints.http_errors import (
     ApiError,
     bad_request,
@@ -31,13 +33,21 @@ from radixserve.entrypoints.http_errors import (
 from radixserve.entrypoints.logprobs import TokenTexts
 from radixserve.entrypoints.openai_protocol import (
     AbortRequest,
+    AbortResponse,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
+    FlushCacheResponse,
     GenerateRequest,
+    GenerateResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
     now,
 )
 from radixserve.entrypoints.serving_common import guarded
@@ -49,7 +59,6 @@ from radixserve.managers.tokenizer_manager import (
     GenerateReq,
     SchedulerUnavailable,
     TokenizerManager,
-    api_key_id,
     cache_namespace,
 )
 from radixserve.sampling_params import SamplingParams
@@ -59,24 +68,10 @@ logger = logging.getLogger(__name__)
 
 # NOTE: health_generate runs in its own namespace so probes never share KV with user requests.
 _HEALTH_NAMESPACE = (("health", "probe"),)
-
-
-class _Auth:
-    """Bearer API keys; each key's namespace id is derived here, on the server side."""
-
-    def __init__(self, keys: list[str]) -> None:
-        self._keys = [(k, api_key_id(k)) for k in keys]
-
-    def key_id(self, request: Request) -> str | None:
-        if not self._keys:
-            return None
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer":
-            for key, key_id in self._keys:
-                if hmac.compare_digest(token.strip().encode(), key.encode()):
-                    return key_id
-        raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
+_GENERATE_ERRORS = (400, 401, 413, 500, 503)
+_SCHEMA_MODELS = [CompletionRequest, ChatCompletionRequest, GenerateRequest, AbortRequest, TokenizeRequest,
+                  DetokenizeRequest, CompletionResponse, ChatCompletionResponse, GenerateResponse, ModelList,
+                  TokenizeResponse, DetokenizeResponse, AbortResponse, FlushCacheResponse, HealthResponse]
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
@@ -86,68 +81,78 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         yield
         await tm.shutdown()
 
-    app = FastAPI(title="radixserve", lifespan=lifespan)
+    app = FastAPI(title="radixserve", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible and SGLang-native LLM server over a radix prefix cache.")
     install_error_handlers(app)
-    auth = _Auth(server_args.api_keys)
+    docs.install(app, _SCHEMA_MODELS)
+    auth = Auth(server_args.api_keys, server_args.admin_api_key)
     texts = TokenTexts(tm.tokenizer)
     openai = OpenAIServing(tm, texts)
     limit = tm.config.max_body_bytes
     app.state.tokenizer_manager = tm
 
-    @app.post("/v1/completions")
+    def namespace(principal: Principal, req: Any) -> Any:
+        return cache_namespace(principal.key_id, req.cache_salt, req.extra_key)
+
+    @app.post("/v1/completions", openapi_extra=docs.json_body(CompletionRequest),
+              responses=docs.responses(docs.ref(CompletionResponse), *_GENERATE_ERRORS, 404, stream=True))
     async def completions(request: Request) -> Response:
-        key_id = auth.key_id(request)
+        principal = auth.principal(request)
         req = await parse_request(request, CompletionRequest, limit)
-        return await guarded(lambda: openai.completions(req, cache_namespace(key_id, req.cache_salt, req.extra_key),
-                                                         request))
+        return await guarded(lambda: openai.completions(req, namespace(principal, req), request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=docs.json_body(ChatCompletionRequest),
+              responses=docs.responses(docs.ref(ChatCompletionResponse), *_GENERATE_ERRORS, 404, stream=True))
     async def chat_completions(request: Request) -> Response:
-        key_id = auth.key_id(request)
+        principal = auth.principal(request)
         req = await parse_request(request, ChatCompletionRequest, limit)
-        return await guarded(lambda: openai.chat(req, cache_namespace(key_id, req.cache_salt, req.extra_key),
-                                                  request))
+        return await guarded(lambda: openai.chat(req, namespace(principal, req), request))
 
-    @app.post("/generate")
+    generate_ok = {"anyOf": [docs.ref(GenerateResponse), {"type": "array", "items": docs.ref(GenerateResponse)}]}
+
+    @app.post("/generate", openapi_extra=docs.json_body(GenerateRequest),
+              responses=docs.responses(generate_ok, *_GENERATE_ERRORS, stream=True))
     async def generate(request: Request) -> Response:
-        key_id = auth.key_id(request)
+        principal = auth.principal(request)
         req = await parse_request(request, GenerateRequest, limit)
-        extra_key = cache_namespace(key_id, req.cache_salt, req.extra_key)
-        return await guarded(lambda: serving_native.generate(tm, texts, req, extra_key, request))
+        return await guarded(lambda: serving_native.generate(tm, texts, req, namespace(principal, req), request))
 
-    @app.post("/abort_request")
+    @app.post("/abort_request", openapi_extra=docs.json_body(AbortRequest),
+              responses=docs.responses(docs.ref(AbortResponse), 400, 401, 413))
     async def abort_request(request: Request) -> JSONResponse:
-        key_id = auth.key_id(request)
+        principal = auth.principal(request)
         req = await parse_request(request, AbortRequest, limit)
         if req.rid is None and not req.abort_all:
             raise bad_request("give the 'rid' to abort, or 'abort_all': true", param="rid")
-        aborted = tm.abort_request(req.rid, key_id, req.abort_all)
-        return JSONResponse({"success": True, "aborted": aborted})
+        aborted = tm.abort_request(req.rid, principal.key_id, req.abort_all, admin=principal.admin)
+        return JSONResponse(AbortResponse(success=True, aborted=aborted).model_dump())
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=docs.json_body(TokenizeRequest),
+              responses=docs.responses(docs.ref(TokenizeResponse), 400, 401, 404, 413))
     async def tokenize(request: Request) -> JSONResponse:
-        auth.key_id(request)
-        return JSONResponse(openai.tokenize(await parse_request(request, TokenizeRequest, limit)))
+        auth.principal(request)
+        return JSONResponse(await openai.tokenize(await parse_request(request, TokenizeRequest, limit)))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=docs.json_body(DetokenizeRequest),
+              responses=docs.responses(docs.ref(DetokenizeResponse), 400, 401, 404, 413))
     async def detokenize(request: Request) -> JSONResponse:
-        auth.key_id(request)
-        return JSONResponse(openai.detokenize(await parse_request(request, DetokenizeRequest, limit)))
+        auth.principal(request)
+        return JSONResponse(await openai.detokenize(await parse_request(request, DetokenizeRequest, limit)))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=docs.responses(docs.ref(ModelList), 401))
     async def models(request: Request) -> JSONResponse:
-        auth.key_id(request)
+        auth.principal(request)
         card = ModelCard(id=tm.info.model_name, created=now(), max_model_len=tm.info.effective_max_context)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    @app.get("/health")
+    @app.get("/health", responses=docs.responses(docs.ref(HealthResponse), 503))
     async def health() -> JSONResponse:
         ok, reason = tm.health()
         if not ok:
             raise unavailable(reason)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", responses=docs.responses(docs.ref(HealthResponse), 503))
     async def health_generate() -> JSONResponse:
         ok, reason = tm.health()
         if not ok:
@@ -156,24 +161,29 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         await guarded(lambda: asyncio.wait_for(_one_token(tm), tm.config.control_timeout_s))
         return JSONResponse({"status": "ok", "latency_s": round(time.monotonic() - started, 4)})
 
-    @app.get("/get_server_info")
+    @app.get("/get_server_info", responses=docs.responses({"type": "object"}, 401))
     async def server_info(request: Request) -> JSONResponse:
-        auth.key_id(request)
+        principal = auth.principal(request)
+        if not principal.admin:
+            return JSONResponse(_tenant_info(tm))
         return JSONResponse(await _server_info(tm, server_args))
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.api_route("/flush_cache", methods=["GET", "POST"],
+                   responses=docs.responses(docs.ref(FlushCacheResponse), 401, 403, 409, 503))
     async def flush_cache(request: Request) -> JSONResponse:
-        auth.key_id(request)
+        auth.admin(request, "flushing the cache")
         out = await guarded(tm.flush_cache)
         if out.success:
-            return JSONResponse({"success": True, "tokens_freed": out.tokens_freed, "message": out.message,
-                                 "cache_epoch": out.cache_epoch})
+            return JSONResponse(FlushCacheResponse(success=True, tokens_freed=out.tokens_freed,
+                                                   message=out.message, cache_epoch=out.cache_epoch).model_dump())
         raise ApiError(409, f"cache not flushed: {out.message or 'requests are running'}; "
                             f"{tm.num_in_flight} request(s) in flight", code="requests_running",
                        extra={"in_flight_requests": tm.num_in_flight, "rids": tm.in_flight_rids()})
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    @app.get("/metrics", responses=docs.text_response(401, 403))
+    async def metrics(request: Request) -> Response:
+        if not server_args.metrics_public:
+            auth.admin(request, "/metrics")
         try:
             await tm.get_internal_state(timeout_s=2.0)  # fresh scheduler counters when it answers
         except SchedulerUnavailable:
@@ -197,22 +207,33 @@ async def _one_token(tm: TokenizerManager) -> None:
         await gen.aclose()
 
 
+def _tenant_info(tm: TokenizerManager) -> dict[str, Any]:
+    """What a tenant key may know: the model and whether the server is healthy, nothing about others."""
+    ok, reason = tm.health()
+    info = tm.info
+    return {"version": _version(), "model": {"model_name": info.model_name, "context_len": info.context_len,
+                                             "effective_max_context": info.effective_max_context},
+            "scheduler_alive": ok, "health": reason}
+
+
 async def _server_info(tm: TokenizerManager, server_args: ServerArgs) -> dict[str, Any]:
     try:
         state = await tm.get_internal_state()
         alive = True
     except SchedulerUnavailable:
         state, alive = tm.scheduler_state, False
-    args = dataclasses.asdict(server_args) | {"api_key": "<redacted>" if server_args.api_key else None}
+    redacted = {name: "<redacted>" if getattr(server_args, name) else None for name in ("api_key", "admin_api_key")}
     ok, reason = tm.health()
     return {
         "version": _version(),
         "model": tm.info.describe(),
-        "server_args": args,
+        "server_args": dataclasses.asdict(server_args) | redacted,
         "frontend": dataclasses.asdict(tm.config),
         "scheduler_alive": alive and ok,
         "health": reason,
         "in_flight_requests": tm.num_in_flight,
+        "admission": {"waiting": tm.admission.num_waiting, "queued": tm.admission.num_queued,
+                      "outstanding": tm.admission.num_outstanding},
         "scheduler_state": state,
     }
 
@@ -223,31 +244,57 @@ def _version() -> str:
     return __version__
 
 
+def _launcher(server_args: ServerArgs) -> Any:
+    """Starts a scheduler process behind a fresh link: (link, process, info); blocking."""
+
+    def launch() -> tuple[SchedulerLink, Any, Any]:
+        # NOTE: bind before the scheduler process starts, so its connects succeed at once (SchedulerLink).
+        link = SchedulerLink()
+        try:
+            proc, info = launch_scheduler_process(server_args, link.port_args)
+        except BaseException:
+            link.close()
+            raise
+        return link, proc, info
+    return launch
+
+
 def launch_server(server_args: ServerArgs, config: FrontendConfig | None = None) -> None:
-    """Starts the scheduler process, then serves HTTP on server_args.host:port until stopped."""
+    """Starts the scheduler process, then serves HTTP on server_args.host:port until stopped.
+
+    Raises SystemExit(1) once the scheduler has died more often than the restart budget allows."""
     import uvicorn
 
     logging.basicConfig(level=server_args.log_level.upper(),
                         format="[%(asctime)s http] %(levelname)s %(name)s: %(message)s")
-    # NOTE: bind before the scheduler process starts, so its connects succeed at once (SchedulerLink).
-    link = SchedulerLink()
-    try:
-        proc, info = launch_scheduler_process(server_args, link.port_args)
-    except BaseException:
-        link.close()
-        raise
+    launch = _launcher(server_args)
+    link, proc, info = launch()
     logger.info("serving model=%s dtype=%s device=%s kv_pool_tokens=%d page_size=%d max_running_requests=%d "
                 "context_len=%d effective_max_context=%d on http://%s:%d", info.model_name, info.dtype,
                 info.device, info.max_total_num_tokens, info.page_size, info.max_running_requests,
                 info.context_len, info.effective_max_context, server_args.host, server_args.port)
-    tm = TokenizerManager(info, link, proc, config)
+    tm = TokenizerManager(info, link, proc, config or FrontendConfig.from_server_args(server_args), launcher=launch)
     app = create_app(tm, server_args)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                           log_level=server_args.log_level, timeout_keep_alive=5, access_log=False))
+
+    def stop(reason: str) -> None:
+        server.should_exit = True
+
+    tm.on_fatal = stop
     try:
-        uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                    timeout_keep_alive=5, access_log=False)
+        server.run()
     finally:
-        link.close()
-        proc.terminate()
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
+        _stop_process(tm.process)
+        tm.link.close()
+    if tm.fatal is not None:
+        raise SystemExit(1)
+
+
+def _stop_process(proc: Any) -> None:
+    if proc is None:
+        return
+    proc.terminate()
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()

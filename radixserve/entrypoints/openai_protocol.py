@@ -101,12 +101,34 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False  # vLLM's (the last message first in the reply): refused when true
 
 
+class NativeSamplingParams(_Request):
+    """/generate's `sampling_params`, SGLang's names (radixserve's `SamplingParams`); unknown names are refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    max_new_tokens: int | None = None  # None: the rest of the (effective) context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: dict[str, float] | None = None  # token id (a string key) -> [-100, 100]
+
+
 class GenerateRequest(_Request):
     """SGLang's native /generate: `text` or `input_ids`, a `sampling_params` dict, `stream`."""
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     return_logprob: bool = False
     rid: str | list[str] | None = None  # one per prompt; for /abort_request
@@ -139,6 +161,21 @@ class DetokenizeRequest(_Request):
 
 
 # --------------------------------------------------------------------------------------- responses
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error: OpenAI's shape (a 409 from /flush_cache adds `in_flight_requests` and `rids`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: ErrorDetail
 
 
 class PromptTokensDetails(_Response):
@@ -260,3 +297,41 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# ------------------------------------------------------------------------- other endpoints' responses
+
+
+class GenerateResponse(_Response):
+    """One /generate result (a batch or n > 1 answers a list of these)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class AbortResponse(_Response):
+    success: bool
+    aborted: int
+
+
+class FlushCacheResponse(_Response):
+    success: bool
+    tokens_freed: int
+    message: str
+    cache_epoch: int
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"]
+    latency_s: float | None = None

@@ -12,15 +12,16 @@ from typing import Any, TypeVar
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, unavailable
+from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, overloaded, unavailable
 from radixserve.managers.tokenizer_manager import (
     GenerateOutput,
     GenerateReq,
+    SchedulerBusy,
     SchedulerUnavailable,
     TokenizerManager,
     TopLogprobs,
 )
-from radixserve.sampling_params import SamplingParams, SamplingParamsError
+from radixserve.sampling_params import SamplingParams, SamplingParamsError, check_input_ids
 
 T = TypeVar("T")
 END = object()  # sentinel: a stream has no more items
@@ -187,6 +188,8 @@ async def guarded(work: Callable[[], Awaitable[T]]) -> T:
         return await work()
     except SchedulerUnavailable as e:
         raise unavailable(str(e)) from None
+    except SchedulerBusy as e:
+        raise overloaded(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------- requests in
@@ -196,25 +199,39 @@ _PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 def token_id_keys(bias: dict[str, float] | None, vocab_size: int, param: str = "logit_bias") -> dict[int, float] | None:
-    """OpenAI's logit_bias has token ids as JSON object keys (strings); the sampler takes ints."""
+    """OpenAI's logit_bias has token ids as JSON object keys (strings of ASCII digits); the sampler takes ints."""
     if not bias:
         return None
     out = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else key
-        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
-            raise bad_request(f"'{param}' keys must be token ids in [0, {vocab_size}), got {key!r}", param=param,
+        # NOTE: str.isdigit() is true for "²" (int() fails) and "٣" (int() gives 3): ASCII digits only.
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 else None
+        if token is None or not 0 <= token < vocab_size:
+            raise bad_request(f"'{param}' keys must be token ids in [0, {vocab_size}), got {key!r}"[:200], param=param,
                               code="invalid_value")
         out[token] = value
     return out
 
 
-def make_sampling_params(openai_names: bool, **values: Any) -> SamplingParams:
+def make_sampling_params(openai_names: bool, vocab_size: int, **values: Any) -> SamplingParams:
+    """SamplingParams checked on their own and against the model's vocabulary; a 400 naming the field."""
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
+        params.verify_for_model(vocab_size)
+        return params
     except SamplingParamsError as e:
-        param = _PARAM_NAMES.get(e.param, e.param) if openai_names else e.param
-        raise bad_request(f"invalid '{param}': {str(e)[len(e.param) + 1:]}", param=param) from None
+        param = _PARAM_NAMES.get(e.param, e.param) if openai_names else f"sampling_params.{e.param}"
+        raise bad_request(f"invalid '{param}': {str(e)[len(e.param) + 1:]}", param=param,
+                          code="invalid_value") from None
+
+
+def check_fanout(tm: TokenizerManager, num_prompts: int, n: int, param: str) -> None:
+    """One request runs prompts x n sequences; more than --max-request-fanout is refused before any work."""
+    limit = tm.config.max_request_fanout
+    if num_prompts * n > limit:
+        raise bad_request(f"this request runs {num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; "
+                          f"the server takes at most {limit} per request (--max-request-fanout)",
+                          param="n" if n > 1 else param, code="too_many_sequences")
 
 
 def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -226,9 +243,17 @@ def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return choices
 
 
-def tokenize_text(tm: TokenizerManager, text: str, param: str) -> list[int]:
+def tokenize_text(tm: TokenizerManager, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """Encodes a prompt (on the tokenizer thread); a text too long for any tokenization is refused unread."""
     check_text(text, param)
-    return list(tm.tokenizer.encode(text, add_special_tokens=True))
+    limit = tm.max_prompt_chars
+    if limit is not None and len(text) > limit:
+        info = tm.info
+        raise bad_request(f"The {param} has {len(text)} characters, more than this model's maximum context of "
+                          f"{info.context_len} tokens can hold ({limit} characters at most, however it is "
+                          f"tokenized). Please reduce the length of the {param}.", param=param,
+                          code="context_length_exceeded")
+    return list(tm.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: list[list[SamplingParams]],
@@ -241,8 +266,13 @@ def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: 
     `logprob_start_len`: with logprobs, also score every prompt from this position (-1: not)."""
     rids = client_rids or [None] * len(prompts)
     logprobs = top_logprobs is not None
+    try:
+        tm.check_capacity(sum(len(p) for p in choice_params))
+    except SchedulerBusy as e:
+        raise overloaded(str(e)) from None
+    group = object()  # NOTE: its sequences share one turn in fair admission
     gens = [tm.generate(GenerateReq(ids, params, extra_key, logprobs, top_logprobs or 0,
-                                    logprob_start_len if logprobs else -1, client_rid=rid))
+                                    logprob_start_len if logprobs else -1, client_rid=rid, group=group))
             for ids, per_prompt, rid in zip(prompts, choice_params, rids, strict=True) for params in per_prompt]
     return merge_outputs(gens)
 
@@ -250,11 +280,11 @@ def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: 
 def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:
     if not ids:
         raise bad_request(f"'{param}' is empty; give at least one token", param=param, code="empty_prompt")
-    vocab = tm.info.vocab_size
-    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad!r} in '{param}' is outside the vocabulary [0, {vocab})", param=param,
-                          code="invalid_token_id")
+    try:
+        check_input_ids(ids, tm.info.vocab_size, param)
+    except SamplingParamsError as e:
+        raise bad_request(f"{str(e)[len(e.param) + 1:]} (in '{param}')", param=param,
+                          code="invalid_token_id") from None
 
 
 def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | None, param: str,

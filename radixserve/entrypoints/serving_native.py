@@ -10,11 +10,12 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.entrypoints.http_errors import bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, check_top_logprobs, native_logprobs
-from radixserve.entrypoints.openai_protocol import GenerateRequest
+from radixserve.entrypoints.openai_protocol import GenerateRequest, NativeSamplingParams
 from radixserve.entrypoints.serving_common import (
     ChoiceResult,
     ClientDisconnected,
     DisconnectWatcher,
+    check_fanout,
     check_prompt,
     collect,
     generate_all,
@@ -73,25 +74,19 @@ def _logprob_start(req: GenerateRequest, prompts: list[list[int]]) -> int:
     return start
 
 
-def _sampling(tm: TokenizerManager, values: dict[str, Any], prompt_len: int, param: str) -> SamplingParams:
-    known = set(SamplingParams.__dataclass_fields__)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise bad_request(f"unknown sampling parameter(s): {', '.join(unknown)}; valid: {', '.join(sorted(known))}",
-                          param="sampling_params")
-    for s in values.get("stop") or []:
-        if isinstance(s, str):
-            check_text(s, "sampling_params.stop")
-    max_new = values.get("max_new_tokens")
-    if max_new is not None and (isinstance(max_new, bool) or not isinstance(max_new, int)):
-        raise bad_request(f"'{_MAX_PARAM}' must be an integer, got {max_new!r}", param=_MAX_PARAM,
-                          code="invalid_type")
-    resolved = resolve_max_tokens(tm, prompt_len, max_new, param, _MAX_PARAM, allow_zero=True)
-    bias = values.get("logit_bias")
-    if bias is not None and not isinstance(bias, dict):
-        raise bad_request("'sampling_params.logit_bias' must be an object", param="sampling_params.logit_bias")
-    bias = token_id_keys(bias, tm.info.vocab_size, "sampling_params.logit_bias")
-    return make_sampling_params(False, **{**values, "max_new_tokens": resolved, "logit_bias": bias})
+def _sampling(tm: TokenizerManager, values: NativeSamplingParams, prompt_len: int, param: str) -> SamplingParams:
+    fields = values.model_dump()
+    resolved = resolve_max_tokens(tm, prompt_len, fields["max_new_tokens"], param, _MAX_PARAM, allow_zero=True)
+    bias = token_id_keys(fields["logit_bias"], tm.info.vocab_size, "sampling_params.logit_bias")
+    return make_sampling_params(False, tm.info.vocab_size, **{**fields, "max_new_tokens": resolved,
+                                                                "logit_bias": bias})
+
+
+def _num_prompts(req: GenerateRequest) -> int:
+    prompt = req.text if req.text is not None else req.input_ids
+    if isinstance(prompt, list) and (req.text is not None or (prompt and isinstance(prompt[0], list))):
+        return len(prompt)
+    return 1
 
 
 def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float, finish: str | None,
@@ -108,9 +103,8 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
         check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
     # NOTE: as SGLang, top_logprobs_num without return_logprob is ignored.
     top_logprobs = req.top_logprobs_num if req.return_logprob else None
-    if req.cache_salt is not None:
-        check_text(req.cache_salt, "cache_salt")
-    prompts, batch, param = _prompts(tm, req)
+    check_fanout(tm, _num_prompts(req), req.sampling_params.n, "input_ids" if req.text is None else "text")
+    prompts, batch, param = await tm.run_tokenizer(_prompts, tm, req)
     start = _logprob_start(req, prompts)
     # NOTE: max_new_tokens 0 computes the prompt and generates nothing: it scores the prompt (with
     # logprob_start_len), or prewarms the radix cache with it (as SGLang allows).

@@ -39,6 +39,7 @@ from radixserve.entrypoints.serving_common import (
     ClientDisconnected,
     DisconnectWatcher,
     EventStreamResponse,
+    check_fanout,
     check_prompt,
     collect,
     generate_all,
@@ -107,7 +108,7 @@ class OpenAIServing:
 
     def _sampling(self, req: Any, max_new_tokens: int) -> Any:
         return make_sampling_params(
-            True, max_new_tokens=max_new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+            True, self.tm.info.vocab_size, max_new_tokens=max_new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
             min_p=req.min_p, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
@@ -125,10 +126,13 @@ class OpenAIServing:
         if req.max_tokens == 0 and not req.echo:
             raise bad_request("'max_tokens' 0 (score the prompt, generate nothing) needs 'echo': true",
                               param="max_tokens", code="invalid_value")
-        prompts = self._completion_prompts(req.prompt)
+        check_fanout(self.tm, _num_prompts(req.prompt), req.n, "prompt")
+        prompts = await self.tm.run_tokenizer(self._completion_prompts, req.prompt)
         params = [self._sampling(req, resolve_max_tokens(self.tm, len(p), req.max_tokens, "prompt",
                                                          allow_zero=req.echo)) for p in prompts]
-        echo = _Echo(self._prompt_texts(req.prompt, prompts), prompts, req.n) if req.echo else None
+        echo = None
+        if req.echo:
+            echo = _Echo(await self.tm.run_tokenizer(self._prompt_texts, req.prompt, prompts), prompts, req.n)
         return await self._serve(req, request, prompts, params, extra_key, chat=False, top_logprobs=req.logprobs,
                                  echo=echo)
 
@@ -167,7 +171,8 @@ class OpenAIServing:
                 raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs",
                                   code="invalid_value")
             check_top_logprobs(req.top_logprobs, "top_logprobs")
-        ids = self.chat_prompt(req.messages)
+        check_fanout(self.tm, 1, req.n, "messages")
+        ids = await self.tm.run_tokenizer(self.chat_prompt, req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = [self._sampling(req, resolve_max_tokens(self.tm, len(ids), max_tokens, "messages", max_param))]
@@ -191,22 +196,21 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------- tokenizer endpoints
 
-    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
         if req.messages is not None:
-            ids = self.chat_prompt(req.messages)
+            ids = await self.tm.run_tokenizer(self.chat_prompt, req.messages)
         else:
-            check_text(req.prompt, "prompt")
-            ids = list(self.tm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            ids = await self.tm.run_tokenizer(tokenize_text, self.tm, req.prompt, "prompt", req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.tm.info.effective_max_context}
 
-    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         if req.tokens:
             check_prompt(self.tm, req.tokens, "tokens")
-        return {"prompt": self.tm.tokenizer.decode(req.tokens)}
+        return {"prompt": await self.tm.run_tokenizer(self.tm.tokenizer.decode, req.tokens)}
 
     # -------------------------------------------------------------------------- shared
 
@@ -302,6 +306,13 @@ class OpenAIServing:
             return [ChatCompletionChunk(id=rid, created=now(), model=self.model_name, choices=[c]).model_dump()
                     for c in choices]
         return render
+
+
+def _num_prompts(prompt: Any) -> int:
+    """A completions prompt: a string or a token-id list is one prompt; a list of either, one each."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
 
 
 async def stream_response(request: Request, outputs: AsyncIterator[tuple[int, GenerateOutput]], render: Render,

@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -69,6 +70,28 @@ class SchedulerInfo:
         return {k: v for k, v in self.__dict__.items() if k != "tokenizer"} | {
             "effective_max_context": self.effective_max_context
         }
+
+
+class RestartBudget:
+    """At most `max_restarts` scheduler restarts within any `window_s` seconds."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def take(self) -> bool:
+        """Spend one restart if the budget allows it now."""
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+    def describe(self) -> str:
+        return f"{len(self._times)} of {self.max_restarts} restarts used in {self.window_s:g} s"
 
 
 class _ZmqSink:

@@ -1,28 +1,34 @@
-"""The HTTP process's side of the split: validates, assigns rids, talks to the scheduler over ZMQ, streams.
+"""The HTTP process's side of the split: assigns rids, talks to the scheduler over ZMQ, streams.
 
-One `TokenizerManager` per server, living on the server's asyncio loop. `generate()` sends one
-`TokenizedGenerateReqInput` and yields `GenerateOutput`s (text deltas from incremental
-detokenization) until the request ends. Leaving the generator early (client gone, task cancelled)
-sends `AbortReq`, which the scheduler handles at its next step. A watchdog probes the scheduler with
-`GetInternalStateReq`; if the process dies every request in flight fails with `SchedulerUnavailable`
-(HTTP 503), and if it stops answering `health()` reports it. The sockets (`SchedulerLink`, scheduler_link.py) are bound
-before the scheduler process starts, and `start()` returns only once the scheduler is connected.
+One `TokenizerManager` per server, living on the server's asyncio loop. `generate()` waits for its
+ticket from `FairAdmission` (fair_admission.py), sends one `TokenizedGenerateReqInput` and yields
+`GenerateOutput`s (text deltas from incremental detokenization, done on a worker thread) until the
+request ends. Leaving the generator early (client gone, task cancelled) sends `AbortReq`. Control
+messages go through the link's outbox and are never lost (scheduler_link.py); generate requests meet
+backpressure instead (`SchedulerBusy`, HTTP 503 with Retry-After).
+
+Liveness: a watchdog probes the scheduler with `GetInternalStateReq`. If the process dies, every
+request in flight fails with `SchedulerUnavailable` (HTTP 503) and the scheduler is restarted with
+fresh pools (requests arriving meanwhile wait for it), within a restart budget; once it is spent the
+server is told to exit (`on_fatal`). `health()` says which of these states it is in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-import zmq
-
+from radixserve.managers.fair_admission import FairAdmission, Ticket
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -32,13 +38,19 @@ from radixserve.managers.io_struct import (
     GetInternalStateReq,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.scheduler_link import SchedulerLink, SchedulerUnavailable
-from radixserve.managers.scheduler_process import SchedulerInfo
+from radixserve.managers.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
+from radixserve.managers.scheduler_process import RestartBudget, SchedulerInfo
 from radixserve.managers.text_stream import IncrementalDetokenizer
 from radixserve.managers.tokenizer_metrics import ServerMetrics
 from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["SchedulerBusy", "SchedulerUnavailable", "TokenizerManager", "GenerateReq", "GenerateOutput"]
+
+# (link, process, info) of a freshly started scheduler; blocking, called on a worker thread.
+Launcher = Callable[[], tuple[SchedulerLink, Any, SchedulerInfo]]
+
 
 def cache_namespace(api_key_id: str | None, cache_salt: str | None, extra_key: str | None) -> tuple | None:
     """The structured `extra_key` of the radix key: a tuple of (kind, value) pairs, or None (shared).
@@ -70,12 +82,25 @@ def api_key_id(key: str) -> str:
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    """HTTP-side knobs that are not engine arguments."""
+    """HTTP-side knobs: the HTTP-only flags, and the limits of ServerArgs the HTTP process applies."""
 
     max_body_bytes: int = 4 * 1024 * 1024
     health_timeout_s: float = 30.0  # /health fails when the scheduler has been silent this long
     heartbeat_interval_s: float = 1.0
     control_timeout_s: float = 30.0  # flush_cache, get_server_info, health_generate
+    max_scheduler_restarts: int = 3  # within restart_window_s; one more death and the server exits
+    restart_window_s: float = 600.0
+    restart_wait_s: float = 120.0  # a request arriving during a restart waits this long for it
+    max_request_fanout: int = 256  # prompts x n of one request
+    max_queued_requests: int = 1024  # tickets waiting here or in the scheduler's queue; more: 503
+    fair_share_slice: int = 16  # tickets of one request queued in the scheduler at a time
+
+    @classmethod
+    def from_server_args(cls, server_args: Any, **http_flags: Any) -> FrontendConfig:
+        """The HTTP-only flags plus the admission limits of `ServerArgs`."""
+        return cls(max_request_fanout=server_args.max_request_fanout,
+                   max_queued_requests=server_args.max_queued_requests,
+                   fair_share_slice=server_args.fair_share_slice, **http_flags)
 
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of one position's alternatives, most likely first
@@ -90,6 +115,7 @@ class GenerateReq:
     top_logprobs_num: int = 0  # with return_logprob: alternatives per token, at most MAX_TOP_LOGPROBS
     logprob_start_len: int = -1  # with return_logprob: also score the prompt from this position (-1: no)
     client_rid: str | None = None  # the client's name for it (SGLang's rid), for /abort_request
+    group: Any = None  # the HTTP request it belongs to (fair admission); None: its own
 
 
 @dataclass
@@ -113,21 +139,12 @@ class GenerateOutput:
 
 
 @dataclass
-class _Step:
-    new_ids: list[int]
-    finished: dict[str, Any] | None
-    completion_tokens: int
-    cached_tokens: int
-    logprobs: list[float] | None = None
-    top_logprobs: list[TopLogprobs] | None = None
-    input_logprobs: list[float | None] | None = None
-    input_top_logprobs: list[TopLogprobs] | None = None
-
-
-@dataclass
 class _ReqState:
     rid: str
     prompt_len: int
+    detok: IncrementalDetokenizer
+    ticket: Ticket
+    link: SchedulerLink
     created: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_token_at: float | None = None
@@ -139,100 +156,142 @@ class _ReqState:
 
 class TokenizerManager:
     def __init__(self, info: SchedulerInfo, link: SchedulerLink, process: Any = None,
-                 config: FrontendConfig | None = None) -> None:
+                 config: FrontendConfig | None = None, launcher: Launcher | None = None) -> None:
         self.info = info
         self.tokenizer = info.tokenizer
         self.config = config or FrontendConfig()
         self.process = process
         self.metrics = ServerMetrics(lambda: self.scheduler_state, lambda: self.health()[0])
         self.scheduler_state: dict[str, Any] = {}
+        self.admission = FairAdmission(info.max_running_requests, self.config.fair_share_slice)
+        self.on_fatal: Callable[[str], None] | None = None  # the server exits when this is called
+        self.fatal: str | None = None
         self._link = link
-        self._send_sock = link.requests
-        self._recv_sock = link.outputs
+        self._launcher = launcher
+        self._budget = RestartBudget(self.config.max_scheduler_restarts, self.config.restart_window_s)
         self._states: dict[str, _ReqState] = {}
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._state_waiters: deque[asyncio.Future] = deque()
         self._reply_waiters: dict[type, deque[asyncio.Future]] = {}  # request_reply, by reply type
         self._dead: str | None = None
+        self._restart_task: asyncio.Task | None = None
+        self._ready: asyncio.Event | None = None
         self._last_alive = time.monotonic()
         self._probe_pending = False
         self._tasks: list[asyncio.Task] = []
+        self._handle_task: asyncio.Task | None = None
+        # NOTE: one thread each, so requests in are never queued behind outputs out, and the detokenizer
+        # thread has its own tokenizer copy (a fast tokenizer is not meant to be shared across threads).
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenize")
+        self._detokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-detokenize")
+        self._detok_tokenizer = _private_copy(self.tokenizer)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, info.context_len)
 
     # ------------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Returns once the scheduler is connected, so the first request can be sent at once."""
-        # NOTE: sends never block the event loop (NOBLOCK); with the scheduler connected, EAGAIN means
-        # it is gone or 1000 messages behind, and a 503 at once is the right answer to both.
         await self._link.wait_connected()
         self._last_alive = time.monotonic()
-        self._tasks = [asyncio.create_task(self._handle_loop()), asyncio.create_task(self._watchdog_loop())]
+        self._ready = asyncio.Event()
+        self._ready.set()
+        self._handle_task = asyncio.create_task(self._handle_loop(self._link))
+        self._tasks = [asyncio.create_task(self._watchdog_loop()), asyncio.create_task(self._outbox_loop())]
 
     async def shutdown(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        tasks = [*self._tasks, self._handle_task, self._restart_task]
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
         self._link.close()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._detokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs tokenizer work (encode, chat template) on the tokenizer thread, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, partial(fn, *args))
+
+    @property
+    def link(self) -> SchedulerLink:
+        return self._link
 
     @property
     def num_in_flight(self) -> int:
         return len(self._states)
 
-    def in_flight_rids(self) -> list[str]:
-        return list(self._states)
+    def in_flight_rids(self, owner: Any = ...) -> list[str]:
+        """Every request id in flight, or only `owner`'s."""
+        return [rid for rid, s in self._states.items() if owner is ... or s.owner == owner]
 
     # ------------------------------------------------------------------------------ requests
 
+    def check_capacity(self, num_tickets: int) -> None:
+        """Backpressure: refuse a request whose tickets would overfill the queue (SchedulerBusy, 503)."""
+        waiting = self.admission.num_waiting + self.admission.num_queued
+        if waiting + num_tickets > self.config.max_queued_requests:
+            raise SchedulerBusy(f"{waiting} requests are queued and this one adds {num_tickets}; the queue "
+                                f"holds {self.config.max_queued_requests} (--max-queued-requests)")
+        if self._link.outbox_size:
+            raise SchedulerBusy(f"the scheduler is behind: {self._link.outbox_size} control message(s) wait")
+
     async def generate(self, req: GenerateReq) -> AsyncIterator[GenerateOutput]:
         """Yields the outputs of one request. Close it (aclosing) to abort the request early."""
-        self._ensure_alive()
+        await self._wait_ready()
         rid = uuid.uuid4().hex
-        state = _ReqState(rid, len(req.input_ids), client_rid=req.client_rid, owner=namespace_owner(req.extra_key))
-        # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
-        detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop)
-        self._states[rid] = state
+        owner = namespace_owner(req.extra_key)
+        ticket = await self.admission.acquire(owner, rid if req.group is None else req.group)
+        state: _ReqState | None = None
+        sent = False
         try:
-            self._send(TokenizedGenerateReqInput(
+            self._ensure_alive()
+            # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
+            detok = IncrementalDetokenizer(self._detok_tokenizer, req.sampling_params.stop)
+            state = _ReqState(rid, len(req.input_ids), detok, ticket, self._link, client_rid=req.client_rid,
+                              owner=owner)
+            self._states[rid] = state
+            self._link.send_request(TokenizedGenerateReqInput(
                 rid, list(req.input_ids), req.sampling_params, req.extra_key, stream=True,
                 return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
                 logprob_start_len=req.logprob_start_len))
+            sent = True
             while True:
-                step = await state.queue.get()
-                if isinstance(step, Exception):
-                    raise step
-                finished = step.finished
-                delta = detok.feed(step.new_ids) if finished is None else detok.finish(step.new_ids, finished)
-                yield GenerateOutput(
-                    rid=rid, text_delta=delta, token_ids=step.new_ids,
-                    finish_reason=None if finished is None else str(finished.get("type", "stop")),
-                    finish_message=None if finished is None else finished.get("message"),
-                    finish_status=None if finished is None else finished.get("status_code"),
-                    prompt_tokens=state.prompt_len, completion_tokens=step.completion_tokens,
-                    cached_tokens=step.cached_tokens, logprobs=step.logprobs, top_logprobs=step.top_logprobs,
-                    input_logprobs=step.input_logprobs, input_top_logprobs=step.input_top_logprobs)
-                if finished is not None:
+                item = await state.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
                     return
         finally:
             self._states.pop(rid, None)
-            if not state.done:
+            if state is not None and sent and not state.done:
                 self._abort_state(state, count=True)
+            self.admission.release(ticket)
 
-    def abort_request(self, client_rid: str | None, owner: str | None, abort_all: bool = False) -> int:
-        """Ask the scheduler to abort `owner`'s requests named `client_rid` (all of them with `abort_all`).
-
-        They end as usual, with finish reason abort (status 499), and their partial output; returns how many."""
+    def abort_request(self, client_rid: str | None, owner: str | None, abort_all: bool = False,
+                      admin: bool = False) -> int:
+        """Ask the scheduler to abort `owner`'s requests named `client_rid` (all of them with `abort_all`);
+        `admin` reaches every owner's. They end as usual, with finish reason abort (status 499), and
+        their partial output; returns how many."""
         hits = [s for s in self._states.values()
-                if not s.done and s.owner == owner and (abort_all or s.client_rid == client_rid)]
+                if not s.done and (admin or s.owner == owner) and (abort_all or s.client_rid == client_rid)]
         for state in hits:
-            self._send(AbortReq(state.rid), quiet=True)
+            self._send_abort(state)
         return len(hits)
 
     def _abort_state(self, state: _ReqState, count: bool) -> None:
         state.done = True
-        if self._dead is None:
-            self._send(AbortReq(state.rid), quiet=True)
+        self._send_abort(state)
         if count:
             self._observe_finished(state, aborted=True)
+
+    def _send_abort(self, state: _ReqState) -> None:
+        # NOTE: only to the scheduler that got the request; a restarted one never heard of it.
+        if state.link is self._link and self._dead is None:
+            try:
+                self._link.send_control(AbortReq(state.rid))
+            except SchedulerUnavailable:
+                pass
 
     # ------------------------------------------------------------------------------ control
 
@@ -250,13 +309,23 @@ class TokenizerManager:
         self._ensure_alive()
         future = asyncio.get_running_loop().create_future()
         waiters.append(future)
-        self._send(msg)
+        try:
+            self._link.send_control(msg)
+        except SchedulerUnavailable:
+            waiters.remove(future)  # NOTE: a waiter whose message never left would take a later answer
+            raise
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s or self.config.control_timeout_s)
         except asyncio.TimeoutError:
+            # NOTE: the message was delivered (or waits in the outbox) and will be answered; the waiter
+            # stays in line to take that answer, so later answers still meet their own waiters.
             raise SchedulerUnavailable(f"scheduler did not answer {type(msg).__name__} in time") from None
 
     def health(self) -> tuple[bool, str]:
+        if self.fatal is not None:
+            return False, self.fatal
+        if self._restart_task is not None and not self._restart_task.done():
+            return False, f"scheduler restarting ({self._dead})"
         if self._dead is not None:
             return False, self._dead
         silent = time.monotonic() - self._last_alive
@@ -265,24 +334,30 @@ class TokenizerManager:
         return True, "ok"
 
     def _ensure_alive(self) -> None:
+        if self.fatal is not None:
+            raise SchedulerUnavailable(self.fatal)
         if self._dead is not None:
             raise SchedulerUnavailable(self._dead)
 
-    def _send(self, msg: Any, quiet: bool = False) -> None:
-        try:
-            self._send_sock.send_pyobj(msg, flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            if not quiet:
-                raise SchedulerUnavailable(f"cannot reach the scheduler: {e}") from None
+    async def _wait_ready(self) -> None:
+        """While the scheduler restarts, a new request waits for it (at most restart_wait_s)."""
+        if self._ready is not None and not self._ready.is_set() and self.fatal is None:
+            try:
+                await asyncio.wait_for(self._ready.wait(), self.config.restart_wait_s)
+            except asyncio.TimeoutError:
+                pass
+        self._ensure_alive()
 
     # ------------------------------------------------------------------------------ loops
 
-    async def _handle_loop(self) -> None:
+    async def _handle_loop(self, link: SchedulerLink) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            out = await self._recv_sock.recv_pyobj()
+            out = await link.outputs.recv_pyobj()
             self._last_alive = time.monotonic()
             if isinstance(out, BatchTokenIDOut):
-                self._dispatch(out)
+                deltas = await loop.run_in_executor(self._detokenize_pool, self._detokenize, out)
+                self._dispatch(out, deltas)
             elif isinstance(out, GetInternalStateOut):
                 self.scheduler_state = out.state
                 _resolve_oldest(self._state_waiters, out.state)
@@ -293,19 +368,38 @@ class TokenizerManager:
             else:
                 logger.warning("unexpected message from the scheduler: %r", type(out).__name__)
 
-    def _dispatch(self, out: BatchTokenIDOut) -> None:
-        now = time.monotonic()
+    def _detokenize(self, out: BatchTokenIDOut) -> list[str | None]:
+        """On the detokenizer thread: each request's text delta (None for requests no longer here)."""
+        deltas: list[str | None] = []
         for i, rid in enumerate(out.rids):
             state = self._states.get(rid)
             if state is None or state.done:
+                deltas.append(None)
+                continue
+            ids, finished = list(out.new_token_ids[i]), out.finished_reasons[i]
+            deltas.append(state.detok.feed(ids) if finished is None else state.detok.finish(ids, finished))
+        return deltas
+
+    def _dispatch(self, out: BatchTokenIDOut, deltas: list[str | None]) -> None:
+        now = time.monotonic()
+        for i, rid in enumerate(out.rids):
+            state = self._states.get(rid)
+            if state is None or state.done or deltas[i] is None:
                 continue  # aborted here already; late outputs are dropped
             new_ids = list(out.new_token_ids[i])
+            self.admission.started(state.ticket)
             self._observe_step(state, len(new_ids), now)
             state.cached_tokens = out.cached_tokens[i]
             finished = out.finished_reasons[i]
-            state.queue.put_nowait(_Step(new_ids, finished, out.completion_tokens[i], out.cached_tokens[i],
-                                         out.output_logprobs[i], out.output_top_logprobs[i],
-                                         out.input_token_logprobs[i], out.input_top_logprobs[i]))
+            state.queue.put_nowait(GenerateOutput(
+                rid=rid, text_delta=deltas[i], token_ids=new_ids,
+                finish_reason=None if finished is None else str(finished.get("type", "stop")),
+                finish_message=None if finished is None else finished.get("message"),
+                finish_status=None if finished is None else finished.get("status_code"),
+                prompt_tokens=state.prompt_len, completion_tokens=out.completion_tokens[i],
+                cached_tokens=out.cached_tokens[i], logprobs=out.output_logprobs[i],
+                top_logprobs=out.output_top_logprobs[i], input_logprobs=out.input_token_logprobs[i],
+                input_top_logprobs=out.input_top_logprobs[i]))
             if finished is not None:
                 state.done = True
                 self._observe_finished(state, aborted=finished.get("type") == "abort")
@@ -324,12 +418,20 @@ class TokenizerManager:
         self.metrics.observe_finished(state.prompt_len, state.cached_tokens, time.monotonic() - state.created,
                                       aborted)
 
+    async def _outbox_loop(self) -> None:
+        """Retries queued control messages until the scheduler takes them."""
+        while True:
+            waiting = self._link.flush_outbox()
+            await asyncio.sleep(0.005 if waiting else 0.05)
+
     async def _watchdog_loop(self) -> None:
-        while self._dead is None:
+        while True:
             await asyncio.sleep(min(0.2, self.config.heartbeat_interval_s))
+            if self._dead is not None or self.fatal is not None:
+                continue
             if self.process is not None and not self.process.is_alive():
-                self._mark_dead(f"scheduler process exited with code {self.process.exitcode}")
-                return
+                self._on_scheduler_death(f"scheduler process exited with code {self.process.exitcode}")
+                continue
             if self._link.disconnects():
                 logger.warning("the scheduler dropped its request connection; sends fail until it reconnects")
             quiet_for = time.monotonic() - self._last_alive
@@ -345,9 +447,22 @@ class TokenizerManager:
         finally:
             self._probe_pending = False
 
+    # ------------------------------------------------------------------------------ failure and restart
+
+    def _on_scheduler_death(self, reason: str) -> None:
+        self._mark_dead(reason)
+        if self._launcher is None:
+            return  # nothing to restart with (an embedded manager): 503 from now on
+        if not self._budget.take():
+            self._fail_fatally(f"{reason}; the restart budget ({self._budget.describe()}) is spent")
+            return
+        self._restart_task = asyncio.create_task(self._restart())
+
     def _mark_dead(self, reason: str) -> None:
         logger.error("%s; failing %d request(s) in flight", reason, len(self._states))
         self._dead = reason
+        if self._ready is not None:
+            self._ready.clear()
         error = SchedulerUnavailable(reason)
         for state in list(self._states.values()):
             if not state.done:
@@ -360,6 +475,40 @@ class TokenizerManager:
                 if not future.done():
                     future.set_exception(error)
 
+    async def _restart(self) -> None:
+        """Start a fresh scheduler (fresh pools) on a fresh link; retried within the budget."""
+        while True:
+            if self._handle_task is not None:
+                self._handle_task.cancel()
+                await asyncio.gather(self._handle_task, return_exceptions=True)
+            self._link.close()
+            logger.warning("restarting the scheduler process (%s)", self._budget.describe())
+            try:
+                link, process, info = await asyncio.to_thread(self._launcher)
+                await link.wait_connected()
+            except Exception as e:  # noqa: BLE001 - a failed start counts against the budget
+                logger.exception("scheduler restart failed")
+                if not self._budget.take():
+                    self._fail_fatally(f"scheduler restart failed: {e}; the restart budget "
+                                       f"({self._budget.describe()}) is spent")
+                    return
+                continue
+            self._link, self.process, self.info = link, process, info
+            self._last_alive = time.monotonic()
+            self._handle_task = asyncio.create_task(self._handle_loop(link))
+            logger.warning("the scheduler is back (pid %d) after: %s", info.pid, self._dead)
+            self._dead = None
+            self._ready.set()
+            return
+
+    def _fail_fatally(self, reason: str) -> None:
+        logger.critical("%s; the server exits", reason)
+        self.fatal = reason
+        if self._ready is not None:
+            self._ready.set()  # wake the waiters: they fail with the reason
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
 
 def _resolve_oldest(waiters: deque, value: Any) -> None:
     # NOTE: the scheduler answers control messages in the order it received them.
@@ -368,3 +517,30 @@ def _resolve_oldest(waiters: deque, value: Any) -> None:
         if not future.done():
             future.set_result(value)
             return
+
+
+def max_prompt_chars(tokenizer: Any, context_len: int) -> int | None:
+    """Characters beyond which a text cannot fit the context however it is tokenized, or None if unknown.
+
+    NOTE: sound for byte-level BPE without a normalizer (GPT-2, SmolLM2, Llama 3, Qwen): every token
+    stands for at least one byte of the text and at most as many characters as its vocabulary entry
+    is long, so a text over context_len x the longest entry has more than context_len tokens. A
+    normalizer could shrink the text (collapse whitespace), so then there is no bound.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    from tokenizers import decoders
+
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    return context_len * max(len(token) for token in tokenizer.get_vocab())
+
+
+def _private_copy(tokenizer: Any) -> Any:
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot be copied is shared instead
+        return tokenizer
