@@ -39,10 +39,16 @@ class ServerHandle:
     base_url: str
     log_path: str
     api_key: str | None = None
+    admin_key: str | None = None  # for /get_server_info, /metrics and /flush_cache when keys are set
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        key = self.admin_key or self.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, headers=self.headers, timeout=kwargs.pop("timeout", 60.0),
@@ -57,7 +63,7 @@ class ServerHandle:
             return c.post(path, **kwargs)
 
     def info(self) -> dict[str, Any]:
-        r = self.get("/get_server_info")
+        r = self.get("/get_server_info", headers=self.admin_headers)
         r.raise_for_status()
         return r.json()
 
@@ -65,7 +71,7 @@ class ServerHandle:
         return int(self.info()["model"]["pid"])
 
     def metrics(self) -> dict[str, float]:
-        text = self.get("/metrics").text
+        text = self.get("/metrics", headers=self.admin_headers).text
         return {s.name + _labels(s.labels): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -86,7 +92,8 @@ def _labels(labels: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else ""
 
 
-def start_server(*args: str, api_key: str | None = None, env: dict[str, str] | None = None) -> ServerHandle:
+def start_server(*args: str, api_key: str | None = None, admin_key: str | None = None,
+                 env: dict[str, str] | None = None) -> ServerHandle:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="radixserve-server-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
@@ -97,7 +104,7 @@ def start_server(*args: str, api_key: str | None = None, env: dict[str, str] | N
     env.setdefault("RADIXSERVE_DEBUG_ALLOC", "1")
     env.setdefault("RADIXSERVE_STRICT_CHECKS", "1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log.name, api_key)
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log.name, api_key, admin_key)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -171,7 +178,6 @@ def check_idle_conservation(server: ServerHandle) -> dict[str, Any]:
     return state
 
 
-# The server the API and error tests share: small pool (1024) under a 2048 context, so both the
-# context check and the pool check can be hit, and a 256 KiB body limit.
-API_SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "1024", "--context-length", "2048",
-                   "--max-body-bytes", "262144")
+# The server the API, error and hardening tests share: small pool (1024) under a 2048 context, so both
+# the context check and the pool check can be hit, and the default 4 MiB body limit.
+API_SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "1024", "--context-length", "2048")

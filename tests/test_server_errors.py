@@ -123,7 +123,7 @@ def test_invalid_utf8(server: ServerHandle) -> None:
 
 
 def test_body_over_the_size_limit(server: ServerHandle) -> None:
-    big = b'{"prompt": "' + b"a" * 300_000 + b'"}'
+    big = b'{"prompt": "' + b"a" * (4 * 1024 * 1024) + b'"}'
     _error(_raw(server, COMPLETIONS, big), 413, "request_too_large")
 
 

@@ -29,7 +29,7 @@ from radixserve.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.schedule_batch import Req
-from radixserve.sampling_params import SamplingParams
+from radixserve.sampling_params import SamplingParams, check_input_ids
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,9 @@ class Engine:
         """Queue one request and return at once; the handle waits for, streams or aborts it."""
         self._raise_if_dead()
         params = SamplingParams.from_any(sampling_params)
+        # NOTE: the server's rules (sampling_params.py): token ids checked against this model's vocabulary.
+        check_input_ids(input_ids, self.scheduler.vocab_size)
+        params.verify_for_model(self.scheduler.vocab_size)
         rid = rid or uuid.uuid4().hex
         error = self.scheduler.validate_request(
             Req(rid, input_ids, params, extra_key, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,

@@ -5,16 +5,18 @@ A released ticket is *queued* until its first output arrives (the scheduler hold
 queue or is prefilling it), then *running* until it ends. The rules, applied whenever a ticket
 arrives, starts or ends:
 
-* a request has at most `slice_size` tickets queued at a time (its prompts reach the scheduler in
-  bounded slices, so a later request never finds thousands of prompts ahead of it);
-* a request has at most its share of the running batch outstanding (queued + running):
-  `(max_running - 1) // active keys // active requests of that key`, at least 1, so one key never
-  holds every row of the batch while another key waits, and one row stays free for a newcomer;
+* a request's first ticket is released at once;
+* after that, a request has at most `slice_size` tickets queued at a time (its prompts reach the
+  scheduler in bounded slices, so a later request never finds thousands of prompts ahead of it), and
+  at most its share of the running batch outstanding (queued + running): `(max_running - 1) //
+  active keys // active requests of that key`, at least 1;
+* and all requests together keep one row of the running batch free (at most `max_running - 1`
+  outstanding beyond first tickets), for the next newcomer's first ticket;
 * releases go round-robin over API keys, then over the requests of a key; within a request, in order.
+  A request over its share (shares shrink as others arrive) gets nothing until it is back under it.
 
-A request no larger than its share (the usual single prompt) is released the moment it arrives.
-Consequence (the bound, measured in tests/test_server_hardening.py): a request arriving while one
-large request runs finds at most `slice_size` of its tickets queued in the scheduler and a free row in
+A single-prompt request is released the moment it arrives. Consequence (the
+bound, measured in tests/test_server_tenants.py): a request arriving while one large request runs finds at most `slice_size` of its tickets queued in the scheduler and a free row in
 the running batch, so (when the KV pool can hold it) it is prefilled within
 ceil((slice_size * longest prompt + its prompt) / chunked_prefill_size) prefill steps, which the
 scheduler runs before any decode step, and its first token arrives with that prefill's result.
@@ -53,6 +55,7 @@ class FairAdmission:
         self.max_running = max(int(max_running), 1)
         self.slice_size = max(int(slice_size), 1)
         self._groups: dict[Any, _Group] = {}
+        self._outstanding = 0
         self._keys: OrderedDict[Any, OrderedDict[Any, None]] = OrderedDict()  # key -> its groups, in turn order
 
     # ---------------------------------------------------------------------------------- counts
@@ -68,7 +71,7 @@ class FairAdmission:
 
     @property
     def num_outstanding(self) -> int:
-        return sum(g.outstanding for g in self._groups.values())
+        return self._outstanding
 
     def share(self, group_id: Any) -> int:
         """How many of the group's tickets may be outstanding now."""
@@ -109,6 +112,7 @@ class FairAdmission:
         ticket.ended = True
         group = self._groups[ticket.group_id]
         group.outstanding -= 1
+        self._outstanding -= 1
         if not ticket.started:
             group.queued -= 1
         self._forget_if_idle(ticket.group_id)
@@ -137,7 +141,10 @@ class FairAdmission:
 
     def _may_release(self, group_id: Any) -> bool:
         group = self._groups[group_id]
-        return group.queued < self.slice_size and group.outstanding < self.share(group_id)
+        if group.outstanding == 0:
+            return True  # NOTE: every request's first ticket goes at once, into the row kept free for it
+        return (group.queued < self.slice_size and group.outstanding < self.share(group_id)
+                and self._outstanding < self.max_running - 1)
 
     def _pump(self) -> None:
         """Release tickets round-robin (one per key per round, a key's requests in turn) while any may go."""
@@ -161,4 +168,5 @@ class FairAdmission:
         group.waiting.popleft().set_result(None)
         group.queued += 1
         group.outstanding += 1
+        self._outstanding += 1
         return True

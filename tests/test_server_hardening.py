@@ -1,0 +1,327 @@
+"""Issue 11's reproducers: requests that used to kill the scheduler, 500, or stall the event loop. Each is
+now a 4xx or a correct answer, and after every test the scheduler still serves and KV is conserved.
+Then a property test (hypothesis) posts generated bodies, typed and untyped, to every endpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_harness import API_SERVER_ARGS, ServerHandle, check_idle_conservation, shared_server
+
+pytestmark = pytest.mark.slow
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerHandle:
+    return shared_server(*API_SERVER_ARGS)
+
+
+@pytest.fixture(autouse=True)
+def _scheduler_alive_and_kv_conserved(server: ServerHandle):
+    yield
+    ok = server.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+    info = server.info()
+    assert info["scheduler_alive"] and info["model"]["pid"] == _PID.setdefault("pid", info["model"]["pid"])
+    check_idle_conservation(server)
+
+
+_PID: dict[str, int] = {}  # the scheduler process of the first test: it must never be replaced here
+
+
+def _error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error["message"]
+
+
+def _raw(server: ServerHandle, path: str, body: str | bytes) -> httpx.Response:
+    content = body.encode() if isinstance(body, str) else body
+    return server.post(path, content=content, headers={"content-type": "application/json"})
+
+
+def _strict_json(text: str) -> object:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} in a response")
+    return json.loads(text, parse_constant=refuse)
+
+
+# ----------------------------------------------------------------------- requests that killed the scheduler
+
+
+def test_stop_ids_outside_the_vocabulary_are_400_not_a_dead_scheduler(server: ServerHandle) -> None:
+    _error(server.post(CHAT, json={"messages": MESSAGES, "max_tokens": 4, "stop_token_ids": [60000],
+                                   "min_tokens": 1}), 400, "stop_token_ids", "invalid_value")
+    _error(server.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "stop_token_ids": [10**19],
+                                          "min_tokens": 1}), 400, "stop_token_ids")
+    message = _error(server.post("/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 4, "stop_token_ids": [49152], "min_new_tokens": 2}}), 400, "sampling_params.stop_token_ids")
+    assert "[0, 49152)" in message
+
+
+def test_a_huge_top_k_is_400(server: ServerHandle) -> None:
+    _error(server.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "temperature": 1, "top_k": 10**19}),
+           400, "top_k")
+    # a top_k above the vocabulary (but a sane integer) is the whole vocabulary, as -1 is
+    r = server.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2, "temperature": 1, "top_k": 100_000})
+    assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------- NaN reaching clients
+
+
+def test_a_temperature_below_the_floor_is_greedy_with_finite_logprobs(server: ServerHandle) -> None:
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "ignore_eos": True}
+    greedy = server.post(COMPLETIONS, json=body | {"temperature": 0, "logprobs": 2}).json()["choices"][0]
+    tiny = server.post(COMPLETIONS, json=body | {"temperature": 1e-300, "logprobs": 2})
+    assert tiny.status_code == 200, tiny.text  # was a 500: "Out of range float values are not JSON compliant"
+    choice = _strict_json(tiny.text)["choices"][0]
+    assert choice["text"] == greedy["text"] and choice["text"].strip()
+    assert all(math.isfinite(v) for v in choice["logprobs"]["token_logprobs"])
+    assert choice["logprobs"]["tokens"] == greedy["logprobs"]["tokens"]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(greedy["logprobs"]["token_logprobs"], abs=1e-3)
+    with server.client() as c, c.stream("POST", COMPLETIONS, json=body | {"temperature": 1e-300, "logprobs": 1,
+                                                                          "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(_strict_json(e)["choices"][0]["text"] for e in events[:-1])  # no NaN in any event
+    assert streamed == greedy["text"]
+    plain = server.post(COMPLETIONS, json=body | {"temperature": 1e-300}).json()["choices"][0]["text"]
+    assert plain == greedy["text"]
+
+
+# ----------------------------------------------------------------------- 500s that are 4xx
+
+
+def test_lone_surrogates_are_400_naming_the_field(server: ServerHandle) -> None:
+    _error(_raw(server, COMPLETIONS, '{"prompt": "hi", "max_tokens": 1, "model": "\\ud800"}'), 400, "model",
+           "invalid_utf8")
+    _error(_raw(server, "/generate", '{"text": "hi", "sampling_params": {"\\ud800": 1}}'), 400, "sampling_params",
+           "invalid_utf8")
+    _error(_raw(server, COMPLETIONS, '{"prompt": "hi", "max_tokens": 1, "extra_key": "\\ud800"}'), 400,
+           "extra_key", "invalid_utf8")
+    _error(_raw(server, COMPLETIONS, '{"prompt": "hi", "max_tokens": 1, "stop": "\\udc00"}'), 400, "stop",
+           "invalid_utf8")
+    _error(_raw(server, CHAT, '{"messages": [{"role": "user", "content": "a\\ud83d"}], "max_tokens": 1}'), 400,
+           "messages.0.content", "invalid_utf8")
+
+
+def test_logit_bias_keys_must_be_ascii_token_ids(server: ServerHandle) -> None:
+    for key in ("\u00b2", "\u0663"):  # isdigit() is true for both; int("²") fails, int("٣") is 3
+        _error(server.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 1, "logit_bias": {key: 1}}), 400,
+               "logit_bias", "invalid_value")
+
+
+@pytest.mark.parametrize("sampling, param", [
+    ({"stop": 5}, "sampling_params.stop"), ({"stop_token_ids": 5}, "sampling_params.stop_token_ids"),
+    ({"ignore_eos": "yes"}, "sampling_params.ignore_eos"), ({"stop": {"a": 1}}, "sampling_params.stop"),
+    ({"stop_token_ids": [True]}, "sampling_params.stop_token_ids.0"),
+])
+def test_native_sampling_params_are_typed(server: ServerHandle, sampling: dict, param: str) -> None:
+    _error(server.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1, **sampling}}),
+           400, param)
+
+
+def test_a_deeply_nested_body_is_400_before_parsing(server: ServerHandle) -> None:
+    message = _error(_raw(server, COMPLETIONS, b"[" * 100_000 + b"]" * 100_000), 400, code="invalid_json")
+    assert "levels deep" in message
+    _error(server.post("/generate", json={"text": "hi", "sampling_params": {"stop": [[[[[[["x"]]]]]]]}}), 400)
+
+
+def test_a_request_over_the_fanout_limit_is_refused_before_any_work(server: ServerHandle) -> None:
+    # 100 prompts x n=16 used to be accepted and starve every other client
+    message = _error(server.post(COMPLETIONS, json={"prompt": ["hi"] * 100, "n": 16, "max_tokens": 1}), 400, "n",
+                     "too_many_sequences")
+    assert "1600" in message and "--max-request-fanout" in message
+    _error(server.post("/generate", json={"input_ids": [[1, 2]] * 300, "sampling_params": {"max_new_tokens": 1}}),
+           400, "input_ids", "too_many_sequences")
+
+
+# ----------------------------------------------------------------------- the event loop never blocks
+
+
+def _health_latencies(server: ServerHandle, stop: threading.Event) -> list[float]:
+    latencies: list[float] = []
+
+    def poll() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=30) as c:
+            while not stop.is_set():
+                started = time.monotonic()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.monotonic() - started)
+                time.sleep(0.02)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return latencies
+
+
+def test_huge_prompts_never_stall_the_event_loop(server: ServerHandle) -> None:
+    stop = threading.Event()
+    latencies = _health_latencies(server, stop)
+    try:
+        huge = "hello world " * 330_000  # 3.9 MB: took 4.6 s to refuse, /health stalled meanwhile
+        started = time.monotonic()
+        message = _error(server.post(COMPLETIONS, json={"prompt": huge, "max_tokens": 1}), 400, "prompt",
+                         "context_length_exceeded")
+        assert time.monotonic() - started < 2.0 and "characters" in message
+        # Under the character bound, so really tokenized (on the tokenizer thread), then too long.
+        long = "the river flows past the old mill. " * 4500
+        threads = [threading.Thread(target=lambda: _error(server.post(COMPLETIONS, json={
+            "prompt": long, "max_tokens": 1}), 400, code="context_length_exceeded")) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        stop.set()
+    assert len(latencies) > 5 and max(latencies) < 1.0, sorted(latencies)[-5:]
+
+
+# ----------------------------------------------------------------------- generated bodies
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False)
+                     | st.text(max_size=12), lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+_WILD_INT = st.integers(-(2**64), 2**64) | st.sampled_from([-1, 0, 1, 49151, 49152, 60000, 10**19])
+_WILD_FLOAT = st.floats(allow_nan=False) | st.sampled_from([1e-300, 1e-6, -0.0, 3.0, 1e308])
+_WILD = _JSON | _WILD_INT | _WILD_FLOAT | st.text(max_size=16) | st.sampled_from(["\u00b2", "\u0663", "", "<|im_end|>"])
+_WORDS = st.text(st.sampled_from("abcdefgh ,.!?\n\u00e9\u4e2d\U0001f600"), min_size=1, max_size=20)
+_IDS = st.lists(st.integers(0, 49151), min_size=1, max_size=6)
+# Sane values of every sampling field: a body starts valid, then up to two fields are made wild.
+_SAMPLING = {
+    "temperature": st.sampled_from([0.0, 1e-300, 0.7, 1.0, 1.5]), "top_p": st.sampled_from([0.1, 0.9, 1.0]),
+    "top_k": st.sampled_from([-1, 1, 5, 100_000]), "min_p": st.sampled_from([0.0, 0.05]),
+    "seed": st.integers(0, 2**40), "stop": _WORDS | st.lists(_WORDS, max_size=3), "stop_token_ids": _IDS,
+    "ignore_eos": st.booleans(), "n": st.integers(1, 3), "presence_penalty": st.sampled_from([-2.0, 0.0, 1.0]),
+    "frequency_penalty": st.sampled_from([0.0, 0.5, 2.0]), "repetition_penalty": st.sampled_from([0.5, 1.0, 1.3]),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.sampled_from([-100, -1.5, 5, 100]),
+                                  max_size=3),
+}
+_OPENAI = {**_SAMPLING, "min_tokens": st.integers(0, 3), "stream": st.booleans(), "cache_salt": _WORDS,
+           "extra_key": _WORDS, "rid": _WORDS, "user": _WORDS, "model": st.just("SmolLM2-135M-Instruct")}
+_MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                            "content": _WORDS}), min_size=1, max_size=3)
+_VALID = {
+    COMPLETIONS: st.fixed_dictionaries({"prompt": _WORDS | st.lists(_WORDS, min_size=1, max_size=3) | _IDS,
+                                        "max_tokens": st.integers(1, 3)},
+                                       optional={**_OPENAI, "logprobs": st.integers(0, 5), "echo": st.booleans()}),
+    CHAT: st.fixed_dictionaries({"messages": _MESSAGES, "max_tokens": st.integers(1, 3)},
+                                optional={**_OPENAI, "logprobs": st.booleans()}),
+    "/generate": st.fixed_dictionaries(
+        {"sampling_params": st.fixed_dictionaries({"max_new_tokens": st.integers(0, 3)},
+                                                  optional={**_SAMPLING, "min_new_tokens": st.integers(0, 3)})},
+        optional={"text": _WORDS, "return_logprob": st.booleans(), "top_logprobs_num": st.integers(0, 5),
+                  "stream": st.booleans(), "logprob_start_len": st.integers(-1, 0), "rid": _WORDS}),
+    "/tokenize": st.fixed_dictionaries({"prompt": _WORDS}, optional={"add_special_tokens": st.booleans()}),
+    "/detokenize": st.fixed_dictionaries({"tokens": _IDS}),
+    "/abort_request": st.fixed_dictionaries({"rid": _WORDS}, optional={"abort_all": st.booleans()}),
+}
+_FIELDS = sorted({*_OPENAI, "prompt", "messages", "text", "input_ids", "tokens", "sampling_params", "logprobs",
+                  "top_logprobs", "echo", "return_logprob", "top_logprobs_num", "logprob_start_len", "abort_all",
+                  "max_tokens", "max_completion_tokens", "min_new_tokens", "max_new_tokens"})
+
+
+@st.composite
+def _typed_body(draw: st.DrawFn, path: str) -> dict:
+    """A valid body for `path`, with up to two fields (top level or in sampling_params) replaced by wild values."""
+    body = draw(_VALID[path])
+    if path == "/generate" and "text" not in body:
+        body["input_ids"] = draw(_IDS | st.lists(_IDS, min_size=1, max_size=3))
+    for _ in range(draw(st.integers(0, 2))):
+        target = body["sampling_params"] if path == "/generate" and draw(st.booleans()) else body
+        if isinstance(target, dict):
+            target[draw(st.sampled_from(_FIELDS))] = draw(_WILD)
+    return body
+
+
+def _post(server: ServerHandle, path: str, body: object) -> httpx.Response:
+    content = json.dumps(body).encode() if not isinstance(body, bytes) else body
+    return server.post(path, content=content, headers={"content-type": "application/json"}, timeout=120)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_generated_bodies_never_get_a_5xx(server: ServerHandle, data: st.DataObject) -> None:
+    path = data.draw(st.sampled_from(sorted(_VALID)))
+    kind = data.draw(st.sampled_from(["typed", "typed", "untyped", "bytes"]))
+    if kind == "typed":
+        body: object = data.draw(_typed_body(path))
+    elif kind == "untyped":
+        body = data.draw(st.dictionaries(st.sampled_from(_FIELDS) | st.text(max_size=6), _WILD, max_size=5))
+    else:
+        body = data.draw(st.binary(max_size=64))
+    if isinstance(body, dict) and kind == "untyped":
+        body.setdefault("max_tokens", 2)  # NOTE: unset, it means the rest of the context: minutes per example
+    r = _post(server, path, body)
+    assert r.status_code < 500, (path, body, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ----------------------------------------------------------------------- the served schema, fuzzed
+
+
+@pytest.fixture(scope="module")
+def api_schema(server: ServerHandle):
+    import schemathesis
+
+    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
+    # NOTE: valid bodies and invalid ones (each field of the wrong type or out of the schema)
+    schema.config.generation.update(modes=list(schemathesis.GenerationMode))
+    return schema
+
+
+def _bounded(body: object) -> None:
+    """Unset or large, max_tokens means up to the whole context (seconds each): at most 3 here."""
+    if not isinstance(body, dict):
+        return
+    for name in ("max_tokens", "max_completion_tokens"):
+        if not isinstance(body.get(name), int) or body[name] > 3:
+            body[name] = 2
+    params = body.get("sampling_params")
+    if isinstance(params, dict) and (not isinstance(params.get("max_new_tokens"), int)
+                                     or params["max_new_tokens"] > 3):
+        params["max_new_tokens"] = 2
+
+
+def _schemathesis_test():
+    import schemathesis
+    from schemathesis.checks import (
+        content_type_conformance,
+        not_a_server_error,
+        response_headers_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
+
+    schema = schemathesis.pytest.from_fixture("api_schema")
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+              response_headers_conformance]
+
+    @schema.parametrize()
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+    def test_the_served_schema_holds_under_schemathesis(case) -> None:
+        _bounded(case.body)
+        case.call_and_validate(checks=checks, timeout=120)
+
+    return test_the_served_schema_holds_under_schemathesis
+
+
+test_the_served_schema_holds_under_schemathesis = _schemathesis_test()
