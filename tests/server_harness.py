@@ -133,11 +133,13 @@ def _reachable_at_once(handle: ServerHandle) -> ServerHandle:
     return handle
 
 
-def shared_server(*args: str) -> ServerHandle:
-    key = tuple(args)
+def shared_server(*args: str, api_key: str | None = None, admin_key: str | None = None) -> ServerHandle:
+    key = (*args, f"api_key={api_key}", f"admin_key={admin_key}")
     server = _SHARED.get(key)
-    if server is None or server.proc.poll() is not None:
-        server = _SHARED[key] = start_server(*args)
+    if server is None or server.proc.poll() is not None or not _healthy(server):
+        if server is not None:
+            server.stop()
+        server = _SHARED[key] = start_server(*args, api_key=api_key, admin_key=admin_key)
     return server
 
 
@@ -181,3 +183,18 @@ def check_idle_conservation(server: ServerHandle) -> dict[str, Any]:
 # The server the API, error and hardening tests share: small pool (1024) under a 2048 context, so both
 # the context check and the pool check can be hit, and the default 4 MiB body limit.
 API_SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "1024", "--context-length", "2048")
+
+
+# The server the tenant, admission and fault tests share (test_server_admission.py runs first; the
+# last test of test_server_faults.py spends its restart budget and ends it): two tenant keys and an
+# admin key, a 32-row running batch, room for a 3,000-prompt request, one scheduler restart allowed.
+TENANT_KEYS = ("key-one", "key-two")
+ADMIN_KEY = "admin-key"
+TENANT_SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--max-running-requests", "32",
+                      "--health-timeout", "1.5", "--heartbeat-interval", "0.2", "--api-key", ",".join(TENANT_KEYS),
+                      "--admin-api-key", ADMIN_KEY, "--max-request-fanout", "3000", "--max-queued-requests", "3000",
+                      "--max-scheduler-restarts", "1")
+
+
+def tenant_server() -> ServerHandle:
+    return shared_server(*TENANT_SERVER_ARGS, api_key=TENANT_KEYS[0], admin_key=ADMIN_KEY)

@@ -143,8 +143,10 @@ class _ReqState:
     rid: str
     prompt_len: int
     detok: IncrementalDetokenizer
-    ticket: Ticket
-    link: SchedulerLink
+    ticket: Ticket | None = None  # from fair admission, once granted
+    held: asyncio.Future | None = None  # while waiting for the ticket: resolved to end it before it is sent
+    link: SchedulerLink | None = None  # the link it was sent on
+    sent: bool = False
     created: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_token_at: float | None = None
@@ -240,21 +242,24 @@ class TokenizerManager:
         await self._wait_ready()
         rid = uuid.uuid4().hex
         owner = namespace_owner(req.extra_key)
-        ticket = await self.admission.acquire(owner, rid if req.group is None else req.group)
-        state: _ReqState | None = None
-        sent = False
+        # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
+        detok = IncrementalDetokenizer(self._detok_tokenizer, req.sampling_params.stop)
+        state = _ReqState(rid, len(req.input_ids), detok, client_rid=req.client_rid, owner=owner)
+        self._states[rid] = state
         try:
+            state.ticket = await self._admit(state, rid if req.group is None else req.group)
+            if state.ticket is None:  # aborted while it waited: it never reaches the scheduler
+                state.done = True
+                self._observe_finished(state, aborted=True)
+                yield GenerateOutput(rid, "", [], "abort", "aborted by the client", 499, state.prompt_len, 0, 0)
+                return
             self._ensure_alive()
-            # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
-            detok = IncrementalDetokenizer(self._detok_tokenizer, req.sampling_params.stop)
-            state = _ReqState(rid, len(req.input_ids), detok, ticket, self._link, client_rid=req.client_rid,
-                              owner=owner)
-            self._states[rid] = state
+            state.link = self._link
             self._link.send_request(TokenizedGenerateReqInput(
                 rid, list(req.input_ids), req.sampling_params, req.extra_key, stream=True,
                 return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
                 logprob_start_len=req.logprob_start_len))
-            sent = True
+            state.sent = True
             while True:
                 item = await state.queue.get()
                 if isinstance(item, Exception):
@@ -264,9 +269,32 @@ class TokenizerManager:
                     return
         finally:
             self._states.pop(rid, None)
-            if state is not None and sent and not state.done:
+            if state.held is not None and not state.held.done():
+                state.held.cancel()
+            if state.sent and not state.done:
                 self._abort_state(state, count=True)
-            self.admission.release(ticket)
+            if state.ticket is not None:
+                self.admission.release(state.ticket)
+
+    async def _admit(self, state: _ReqState, group: Any) -> Ticket | None:
+        """The request's ticket, or None when it was aborted first; raises if the scheduler failed first."""
+        acquire = asyncio.ensure_future(self.admission.acquire(state.owner, group))
+        state.held = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait({acquire, state.held}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not acquire.done():
+                acquire.cancel()  # NOTE: withdraws it; a grant racing the cancel is given back by acquire
+            await asyncio.gather(acquire, return_exceptions=True)
+        held, state.held = state.held, None
+        granted = acquire.done() and not acquire.cancelled() and acquire.exception() is None
+        if held.done():
+            if granted:
+                self.admission.release(acquire.result())
+            held.result()  # a scheduler failure raises here
+            return None
+        held.cancel()
+        return acquire.result()
 
     def abort_request(self, client_rid: str | None, owner: str | None, abort_all: bool = False,
                       admin: bool = False) -> int:
@@ -276,7 +304,10 @@ class TokenizerManager:
         hits = [s for s in self._states.values()
                 if not s.done and (admin or s.owner == owner) and (abort_all or s.client_rid == client_rid)]
         for state in hits:
-            self._send_abort(state)
+            if state.held is not None and not state.held.done():
+                state.held.set_result(None)  # still waiting for admission: it ends without being sent
+            else:
+                self._send_abort(state)
         return len(hits)
 
     def _abort_state(self, state: _ReqState, count: bool) -> None:
@@ -287,7 +318,7 @@ class TokenizerManager:
 
     def _send_abort(self, state: _ReqState) -> None:
         # NOTE: only to the scheduler that got the request; a restarted one never heard of it.
-        if state.link is self._link and self._dead is None:
+        if state.sent and state.link is self._link and self._dead is None:
             try:
                 self._link.send_control(AbortReq(state.rid))
             except SchedulerUnavailable:
@@ -465,6 +496,9 @@ class TokenizerManager:
             self._ready.clear()
         error = SchedulerUnavailable(reason)
         for state in list(self._states.values()):
+            if state.held is not None and not state.held.done():
+                state.held.set_exception(error)
+                continue
             if not state.done:
                 state.done = True
                 self._observe_finished(state, aborted=True)

@@ -1,0 +1,155 @@
+"""Tenants and fair sharing: what a tenant key may see and do, the admin key's operations, the queue's
+backpressure, and the fairness bound (a 1-token request beside a 2,000-prompt one), measured in steps."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import httpx
+import pytest
+from server_harness import (
+    ADMIN_KEY,
+    TENANT_KEYS,
+    ServerHandle,
+    check_idle_conservation,
+    tenant_server,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.slow
+
+SLICE = 16  # --fair-share-slice default
+CHUNK = 2048  # --chunked-prefill-size default
+
+
+@pytest.fixture(scope="module")
+def server() -> ServerHandle:
+    return tenant_server()
+
+
+def _as(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _steps(server: ServerHandle) -> int:
+    state = server.info()["scheduler_state"]
+    return state["num_prefill_batches"] + state["num_decode_batches"]
+
+
+def test_operations_for_every_tenant_need_the_admin_key(server: ServerHandle) -> None:
+    plain = httpx.Client(base_url=server.base_url, timeout=30)
+    tenant, admin = _as(TENANT_KEYS[0]), _as(ADMIN_KEY)
+    for path in ("/flush_cache", "/metrics"):
+        assert plain.get(path).status_code == 401
+        r = plain.get(path, headers=tenant)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+    flushed = plain.post("/flush_cache", headers=admin)
+    assert flushed.status_code == 200 and "tokens_freed" in flushed.json()
+    assert plain.get("/metrics", headers=admin).status_code == 200
+    assert plain.get("/health").status_code == 200  # probes need no key
+    mine = plain.get("/get_server_info", headers=tenant).json()
+    assert set(mine) == {"version", "model", "scheduler_alive", "health"}  # no other tenant's traffic
+    everything = plain.get("/get_server_info", headers=admin).json()
+    assert "scheduler_state" in everything and "in_flight_requests" in everything
+    assert everything["server_args"]["admin_api_key"] == "<redacted>" and ADMIN_KEY not in str(everything)
+    # the admin generates too, in a namespace of its own
+    assert plain.post("/v1/completions", headers=admin, json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+    plain.close()
+    check_idle_conservation(server)
+
+
+def _long_generate(server: ServerHandle, key: str, rid: str, box: list) -> threading.Thread:
+    body = {"text": "Count from one to one thousand:", "rid": rid,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    thread = threading.Thread(target=lambda: box.append(server.post("/generate", headers=_as(key), json=body)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.info()["in_flight_requests"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return thread
+
+
+def test_a_tenant_aborts_only_its_own_requests_and_the_admin_any(server: ServerHandle) -> None:
+    box: list = []
+    thread = _long_generate(server, TENANT_KEYS[0], "shared-name", box)
+    other = server.post("/abort_request", headers=_as(TENANT_KEYS[1]), json={"rid": "shared-name", "abort_all": True})
+    assert other.json()["aborted"] == 0
+    # the 409 of a refused flush names the requests in flight: only the admin may ask for it
+    busy = server.post("/flush_cache", headers=_as(ADMIN_KEY))
+    assert busy.status_code == 409 and len(busy.json()["rids"]) == 1
+    assert server.post("/abort_request", headers=_as(ADMIN_KEY), json={"rid": "shared-name"}).json()["aborted"] == 1
+    thread.join(60)
+    assert box[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    check_idle_conservation(server)
+
+
+def test_a_full_queue_answers_503_with_retry_after(server: ServerHandle) -> None:
+    box: list = []
+    big = {"input_ids": [[1000 + i, 2000, 3000] for i in range(3000)], "sampling_params": {"max_new_tokens": 1}}
+    thread = threading.Thread(target=lambda: box.append(_post_expecting_disconnect(server, big, read_s=4.0)))
+    thread.start()
+    deadline = time.monotonic() + 20
+    while server.info()["admission"]["waiting"] < 2000:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = server.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_overloaded", r.text
+    assert int(r.headers["retry-after"]) >= 1
+    thread.join(60)
+    state = wait_idle(server)
+    assert state["num_running_reqs"] == 0
+    check_idle_conservation(server)
+
+
+def _post_expecting_disconnect(server: ServerHandle, body: dict, read_s: float, key: str | None = None) -> str:
+    try:
+        server.post("/generate", json=body, headers=_as(key) if key else {}, timeout=httpx.Timeout(30, read=read_s))
+        return "finished"
+    except httpx.ReadTimeout:
+        return "disconnected"
+
+
+@pytest.mark.parametrize("small_key", [TENANT_KEYS[1], TENANT_KEYS[0]], ids=["other-key", "same-key"])
+def test_a_small_request_beside_a_2000_prompt_one_waits_a_bounded_number_of_steps(server: ServerHandle,
+                                                                                  small_key: str) -> None:
+    prompts = [[1000 + i % 500, 2000 + i, 3000, 4000, 5000, 6000] for i in range(2000)]
+    big = {"input_ids": prompts, "rid": "big", "sampling_params": {"max_new_tokens": 8, "ignore_eos": True,
+                                                                   "temperature": 0}}
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(
+        server.post("/generate", json=big, headers=_as(TENANT_KEYS[0]), timeout=120)))
+    before_big = server.info()["scheduler_state"]["num_requests"]
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.info()["scheduler_state"]["num_decode_batches"] < 3 or server.info()["admission"]["outstanding"] < 8:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    small_prompt = [7000, 7001, 7002]
+    sent_at_step = _steps(server)
+    started = time.monotonic()
+    with server.client() as c, c.stream("POST", "/generate", headers=_as(small_key), json={
+            "input_ids": small_prompt, "stream": True, "sampling_params": {"max_new_tokens": 1}}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        first_token_step = _steps(server)
+        waited_s = time.monotonic() - started
+    assert '"output_ids":[' in first and r.status_code == 200
+    # The bound (fair_admission.py): at most SLICE of the big request's prompts wait in the scheduler ahead of
+    # it and a row is free, so its prefill is among the next ceil((SLICE * 6 + 3) / CHUNK) prefill steps
+    # (prefill goes before decode); its token comes with that result, one step later under the overlap
+    # loop. Two more steps of slack: the counters are read over HTTP before the send and after the token.
+    bound = math.ceil((SLICE * len(prompts[0]) + len(small_prompt)) / CHUNK) + 1 + 2
+    steps = first_token_step - sent_at_step
+    print(f"\nfairness [{small_key}]: first token after {steps} scheduler steps ({waited_s:.2f} s); bound {bound}")
+    assert steps <= bound, (steps, bound)
+    # abort the big request: the prompts it still holds end at once and never reach the scheduler
+    aborted = server.post("/abort_request", headers=_as(TENANT_KEYS[0]), json={"rid": "big"}).json()["aborted"]
+    assert aborted > 1000
+    thread.join(90)
+    results = box[0].json()
+    assert len(results) == 2000 and sum(r["meta_info"]["finish_reason"]["type"] == "abort" for r in results) > 1000
+    state = wait_idle(server, timeout_s=60)
+    assert state["num_requests"] - before_big < 2000
+    check_idle_conservation(server)
