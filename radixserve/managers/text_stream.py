@@ -61,3 +61,21 @@ class IncrementalDetokenizer:
         delta = full[len(emitted):] if full.startswith(emitted) else full[min(self.sent, len(full)):]
         self.sent = len(emitted) + len(delta)
         return delta
+
+
+def max_prompt_chars(tokenizer: Any, context_len: int) -> int | None:
+    """Characters beyond which a text cannot fit the context however it is tokenized, or None if unknown.
+
+    NOTE: sound for byte-level BPE without a normalizer (GPT-2, SmolLM2, Llama 3, Qwen): every token
+    stands for at least one byte of the text and at most as many characters as its vocabulary entry
+    is long, so a text over context_len x the longest entry has more than context_len tokens. A
+    normalizer could shrink the text (collapse whitespace), so then there is no bound.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    from tokenizers import decoders
+
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    return context_len * max(len(token) for token in tokenizer.get_vocab())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 import logging
 import time
 import uuid
@@ -40,44 +39,16 @@ from radixserve.managers.io_struct import (
 )
 from radixserve.managers.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
 from radixserve.managers.scheduler_process import RestartBudget, SchedulerInfo
-from radixserve.managers.text_stream import IncrementalDetokenizer
+from radixserve.managers.scheduler_supervisor import Launcher, SchedulerSupervisorMixin
+from radixserve.managers.tenant_namespace import api_key_id, cache_namespace, namespace_owner
+from radixserve.managers.text_stream import IncrementalDetokenizer, max_prompt_chars
 from radixserve.managers.tokenizer_metrics import ServerMetrics
 from radixserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SchedulerBusy", "SchedulerUnavailable", "TokenizerManager", "GenerateReq", "GenerateOutput"]
-
-# (link, process, info) of a freshly started scheduler; blocking, called on a worker thread.
-Launcher = Callable[[], tuple[SchedulerLink, Any, SchedulerInfo]]
-
-
-def cache_namespace(api_key_id: str | None, cache_salt: str | None, extra_key: str | None) -> tuple | None:
-    """The structured `extra_key` of the radix key: a tuple of (kind, value) pairs, or None (shared).
-
-    NOTE: never concatenate strings here; ("salt", "a") and ("key", "a") differ, and no chosen string
-    can reach another tenant's ("api", id) component, which the server derives from the API key and
-    always puts first, so a client salt can only narrow its own namespace.
-    """
-    parts = []
-    if api_key_id is not None:
-        parts.append(("api", api_key_id))
-    if cache_salt is not None:
-        parts.append(("salt", cache_salt))
-    if extra_key is not None:
-        parts.append(("key", extra_key))
-    return tuple(parts) or None
-
-
-def namespace_owner(extra_key: tuple | None) -> str | None:
-    """The API key id a request's namespace starts with (see cache_namespace), or None."""
-    if extra_key and extra_key[0][0] == "api":
-        return extra_key[0][1]
-    return None
-
-
-def api_key_id(key: str) -> str:
-    return hashlib.sha256(b"radixserve-namespace\0" + key.encode()).hexdigest()[:32]
+__all__ = ["GenerateOutput", "GenerateReq", "SchedulerBusy", "SchedulerUnavailable", "TokenizerManager",
+           "api_key_id", "cache_namespace", "namespace_owner"]
 
 
 @dataclass(frozen=True)
@@ -156,7 +127,7 @@ class _ReqState:
     owner: str | None = None
 
 
-class TokenizerManager:
+class TokenizerManager(SchedulerSupervisorMixin):
     def __init__(self, info: SchedulerInfo, link: SchedulerLink, process: Any = None,
                  config: FrontendConfig | None = None, launcher: Launcher | None = None) -> None:
         self.info = info
@@ -352,33 +323,6 @@ class TokenizerManager:
             # stays in line to take that answer, so later answers still meet their own waiters.
             raise SchedulerUnavailable(f"scheduler did not answer {type(msg).__name__} in time") from None
 
-    def health(self) -> tuple[bool, str]:
-        if self.fatal is not None:
-            return False, self.fatal
-        if self._restart_task is not None and not self._restart_task.done():
-            return False, f"scheduler restarting ({self._dead})"
-        if self._dead is not None:
-            return False, self._dead
-        silent = time.monotonic() - self._last_alive
-        if silent > self.config.health_timeout_s:
-            return False, f"scheduler has not answered for {silent:.1f} s (stuck?)"
-        return True, "ok"
-
-    def _ensure_alive(self) -> None:
-        if self.fatal is not None:
-            raise SchedulerUnavailable(self.fatal)
-        if self._dead is not None:
-            raise SchedulerUnavailable(self._dead)
-
-    async def _wait_ready(self) -> None:
-        """While the scheduler restarts, a new request waits for it (at most restart_wait_s)."""
-        if self._ready is not None and not self._ready.is_set() and self.fatal is None:
-            try:
-                await asyncio.wait_for(self._ready.wait(), self.config.restart_wait_s)
-            except asyncio.TimeoutError:
-                pass
-        self._ensure_alive()
-
     # ------------------------------------------------------------------------------ loops
 
     async def _handle_loop(self, link: SchedulerLink) -> None:
@@ -449,101 +393,6 @@ class TokenizerManager:
         self.metrics.observe_finished(state.prompt_len, state.cached_tokens, time.monotonic() - state.created,
                                       aborted)
 
-    async def _outbox_loop(self) -> None:
-        """Retries queued control messages until the scheduler takes them."""
-        while True:
-            waiting = self._link.flush_outbox()
-            await asyncio.sleep(0.005 if waiting else 0.05)
-
-    async def _watchdog_loop(self) -> None:
-        while True:
-            await asyncio.sleep(min(0.2, self.config.heartbeat_interval_s))
-            if self._dead is not None or self.fatal is not None:
-                continue
-            if self.process is not None and not self.process.is_alive():
-                self._on_scheduler_death(f"scheduler process exited with code {self.process.exitcode}")
-                continue
-            if self._link.disconnects():
-                logger.warning("the scheduler dropped its request connection; sends fail until it reconnects")
-            quiet_for = time.monotonic() - self._last_alive
-            if not self._probe_pending and quiet_for >= self.config.heartbeat_interval_s:
-                asyncio.create_task(self._probe())
-
-    async def _probe(self) -> None:
-        self._probe_pending = True
-        try:
-            await self.get_internal_state(timeout_s=max(self.config.health_timeout_s * 4, 60.0))
-        except SchedulerUnavailable:
-            pass
-        finally:
-            self._probe_pending = False
-
-    # ------------------------------------------------------------------------------ failure and restart
-
-    def _on_scheduler_death(self, reason: str) -> None:
-        self._mark_dead(reason)
-        if self._launcher is None:
-            return  # nothing to restart with (an embedded manager): 503 from now on
-        if not self._budget.take():
-            self._fail_fatally(f"{reason}; the restart budget ({self._budget.describe()}) is spent")
-            return
-        self._restart_task = asyncio.create_task(self._restart())
-
-    def _mark_dead(self, reason: str) -> None:
-        logger.error("%s; failing %d request(s) in flight", reason, len(self._states))
-        self._dead = reason
-        if self._ready is not None:
-            self._ready.clear()
-        error = SchedulerUnavailable(reason)
-        for state in list(self._states.values()):
-            if state.held is not None and not state.held.done():
-                state.held.set_exception(error)
-                continue
-            if not state.done:
-                state.done = True
-                self._observe_finished(state, aborted=True)
-            state.queue.put_nowait(error)
-        for waiters in (self._flush_waiters, self._state_waiters, *self._reply_waiters.values()):
-            while waiters:
-                future = waiters.popleft()
-                if not future.done():
-                    future.set_exception(error)
-
-    async def _restart(self) -> None:
-        """Start a fresh scheduler (fresh pools) on a fresh link; retried within the budget."""
-        while True:
-            if self._handle_task is not None:
-                self._handle_task.cancel()
-                await asyncio.gather(self._handle_task, return_exceptions=True)
-            self._link.close()
-            logger.warning("restarting the scheduler process (%s)", self._budget.describe())
-            try:
-                link, process, info = await asyncio.to_thread(self._launcher)
-                await link.wait_connected()
-            except Exception as e:  # noqa: BLE001 - a failed start counts against the budget
-                logger.exception("scheduler restart failed")
-                if not self._budget.take():
-                    self._fail_fatally(f"scheduler restart failed: {e}; the restart budget "
-                                       f"({self._budget.describe()}) is spent")
-                    return
-                continue
-            self._link, self.process, self.info = link, process, info
-            self._last_alive = time.monotonic()
-            self._handle_task = asyncio.create_task(self._handle_loop(link))
-            logger.warning("the scheduler is back (pid %d) after: %s", info.pid, self._dead)
-            self._dead = None
-            self._ready.set()
-            return
-
-    def _fail_fatally(self, reason: str) -> None:
-        logger.critical("%s; the server exits", reason)
-        self.fatal = reason
-        if self._ready is not None:
-            self._ready.set()  # wake the waiters: they fail with the reason
-        if self.on_fatal is not None:
-            self.on_fatal(reason)
-
-
 def _resolve_oldest(waiters: deque, value: Any) -> None:
     # NOTE: the scheduler answers control messages in the order it received them.
     while waiters:
@@ -551,24 +400,6 @@ def _resolve_oldest(waiters: deque, value: Any) -> None:
         if not future.done():
             future.set_result(value)
             return
-
-
-def max_prompt_chars(tokenizer: Any, context_len: int) -> int | None:
-    """Characters beyond which a text cannot fit the context however it is tokenized, or None if unknown.
-
-    NOTE: sound for byte-level BPE without a normalizer (GPT-2, SmolLM2, Llama 3, Qwen): every token
-    stands for at least one byte of the text and at most as many characters as its vocabulary entry
-    is long, so a text over context_len x the longest entry has more than context_len tokens. A
-    normalizer could shrink the text (collapse whitespace), so then there is no bound.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.normalizer is not None:
-        return None
-    from tokenizers import decoders
-
-    if not isinstance(backend.decoder, decoders.ByteLevel):
-        return None
-    return context_len * max(len(token) for token in tokenizer.get_vocab())
 
 
 def _private_copy(tokenizer: Any) -> Any:
