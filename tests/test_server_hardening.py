@@ -278,6 +278,29 @@ def test_generated_bodies_never_get_a_5xx(server: ServerHandle, data: st.DataObj
 # ----------------------------------------------------------------------- the served schema, fuzzed
 
 
+def test_the_served_schema_documents_bodies_errors_and_metrics(server: ServerHandle) -> None:
+    schema = server.get("/openapi.json").json()
+    paths, components = schema["paths"], schema["components"]["schemas"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/abort_request", "/tokenize",
+                 "/detokenize"):
+        operation = paths[path]["post"]
+        body = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+        assert body in components and components[body]["properties"], path
+        assert {"400", "401", "413"} <= set(operation["responses"]), path
+        error = operation["responses"]["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert error.endswith("/ErrorResponse")
+    assert "sampling_params" in components["GenerateRequest"]["properties"]
+    assert components["NativeSamplingParams"]["additionalProperties"] is False
+    assert "Retry-After" in paths["/v1/completions"]["post"]["responses"]["503"]["headers"]
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert "409" in paths["/flush_cache"]["post"]["responses"]
+    r = server.get(CHAT)
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
+    with server.client() as c:
+        r = c.request("DELETE", "/flush_cache")
+    assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "POST"}
+
+
 @pytest.fixture(scope="module")
 def api_schema(server: ServerHandle):
     import schemathesis

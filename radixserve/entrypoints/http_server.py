@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from radixserve.entrypoints import openapi_docs as docs
@@ -180,7 +180,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
                             f"{tm.num_in_flight} request(s) in flight", code="requests_running",
                        extra={"in_flight_requests": tm.num_in_flight, "rids": tm.in_flight_rids()})
 
-    @app.get("/metrics", responses=docs.text_response(401, 403))
+    @app.get("/metrics", response_class=PlainTextResponse, responses=docs.text_response(401, 403))
     async def metrics(request: Request) -> Response:
         if not server_args.metrics_public:
             auth.admin(request, "/metrics")
