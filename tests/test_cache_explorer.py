@@ -33,7 +33,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 @pytest.fixture(scope="module")
 def server():
     handle = start_server("--dtype", "float32", "--max-total-tokens", "1024", "--page-size", "4",
-                          "--api-key", ",".join(KEYS), api_key=KEYS[0])
+                          "--api-key", ",".join(KEYS), "--admin-api-key", "admin-key", api_key=KEYS[0],
+                          admin_key="admin-key")
     yield handle
     handle.stop()
 

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "tenant-a-secret", "tenant-b-secret"
+ADMIN = "operator-secret"  # the workers' --admin-api-key: their internals (/get_server_info) need it
 WORKER_ARGS = ("--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning")
 SHARED_HEAD = 10  # what a new prompt may share with a tenant's earlier ones: the chat template's head, "Briefing"
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -63,7 +64,7 @@ def cluster():
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="radixserve-dp-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "serve", "--dp", "2", "--host", "127.0.0.1",
-           "--port", str(port), "--api-key", f"{KEY_A},{KEY_B}", *WORKER_ARGS]
+           "--port", str(port), "--api-key", f"{KEY_A},{KEY_B}", "--admin-api-key", ADMIN, *WORKER_ARGS]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                RADIXSERVE_DEBUG_ALLOC="1", RADIXSERVE_STRICT_CHECKS="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -91,7 +92,7 @@ def _wait_ready(cluster: Cluster) -> list[ServerHandle]:
             ready = False
         if ready:
             urls = sorted(w["url"] for w in httpx.get(cluster.url + "/workers", timeout=5).json()["workers"])
-            return [ServerHandle(cluster.proc, url, cluster.log_path, KEY_A) for url in urls]
+            return [ServerHandle(cluster.proc, url, cluster.log_path, KEY_A, ADMIN) for url in urls]
         time.sleep(0.2)
     raise TimeoutError(f"the cluster was not ready after {START_TIMEOUT_S} s:\n{cluster.log_tail()}")
 
@@ -144,6 +145,7 @@ def test_gateway_registers_both_workers_from_their_server_info_and_reads_their_l
     worker = cluster.workers[0]
     info = worker.get("/server_info").json()
     assert info["served_model_name"] == MODEL and info["dp_size"] == 1 and info["api_key"] == "<redacted>"
+    assert info["admin_api_key"] == "<redacted>" and ADMIN not in str(info)
     assert "model" not in info and info["internal_states"][0]["max_total_num_tokens"] == 2048
     assert httpx.get(worker.base_url + "/server_info").status_code == 401
     [load] = httpx.get(worker.base_url + "/get_load").json()

@@ -91,7 +91,8 @@ async def _flat_server_info(tm: TokenizerManager, server_args: ServerArgs) -> di
         state, alive = await tm.get_internal_state(), True
     except SchedulerUnavailable:
         state, alive = tm.scheduler_state, False
-    args = dataclasses.asdict(server_args) | {"api_key": "<redacted>" if server_args.api_key else None}
+    args = dataclasses.asdict(server_args) | {name: "<redacted>" if getattr(server_args, name) else None
+                                              for name in ("api_key", "admin_api_key")}
     from radixserve import __version__
 
     return args | {
