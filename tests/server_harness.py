@@ -96,7 +96,11 @@ def start_server(*args: str, api_key: str | None = None, admin_key: str | None =
                  env: dict[str, str] | None = None) -> ServerHandle:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="radixserve-server-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
+    # NOTE: no scheduler restarts unless a test asks for them: a scheduler that dies (a leak under strict
+    # checks) ends the server, so tests fail instead of carrying on with fresh pools.
+    restarts = () if "--max-scheduler-restarts" in args else ("--max-scheduler-restarts", "0")
+    cmd = [sys.executable, "-m", "radixserve.launch_server", "--host", "127.0.0.1", "--port", str(port), *args,
+           *restarts]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
     env.setdefault("OMP_NUM_THREADS", "2")
     # NOTE: the scheduler checks double frees and, when idle, raises on a conservation failure: a

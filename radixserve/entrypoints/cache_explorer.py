@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
+from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints.http_errors import ApiError, bad_request
 from radixserve.entrypoints.serving_common import guarded
 from radixserve.managers.io_struct import CacheTreeOut, CacheTreeReq
@@ -70,7 +71,10 @@ def presented_key(header: str) -> bytes | None:
 
 
 def register_cache_explorer(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs) -> None:
-    auth = ExplorerAuth(server_args.api_keys)
+    # NOTE: the admin key (http_auth.py) sees every namespace; a tenant key only its own.
+    admin = server_args.admin_api_key
+    auth = ExplorerAuth(server_args.api_keys + ([admin] if admin else []))
+    admin_id = api_key_id(admin) if admin else None
 
     def authorized(request: Request) -> str | None:
         try:
@@ -78,7 +82,7 @@ def register_cache_explorer(app: FastAPI, tm: TokenizerManager, server_args: Ser
         except ApiError as e:
             raise _Challenge(e) from None
 
-    @app.get("/cache/tree")
+    @app.get("/cache/tree", responses=docs.responses({"type": "object"}, 400, 401, 503))
     async def cache_tree(request: Request) -> Response:
         try:
             owner = authorized(request)
@@ -87,13 +91,13 @@ def register_cache_explorer(app: FastAPI, tm: TokenizerManager, server_args: Ser
         except _Challenge as c:
             return c.response()
         start = time.perf_counter()
-        snapshot = visible_to(out.snapshot, owner) if auth.enabled else out.snapshot
+        snapshot = visible_to(out.snapshot, owner) if auth.enabled and owner != admin_id else out.snapshot
         add_texts(snapshot, tm.tokenizer)
         snapshot = public(snapshot)
         snapshot["http_ms"] = round((time.perf_counter() - start) * 1000, 3)  # this process's share of the work
         return JSONResponse(snapshot, headers={"Cache-Control": "no-store"})
 
-    @app.get("/cache/view")
+    @app.get("/cache/view", response_class=HTMLResponse, responses=docs.text_response(401, media_type="text/html"))
     async def cache_view(request: Request) -> Response:
         try:
             authorized(request)
@@ -102,7 +106,7 @@ def register_cache_explorer(app: FastAPI, tm: TokenizerManager, server_args: Ser
         return FileResponse(STATIC_DIR / "cache_view.html", media_type="text/html",
                             headers={"Cache-Control": "no-store"})
 
-    @app.get("/cache/static/{name}")
+    @app.get("/cache/static/{name}", include_in_schema=False)  # the page's own files, not an API
     async def cache_static(name: str, request: Request) -> Response:
         try:
             authorized(request)

@@ -51,9 +51,10 @@ def responses(ok: dict[str, Any], *errors: int, stream: bool = False) -> dict[in
     return out
 
 
-def text_response(*errors: int) -> dict[int | str, dict[str, Any]]:
+def text_response(*errors: int, media_type: str = "text/plain") -> dict[int | str, dict[str, Any]]:
+    """A 200 that is not JSON (Prometheus text, an HTML page) and the listed error statuses."""
     out = responses({}, *errors)
-    out[200] = {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    out[200] = {"description": "success", "content": {media_type: {"schema": {"type": "string"}}}}
     return out
 
 

@@ -24,6 +24,7 @@ from radixserve.managers.schedule_batch import (
     penalty_info,
 )
 from radixserve.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdder, SchedulePolicy
+from radixserve.managers.scheduler_failures import SchedulerFailuresMixin
 from radixserve.managers.scheduler_input_processor import SchedulerInputProcessorMixin
 from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, prefill_log_line
 from radixserve.managers.scheduler_output_processor import (
@@ -40,7 +41,8 @@ from radixserve.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOutputProcessorMixin,
+                SchedulerFailuresMixin):
     """Owns the waiting queue, the running batch, the radix cache and the model runner."""
 
     def __init__(self, server_args: ServerArgs, model_runner: Any = None,
@@ -97,7 +99,7 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
     def event_loop_normal(self) -> None:
         """Run steps until `stop_event` is set (reference §5.2)."""
         while not self.stop_event.is_set():
-            self.run_step()
+            self.run_step_contained(self.run_step)  # NOTE: a failing step aborts its requests (scheduler_failures.py)
 
     def run_step(self, block_when_idle: bool = True) -> ScheduleBatch | None:
         """One iteration of the normal loop; returns the batch it ran, or None when idle."""

@@ -190,11 +190,14 @@ class SchedulerOverlapMixin:
     # ---- loop -----------------------------------------------------------------------------------
     def event_loop_overlap(self: Scheduler) -> None:
         """Run overlapped steps until `stop_event` is set (reference §5.3)."""
-        state = self.init_overlap()
         try:
-            with state.streams.schedule.context():
-                while not self.stop_event.is_set():
-                    self.run_step_overlap()
+            while not self.stop_event.is_set():
+                state = self.init_overlap()
+                with state.streams.schedule.context():
+                    # NOTE: a failing step aborts its requests and rebuilds the overlap state
+                    # (scheduler_failures.py); then the loop re-enters the new schedule stream.
+                    while not self.stop_event.is_set() and self.overlap is state:
+                        self.run_step_contained(self.run_step_overlap)
         except BaseException:
             self.close_overlap(drain=False)
             raise

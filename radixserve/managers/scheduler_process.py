@@ -148,7 +148,7 @@ def _report_kv_accounting(scheduler: Any) -> None:
         key = _pool_fingerprint(scheduler)
         if last.get("key") != key:
             last.update(key=key, value=kv_accounting(scheduler))
-        return base() | {"kv_accounting": last["value"]}
+        return base() | {"kv_accounting": last["value"], "failed_steps": scheduler.failed_steps}
 
     scheduler.get_internal_state = get_internal_state
 
