@@ -40,7 +40,9 @@ def responses(ok: dict[str, Any], *errors: int, stream: bool = False) -> dict[in
     """The 200 (JSON schema `ok`, or also server-sent events) and the listed error statuses."""
     content: dict[str, Any] = {"application/json": {"schema": ok}}
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"}}
+        # NOTE: one server-sent event: `data` is a chunk as JSON (or an error object, then "[DONE]")
+        content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"], "properties": {
+            "data": {"type": "string"}, "event": {"type": "string"}}}}
     out: dict[int | str, dict[str, Any]] = {200: {"description": "success", "content": content}}
     for status in errors:
         entry: dict[str, Any] = {"description": _ERRORS[status], "model": ErrorResponse}
