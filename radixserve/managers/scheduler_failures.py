@@ -76,20 +76,24 @@ class SchedulerFailuresMixin:
 
     # ---- internals ------------------------------------------------------------------------------
     def _drain_in_flight(self: Scheduler) -> list[Req]:
-        """Under the overlap loop: wait for the forward stream, drop its state (rebuilt on the next step),
-        and return the requests of the batches that were in flight."""
-        state = getattr(self, "overlap", None)
-        if state is None or not state.pending:
-            return []  # NOTE: nothing launched: the streams and the future map are still sound
-        reqs = [r for launched in state.pending for r in launched.batch.reqs]
-        for launched in state.pending:
-            try:
-                launched.copy_done.synchronize()  # NOTE: no forward may still write KV we are about to free
-            except Exception:  # noqa: BLE001 - the failure being contained, seen again
-                pass
-        state.pending.clear()
-        self.close_overlap(drain=False)
-        return reqs + list(self.running_batch.reqs)
+        """Waits for launched batches and drops them; returns their requests. Under the overlap loop the
+        stream state is dropped too (rebuilt on the next step) and every running request is returned."""
+        reqs: list[Req] = []
+        for name in ("overlap", "_normal_pipeline"):  # NOTE: the latter where the normal loop has a pipeline
+            state = getattr(self, name, None)
+            if state is None or not state.pending:
+                continue  # NOTE: nothing launched: its streams and future-token map are still sound
+            for launched in state.pending:
+                reqs.extend(launched.batch.reqs)
+                try:
+                    launched.copy_done.synchronize()  # NOTE: no forward may still write KV we are about to free
+                except Exception:  # noqa: BLE001 - the failure being contained, seen again
+                    pass
+            state.pending.clear()
+            if name == "overlap":
+                self.close_overlap(drain=False)
+                reqs.extend(self.running_batch.reqs)
+        return reqs
 
     def _involved_requests(self: Scheduler, in_flight: list[Req]) -> list[Req]:
         chosen = self.cur_batch
