@@ -57,6 +57,16 @@ def _default_cache_dir() -> Path:
     return Path.home() / ".cache" / "radixserve"
 
 
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"expected one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
 REGISTRY: list[EnvVar] = []
 
 
@@ -70,6 +80,9 @@ CACHE_DIR = _declare("RADIXSERVE_CACHE_DIR", _default_cache_dir(), Path,
                      "converted GGUF folders and compiled kernels")
 CPU_PREFILL_KERNEL = _declare("RADIXSERVE_CPU_PREFILL_KERNEL", True, parse_bool,
                               "0: extend attention on the CPU stays on torch's SDPA instead of the C kernel")
+CPU_ISA = _declare("RADIXSERVE_CPU_ISA", "auto", _choice("auto", "avx512_bf16", "avx512", "avx2", "portable"),
+                    "auto: the best level of the C attention kernels this CPU runs; a lower level forces that "
+                    "path (and hides the features above it from --dtype auto)")
 STRICT_CHECKS = _declare("RADIXSERVE_STRICT_CHECKS", False, parse_bool,
                          "the idle KV conservation check raises instead of logging (the tests turn it on)")
 DEBUG_ALLOC = _declare("RADIXSERVE_DEBUG_ALLOC", False, parse_bool,

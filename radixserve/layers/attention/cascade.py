@@ -6,7 +6,8 @@ The radix cache makes requests with a common prefix point at the same KV slots, 
 
 (a) all query tokens of the batch against the P shared K/V rows, unmasked (every query sits at a
     position >= P), in one call that reads the prefix once: the C kernel `prefix_attention.c` on the
-    CPU, else one attention over [1, heads, all queries, P];
+    CPU (where selected for the kernel level, native.SELECTED), else one attention over [1, heads, all
+    queries, P];
 (b) each request's own positions P.. (decode: the C decode kernel, or one padded batch; extend:
     the C extend kernel, or causal attention per request, the diagonal shifted by the request's
     cached tokens beyond P);
@@ -131,31 +132,32 @@ def _prefix_slots(fb: ForwardBatch, prefix_len: int) -> torch.Tensor:
 
 
 def cascade_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: CascadeDecodeMetadata,
-                   scaling: float, kernel: DecodeKernel | None) -> torch.Tensor:
-    """q [bs, heads, dim]; k/v_all the layer's pool [slots, kv_heads, dim] -> [bs, heads, dim]."""
+                   scaling: float, kernel: DecodeKernel | None,
+                   prefix_kernel: DecodeKernel | None = None) -> torch.Tensor:
+    """q [bs, heads, dim]; k/v_all the layer's pool [slots, kv_heads, dim] -> [bs, heads, dim].
+
+    `kernel`: the C decode kernel for part (b), `prefix_kernel`: the C prefix kernel for part (a); None: torch."""
+    part_a = _part_a(q, k_all, v_all, meta.prefix_slots, scaling, prefix_kernel)
     if kernel is not None:  # the decode kernel starts each row from part (a): the merge is free
-        part_a = kernel.shared_prefix(q, k_all, v_all, meta.prefix_slots, scaling)
         return kernel(q, k_all, v_all, meta.suffix_indices, meta.suffix_lens, meta.suffix_max_len, scaling, part_a)
-    out_a, lse_a = _prefix_torch(q, k_all, v_all, meta.prefix_slots, scaling)
     bs, kv_heads, dim = q.shape[0], k_all.shape[1], q.shape[2]
     keys = k_all.index_select(0, meta.suffix_indices).view(bs, meta.suffix_max_len, kv_heads, dim).transpose(1, 2)
     values = v_all.index_select(0, meta.suffix_indices).view(bs, meta.suffix_max_len, kv_heads, dim).transpose(1, 2)
     bias = None if meta.suffix_mask is None else _additive(meta.suffix_mask, q.dtype).view(bs, 1, 1, -1)
     out_b, lse_b = attention_with_lse(q.unsqueeze(2), keys, values, scaling, bias)
-    return merge_partials(out_a, lse_a, out_b.squeeze(2), lse_b.squeeze(2)).to(q.dtype)
+    return merge_partials(*part_a, out_b.squeeze(2), lse_b.squeeze(2)).to(q.dtype)
 
 
 def cascade_extend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: CascadeExtendMetadata,
-                   scaling: float, kernel: DecodeKernel | None,
+                   scaling: float, prefix_kernel: DecodeKernel | None,
                    extend_kernel: DecodeKernel | None = None) -> torch.Tensor:
-    """q [num_tokens, heads, dim] (new K/V already in the pool) -> [num_tokens, heads, dim]."""
-    if kernel is not None:
-        out_a, lse_a = kernel.shared_prefix(q, k_all, v_all, meta.prefix_slots, scaling)
-        if extend_kernel is not None:  # part (b) starts each row from part (a): the merge is free
-            return extend_kernel.extend(q, k_all, v_all, meta.suffix_indices, meta.suffix_reqs, scaling,
-                                        seed=(out_a, lse_a))[0]
-    else:
-        out_a, lse_a = _prefix_torch(q, k_all, v_all, meta.prefix_slots, scaling)
+    """q [num_tokens, heads, dim] (new K/V already in the pool) -> [num_tokens, heads, dim].
+
+    `prefix_kernel` / `extend_kernel`: the C kernels for parts (a) / (b); None: torch."""
+    out_a, lse_a = _part_a(q, k_all, v_all, meta.prefix_slots, scaling, prefix_kernel)
+    if extend_kernel is not None:  # part (b) starts each row from part (a): the merge is free
+        return extend_kernel.extend(q, k_all, v_all, meta.suffix_indices, meta.suffix_reqs, scaling,
+                                    seed=(out_a, lse_a))[0]
     keys, values = k_all.index_select(0, meta.suffix_indices), v_all.index_select(0, meta.suffix_indices)
     out_b = torch.empty_like(q)
     lse_b = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -165,6 +167,13 @@ def cascade_extend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, me
                                       scaling, s.bias(q.dtype), causal=s.visible is None)
         out_b[qs], lse_b[qs] = out[0].transpose(0, 1), lse[0].transpose(0, 1)
     return merge_partials(out_a, lse_a, out_b, lse_b).to(q.dtype)
+
+
+def _part_a(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: torch.Tensor, scaling: float,
+            prefix_kernel: DecodeKernel | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if prefix_kernel is not None:
+        return prefix_kernel.shared_prefix(q, k_all, v_all, slots, scaling)
+    return _prefix_torch(q, k_all, v_all, slots, scaling)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

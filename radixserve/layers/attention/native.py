@@ -1,12 +1,17 @@
-"""Builds and loads the C attention kernels (csrc/*.c) with the system C compiler.
+"""Builds and loads the C attention kernels (csrc/*.c) with the system C compiler, one path per kernel level.
 
 Decode attention (decode_attention.c), shared-prefix attention for cascade attention
-(prefix_attention.c) and causal extend attention (extend_attention.c) go into one shared library.
-It is compiled once per machine (-O3 -march=native -fopenmp) into
-$RADIXSERVE_CACHE_DIR/kernels (default ~/.cache/radixserve/kernels), keyed by the sources and the
-CPU's flags, and called through ctypes (which releases the GIL). It links the same libgomp as
-torch, so it runs on torch's OpenMP thread pool. Without a compiler, `load_decode_kernel` returns
-None and the caller keeps the torch path.
+(prefix_attention.c) and causal extend attention (extend_attention.c) go into one shared library,
+compiled once per machine into $RADIXSERVE_CACHE_DIR/kernels (default ~/.cache/radixserve/kernels).
+Each source is compiled once per kernel level (`platform.KERNEL_ISAS`: avx512_bf16, avx512, avx2 and
+portable on x86; portable elsewhere) with that level's -m flags, never -march=native, so the library
+holds every level and the one to run is chosen at run time: `platform.kernel_isa()`, the best level
+this CPU runs unless RADIXSERVE_CPU_ISA forces a lower one. The library is called through ctypes (which
+releases the GIL) and links the same libgomp as torch, so it runs on torch's OpenMP thread pool.
+Without a compiler, `load_decode_kernel` returns None and the caller keeps the torch path.
+
+`SELECTED` says, per level and dtype, which kernels measured faster than torch's own op at
+SmolLM2-135M's shapes (docs/attention.md, "Kernel levels"); the backend uses a kernel only there.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform as _stdlib_platform
 import shutil
 import subprocess
 import tempfile
@@ -24,41 +30,73 @@ from pathlib import Path
 import torch
 
 from radixserve import envs
+from radixserve import platform as rs_platform
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_attention.c", CSRC / "prefix_attention.c", CSRC / "extend_attention.c")
-HEADERS = (CSRC / "attention_common.h", CSRC / "attention_lanes.h")
+HEADERS = (CSRC / "attention_common.h", CSRC / "simd.h", CSRC / "attention_lanes.h")
 MAX_DIM, MAX_GROUP = 256, 16
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_AVX512_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512_bf16": (*_AVX512_FLAGS, "-mavx512bf16"),
+    "avx512": _AVX512_FLAGS,
+    "avx2": ("-mavx2", "-mfma"),
+    "portable": (),
+}
+KERNELS = ("decode", "extend", "prefix")
+# (level, dtype) -> the kernels that measured faster than torch's op at SmolLM2-135M's shapes on that
+# level (benchmarks/bench_kernels.py; docs/attention.md, "Kernel levels"). Elsewhere the backend keeps torch.
+SELECTED: dict[tuple[str, torch.dtype], frozenset[str]] = {
+    (isa, dtype): frozenset(KERNELS) for isa in ISA_FLAGS for dtype in _DTYPE_SUFFIX
+}
 
 
 class DecodeKernel:
     """Paged decode attention, attention of all queries over a prefix shared by the batch, and causal
     extend attention; all read K/V in place from the pool."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {dtype: _bind(lib, f"decode_attention_{suffix}", pointers=8, sizes=5)
+    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+        self.isa = isa  # the kernel level whose code this object calls
+        self._fns = {dtype: _bind(lib, f"decode_attention_{suffix}_{isa}", pointers=8, sizes=5)
                      for dtype, suffix in _DTYPE_SUFFIX.items()}
-        self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}", pointers=6, sizes=5)
+        self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}_{isa}", pointers=6, sizes=5)
                             for dtype, suffix in _DTYPE_SUFFIX.items()}
-        self._extend_fns = {dtype: _bind(lib, f"extend_attention_{suffix}", pointers=9, sizes=4)
+        self._extend_fns = {dtype: _bind(lib, f"extend_attention_{suffix}_{isa}", pointers=9, sizes=4)
                             for dtype, suffix in _DTYPE_SUFFIX.items()}
-        vectorized = lib.extend_attention_vectorized
-        vectorized.restype, vectorized.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int64]
-        self._extend_vectorized = functools.cache(lambda bf16, dim: bool(vectorized(bf16, dim)))
+        width = getattr(lib, f"attention_simd_width_{isa}")
+        width.restype, width.argtypes = ctypes.c_int, []
+        self.simd_width = int(width())  # float32 lanes of the level's vector code; 1: portable loops only
+
+    def selected(self, kernel: str, dtype: torch.dtype) -> bool:
+        """Whether `kernel` (decode, extend, prefix) measured faster than torch's op on this level in `dtype`."""
+        return kernel in SELECTED.get((self.isa, dtype), frozenset())
+
+    def selected_kernels(self) -> dict[str, list[str]]:
+        """dtype -> the kernels the backend uses on this level (for the start-up line and /get_server_info)."""
+        return {str(dtype).removeprefix("torch."): [k for k in KERNELS if self.selected(k, dtype)]
+                for dtype in _DTYPE_SUFFIX}
 
     def supports(self, q: torch.Tensor, num_kv_heads: int) -> bool:
+        """Whether the backend runs decode attention of `q` in this kernel."""
         heads, dim = q.shape[1], q.shape[2]
         return (q.device.type == "cpu" and q.dtype in self._fns and dim <= MAX_DIM
-                and heads % num_kv_heads == 0 and heads // num_kv_heads <= MAX_GROUP)
+                and heads % num_kv_heads == 0 and heads // num_kv_heads <= MAX_GROUP
+                and self.selected("decode", q.dtype))
 
     def extend_supports(self, q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-        """Whether `extend` runs its vectorized (AVX-512) path here, the only one measured faster than SDPA."""
+        """Whether the backend runs extend attention of `q` in this kernel."""
         heads, dim = q.shape[1], q.shape[2]
         return (q.device.type == "cpu" and q.dtype in self._extend_fns and k_buf.dtype == q.dtype
-                and heads % k_buf.shape[1] == 0 and self._extend_vectorized(q.dtype == torch.bfloat16, dim))
+                and heads % k_buf.shape[1] == 0 and dim <= MAX_DIM and self.selected("extend", q.dtype))
+
+    def prefix_supports(self, q: torch.Tensor, num_kv_heads: int) -> bool:
+        """Whether cascade's part (a) (`shared_prefix`) runs in this kernel."""
+        heads, dim = q.shape[1], q.shape[2]
+        return (q.device.type == "cpu" and q.dtype in self._prefix_fns and dim <= MAX_DIM
+                and heads % num_kv_heads == 0 and self.selected("prefix", q.dtype))
 
     def __call__(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                  seq_lens: torch.Tensor, max_len: int, scale: float,
@@ -154,43 +192,85 @@ def _check_status(status: int, q: torch.Tensor, k_buf: torch.Tensor) -> None:
                          f"dim={q.shape[2]}")
 
 
+def load_decode_kernel(isa: str | None = None) -> DecodeKernel | None:
+    """The compiled kernels of level `isa` (default `platform.kernel_isa()`), or None (logged once) when the
+    library cannot be built here. A level the compiler could not build falls back to the next lower one."""
+    return _load(isa or rs_platform.kernel_isa())
+
+
 @functools.cache
-def load_decode_kernel() -> DecodeKernel | None:
-    """The compiled kernel, or None (logged once) when it cannot be built here."""
+def _load(isa: str) -> DecodeKernel | None:
     try:
-        return DecodeKernel(ctypes.CDLL(str(_build())))
-    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
-        logger.warning("native CPU decode kernel unavailable (%s); using the torch decode path", e)
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired, FileNotFoundError) as e:
+        logger.warning("native CPU attention kernels unavailable (%s); using the torch attention paths", e)
         return None
+    levels = rs_platform.KERNEL_ISAS
+    for level in levels[levels.index(isa):]:
+        if hasattr(lib, f"decode_attention_f32_{level}"):
+            if level != isa:
+                logger.warning("the C compiler could not build the %s kernels; using %s", isa, level)
+            return DecodeKernel(lib, level)
+    return None
+
+
+def built_isas() -> list[str]:
+    """The kernel levels the library holds here (empty without a compiler)."""
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired, FileNotFoundError):
+        return []
+    return [isa for isa in rs_platform.KERNEL_ISAS if hasattr(lib, f"decode_attention_f32_{isa}")]
 
 
 def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    levels = _levels_for(_stdlib_platform.machine())
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(source + _cpu_flags().encode() + compiler.encode()).hexdigest()[:16]
+    recipe = repr([(level, ISA_FLAGS[level]) for level in levels]).encode()
+    key = hashlib.sha256(source + recipe + compiler.encode()).hexdigest()[:16]
     target = _cache_dir() / f"attention-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = _compile_levels(compiler, levels, Path(tmp))
         built = Path(tmp) / target.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
-               *(str(path) for path in SOURCES), "-o", str(built), "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        subprocess.run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(built), "-lm"], check=True,
+                       capture_output=True, timeout=300)
         os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
-    logger.info("built %s", target)
+    logger.info("built %s (%s)", target, ", ".join(levels))
     return target
+
+
+def _levels_for(machine: str) -> tuple[str, ...]:
+    x86 = machine.lower() in ("x86_64", "amd64")
+    return rs_platform.KERNEL_ISAS if x86 else ("portable",)
+
+
+def _compile_levels(compiler: str, levels: tuple[str, ...], tmp: Path) -> list[Path]:
+    """Every source once per level, the levels in parallel; a level the compiler rejects is left out
+    (the portable one must build)."""
+    jobs = {}
+    for level in levels:
+        folder = tmp / level
+        folder.mkdir()
+        cmd = [compiler, "-O3", "-fopenmp", "-fPIC", "-std=c11", *ISA_FLAGS[level], f"-DRS_ISA_SUFFIX=_{level}",
+               "-c", *(str(path) for path in SOURCES)]
+        jobs[level] = (folder, subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    objects = []
+    for level, (folder, proc) in jobs.items():
+        _, err = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            if level == "portable":
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+            logger.warning("the C compiler cannot build the %s kernels: %s", level, err.decode()[-300:])
+            continue
+        objects += sorted(folder.glob("*.o"))
+    return objects
 
 
 def _cache_dir() -> Path:
     return envs.CACHE_DIR.get() / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""

@@ -11,7 +11,8 @@ when some request has a cached prefix, the contexts of all requests are gathered
 `index_select` and each request runs causal SDPA over its slice, with the causal diagonal
 shifted by its prefix length. CpuAttnBackend instead runs one C kernel call for the whole batch
 that reads every request's context in place (extend_attention.c; off with
-RADIXSERVE_CPU_PREFILL_KERNEL=0).
+RADIXSERVE_CPU_PREFILL_KERNEL=0). Which C kernels run depends on the CPU's kernel level and the dtype
+(native.SELECTED, measured against the torch paths here).
 Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
 `cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
 """
@@ -111,6 +112,10 @@ class TorchAttnBackend(AttentionBackend):
         kernel = self.decode_kernel
         return kernel if kernel is not None and kernel.supports(q, layer.num_kv_heads) else None
 
+    def _prefix_kernel_for(self, q: torch.Tensor, layer: RadixAttention) -> DecodeKernel | None:
+        kernel = self.decode_kernel
+        return kernel if kernel is not None and kernel.prefix_supports(q, layer.num_kv_heads) else None
+
     def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | None:
         kernel = self.extend_kernel
         return kernel if kernel is not None and kernel.extend_supports(q, k_all) else None
@@ -122,7 +127,8 @@ class TorchAttnBackend(AttentionBackend):
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         kernel = self._kernel_for(q, layer)
         if self.cascade_decode_meta is not None:
-            out = cascade.cascade_decode(q, k_all, v_all, self.cascade_decode_meta, layer.scaling, kernel)
+            out = cascade.cascade_decode(q, k_all, v_all, self.cascade_decode_meta, layer.scaling, kernel,
+                                         self._prefix_kernel_for(q, layer))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.decode_meta
         if kernel is not None:
@@ -140,7 +146,7 @@ class TorchAttnBackend(AttentionBackend):
         extend_kernel = self._extend_kernel_for(q, k_all)
         if self.cascade_extend_meta is not None:
             out = cascade.cascade_extend(q, k_all, v_all, self.cascade_extend_meta, layer.scaling,
-                                         self._kernel_for(q, layer), extend_kernel)
+                                         self._prefix_kernel_for(q, layer), extend_kernel)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.extend_meta
         if extend_kernel is not None and meta.kernel_reqs is not None:
@@ -160,7 +166,9 @@ PREFILL_KERNEL_ENV = envs.CPU_PREFILL_KERNEL.name  # "0": extend attention stays
 
 
 class CpuAttnBackend(TorchAttnBackend):
-    """The torch backend with decode and extend attention in compiled C kernels that read the pool in place."""
+    """The torch backend with decode, extend and cascade-prefix attention in compiled C kernels that read the
+    pool in place, at the kernel level of `platform.kernel_isa()`; each kernel only where `native.SELECTED`
+    says it beat torch's op on that level (else that part stays on torch)."""
 
     def __init__(self, runner: object) -> None:
         from radixserve.layers.attention.native import load_decode_kernel

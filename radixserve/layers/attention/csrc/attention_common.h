@@ -1,5 +1,10 @@
-/* What the CPU attention kernels share: bf16 conversions, a portable row-attention loop, and the
- * AVX-512 exp and online-softmax helpers. Included by every kernel.
+/* What the CPU attention kernels share: bf16 conversions, the portable row-attention loop, and the
+ * naming of exported functions. Included by every kernel.
+ *
+ * Every source is compiled once per kernel level (native.py: portable, avx2, avx512, avx512_bf16), each
+ * time with that level's -m flags and -DRS_ISA_SUFFIX=_<level>, and all the objects go into one
+ * library: EXPORT(decode_attention_f32) is decode_attention_f32_avx2 in the avx2 object. Static
+ * helpers stay private to their object, so each level's code uses only its own instructions.
  *
  * Conventions: scores are scale * q.k in float32; a row's softmax state is (run_max, run_sum, acc)
  * with acc = sum_t exp(score_t - run_max) * v_t; its log-sum-exp is run_max + log(run_sum), or
@@ -18,6 +23,13 @@
 #define MAX_DIM 256
 #define MAX_GROUP 16
 #define MAX_ROWS 16 /* query rows one call of attend_rows_* handles */
+
+#ifndef RS_ISA_SUFFIX
+#define RS_ISA_SUFFIX _portable
+#endif
+#define RS_JOIN2(a, b) a##b
+#define RS_JOIN(a, b) RS_JOIN2(a, b)
+#define EXPORT(name) RS_JOIN(name, RS_ISA_SUFFIX)
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -104,51 +116,5 @@ static inline float row_lse(float run_max, float run_sum) {
 
 DEFINE_ATTEND_ROWS(attend_rows_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ATTEND_ROWS(attend_rows_f32, float, f32_id, f32_id)
-
-#if defined(__AVX512F__)
-#define HAVE_AVX512 1 /* the exp and softmax helpers below, and the float32 lanes of attention_lanes.h */
-#include <immintrin.h>
-#if defined(__AVX512BW__) && defined(__AVX512BF16__)
-#define HAVE_AVX512_BF16 1 /* the bf16 paths: vdpbf16ps */
-#endif
-
-/* exp for x <= 0 (scores minus their running max), Cephes expf's reduction and polynomial. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* Folds one chunk of scores (n <= CHUNK) into the running max/sum; leaves exp(score - max) in place. */
-static inline float softmax_chunk(float *score, int64_t n, float *run_max, float *run_sum) {
-    __m512 top = _mm512_set1_ps(*run_max);
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
-        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, score + t));
-    }
-    const float chunk_max = _mm512_reduce_max_ps(top);
-    const float rescale = expf(*run_max - chunk_max);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 m = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, score + t), _mm512_set1_ps(chunk_max)));
-        total = _mm512_mask_add_ps(total, m, total, e);
-        _mm512_mask_storeu_ps(score + t, m, e);
-    }
-    *run_sum = *run_sum * rescale + _mm512_reduce_add_ps(total);
-    *run_max = chunk_max;
-    return rescale;
-}
-#endif
 
 #endif

@@ -1,92 +1,136 @@
-/* The AVX-512 block shared by the prefix and extend kernels: 16 query rows of one kv head, one row
- * per vector lane, attended over a run of pool slots. Each K and V row is read once for all 16 rows;
- * a lane may see only a leading part of the slots (a causal mask). The online softmax runs across
- * the lanes, so no score needs a horizontal sum.
+/* The block shared by the prefix and extend kernels: LANES (= SIMD_WIDTH: 16 on AVX-512, 8 on AVX2)
+ * query rows of one kv head, one row per vector lane, attended over a run of pool slots. Each K and V
+ * row is read once for all the rows; a lane may see only a leading part of the slots (a causal
+ * mask). The online softmax runs across the lanes, so no score needs a horizontal sum.
  *
- * bf16 (AVX-512 BF16): a score is one vdpbf16ps per bf16 pair of the head dim (exact products,
- * float32 sums); the weights (rounded to bf16, as torch's CPU flash attention does) meet V two tokens
- * per vdpbf16ps, summed in float32. float32 (AVX-512F): one FMA per dim for scores and for V.
+ * float32: one FMA per dim for scores and for V (a K or V element broadcast against the lanes).
+ * bf16 on AVX2 or AVX-512 without BF16: each chunk's K and V rows are widened to float32 once, then
+ * the float32 code runs. bf16 with AVX-512 BF16 (dim % 32 == 0): a score is one vdpbf16ps per bf16
+ * pair of the head dim (exact products, float32 sums); the weights (rounded to bf16, as torch's CPU
+ * flash attention does) meet V two tokens per vdpbf16ps, summed in float32.
  */
 #ifndef RADIXSERVE_ATTENTION_LANES_H
 #define RADIXSERVE_ATTENTION_LANES_H
 
-#include "attention_common.h"
+#include "simd.h"
 
-#ifdef HAVE_AVX512
-#define LANES MAX_ROWS /* query rows per block, one per lane */
-#define TOKENS 8       /* tokens scored together: independent FMA chains */
-
-/* Lanes whose rows see key t (t < their limit). */
-static inline __mmask16 lanes_seeing(int64_t t, __m512i limit) {
-    return _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)t), limit);
-}
+#ifdef SIMD_WIDTH
+#define LANES SIMD_WIDTH /* query rows per block, one per lane */
+#define TOKENS 8         /* tokens scored together: independent FMA chains */
+#define DBLOCK (SIMD_WIDTH == 16 ? 16 : 8) /* columns of acc held in registers (of 32 or 16) as V streams by */
 
 /* Folds one chunk of scores into the lanes' running (max, sum) and rescales acc; leaves the weights
  * exp(score - max) in scores. Lane r sees token t of the chunk only if t0 + t < limit[r]. */
-static inline void softmax_lanes(__m512 *scores, int64_t n, int64_t t0, __m512i limit, int masked,
-                                 __m512 *run_max, __m512 *run_sum, __m512 *acc, int64_t dim) {
+static inline void softmax_lanes(vf *scores, int64_t n, int64_t t0, vi limit, int masked, vf *run_max, vf *run_sum,
+                                 vf *acc, int64_t dim) {
     if (masked) {
-        for (int64_t t = 0; t < n; t++)
-            scores[t] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), lanes_seeing(t0 + t, limit), scores[t]);
+        for (int64_t t = 0; t < n; t++) scores[t] = vf_select(vm_before(t0 + t, limit), scores[t], vf_set1(-INFINITY));
     }
-    __m512 top = *run_max;
-    for (int64_t t = 0; t < n; t++) top = _mm512_max_ps(top, scores[t]);
-    const __m512 rescale = exp_nonpositive(_mm512_sub_ps(*run_max, top));
-    __m512 sum = _mm512_mul_ps(*run_sum, rescale);
-    for (int64_t d = 0; d < dim; d++) acc[d] = _mm512_mul_ps(acc[d], rescale);
+    vf top = *run_max;
+    for (int64_t t = 0; t < n; t++) top = vf_max(top, scores[t]);
+    const vf rescale = vf_exp_nonpositive(vf_sub(*run_max, top));
+    vf sum = vf_mul(*run_sum, rescale);
+    for (int64_t d = 0; d < dim; d++) acc[d] = vf_mul(acc[d], rescale);
     for (int64_t t = 0; t < n; t++) {
-        scores[t] = exp_nonpositive(_mm512_sub_ps(scores[t], top));
+        scores[t] = vf_exp_nonpositive(vf_sub(scores[t], top));
         if (masked) /* NOTE: exp_nonpositive clamps, so exp(-inf) is not 0 until masked here */
-            scores[t] = _mm512_maskz_mov_ps(lanes_seeing(t0 + t, limit), scores[t]);
-        sum = _mm512_add_ps(sum, scores[t]);
+            scores[t] = vf_select(vm_before(t0 + t, limit), scores[t], vf_zero());
+        sum = vf_add(sum, scores[t]);
     }
     *run_sum = sum;
     *run_max = top;
 }
 
-/* float32: lane r of qt[d] is row r's q[d]; lane r of scores[t] = scale * q_r . k_t. */
-static inline void score_chunk_f32(const __m512i *qt, const float *k_buf, const int32_t *slots, int64_t n,
-                                   int64_t kv_heads, int64_t h, int64_t dim, float scale, __m512 *scores) {
+/* lane r of scores[t] = scale * q_r . rows[t] (float32 rows of the head dim). */
+static inline void score_rows(const vf *qt, const float *const *rows, int64_t n, int64_t dim, float scale,
+                              vf *scores) {
     for (int64_t t = 0; t < n; t += TOKENS) {
-        const float *krow[TOKENS];
-        for (int64_t i = 0; i < TOKENS; i++)
-            krow[i] = k_buf + ((int64_t)slots[t + i < n ? t + i : n - 1] * kv_heads + h) * dim;
-        __m512 sum[TOKENS];
-        for (int64_t i = 0; i < TOKENS; i++) sum[i] = _mm512_setzero_ps();
+        const float *k[TOKENS];
+        for (int64_t i = 0; i < TOKENS; i++) k[i] = rows[t + i < n ? t + i : n - 1];
+        vf sum[TOKENS];
+        for (int64_t i = 0; i < TOKENS; i++) sum[i] = vf_zero();
         for (int64_t d = 0; d < dim; d++) {
-            const __m512 qd = _mm512_castsi512_ps(qt[d]);
-            for (int64_t i = 0; i < TOKENS; i++) sum[i] = _mm512_fmadd_ps(qd, _mm512_set1_ps(krow[i][d]), sum[i]);
+            const vf qd = qt[d];
+            for (int64_t i = 0; i < TOKENS; i++) sum[i] = vf_fmadd(qd, vf_set1(k[i][d]), sum[i]);
         }
-        for (int64_t i = 0; i < TOKENS && t + i < n; i++) scores[t + i] = _mm512_mul_ps(sum[i], _mm512_set1_ps(scale));
+        for (int64_t i = 0; i < TOKENS && t + i < n; i++) scores[t + i] = vf_mul(sum[i], vf_set1(scale));
     }
 }
 
-/* float32: acc[d] += sum_t weights[t] * v_t[d] over the chunk's n tokens. */
-static inline void accumulate_chunk_f32(const __m512 *weights, const float *v_buf, const int32_t *slots, int64_t n,
-                                        int64_t kv_heads, int64_t h, int64_t dim, __m512 *acc) {
-    const float *vrow[CHUNK];
-    for (int64_t t = 0; t < n; t++) vrow[t] = v_buf + ((int64_t)slots[t] * kv_heads + h) * dim;
-    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-        const int64_t w = dim - d0 < 16 ? dim - d0 : 16;
-        __m512 a[16];
+/* acc[d] += sum_t weights[t] * rows[t][d] over the chunk's n tokens. */
+static inline void accumulate_rows(const vf *weights, const float *const *rows, int64_t n, int64_t dim, vf *acc) {
+    for (int64_t d0 = 0; d0 < dim; d0 += DBLOCK) {
+        const int64_t w = dim - d0 < DBLOCK ? dim - d0 : DBLOCK;
+        vf a[DBLOCK];
         for (int64_t dd = 0; dd < w; dd++) a[dd] = acc[d0 + dd];
         for (int64_t t = 0; t < n; t++) {
-            const float *v = vrow[t] + d0;
-            for (int64_t dd = 0; dd < w; dd++) a[dd] = _mm512_fmadd_ps(weights[t], _mm512_set1_ps(v[dd]), a[dd]);
+            const float *v = rows[t] + d0;
+            for (int64_t dd = 0; dd < w; dd++) a[dd] = vf_fmadd(weights[t], vf_set1(v[dd]), a[dd]);
         }
         for (int64_t dd = 0; dd < w; dd++) acc[d0 + dd] = a[dd];
     }
 }
 
-/* qt[j] for a block's rows: bf16, lane r = row r's pair (2j, 2j + 1), j < dim / 2; float32, row r's q[j]. */
-static inline void load_q_f32(__m512i *qt, const float *q, const int64_t *ids, int64_t nr, int64_t dim) {
-    float lane[LANES];
-    for (int64_t d = 0; d < dim; d++) {
-        for (int64_t r = 0; r < LANES; r++) lane[r] = q[ids[r < nr ? r : nr - 1] * dim + d];
-        qt[d] = _mm512_castps_si512(_mm512_loadu_ps(lane));
+static inline void pool_rows_f32(const float *buf, const int32_t *slots, int64_t n, int64_t kv_heads, int64_t h,
+                                 int64_t dim, const float **rows) {
+    for (int64_t t = 0; t < n; t++) rows[t] = buf + ((int64_t)slots[t] * kv_heads + h) * dim;
+}
+
+/* bf16 pool rows widened into wide[t] (float32). */
+static inline void pool_rows_bf16(const uint16_t *buf, const int32_t *slots, int64_t n, int64_t kv_heads, int64_t h,
+                                  int64_t dim, float (*wide)[MAX_DIM], const float **rows) {
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *src = buf + ((int64_t)slots[t] * kv_heads + h) * dim;
+        int64_t d = 0;
+        for (; d + SIMD_WIDTH <= dim; d += SIMD_WIDTH) vf_store(wide[t] + d, vf_load_bf16(src + d));
+        for (; d < dim; d++) wide[t][d] = bf16_to_f32(src[d]);
+        rows[t] = wide[t];
     }
 }
 
+static inline void score_chunk_f32(const vf *qt, const float *k_buf, const int32_t *slots, int64_t n,
+                                   int64_t kv_heads, int64_t h, int64_t dim, float scale, vf *scores) {
+    const float *rows[CHUNK];
+    pool_rows_f32(k_buf, slots, n, kv_heads, h, dim, rows);
+    score_rows(qt, rows, n, dim, scale, scores);
+}
+
+static inline void accumulate_chunk_f32(const vf *weights, const float *v_buf, const int32_t *slots, int64_t n,
+                                        int64_t kv_heads, int64_t h, int64_t dim, vf *acc) {
+    const float *rows[CHUNK];
+    pool_rows_f32(v_buf, slots, n, kv_heads, h, dim, rows);
+    accumulate_rows(weights, rows, n, dim, acc);
+}
+
+static inline void score_chunk_bf16_wide(const vf *qt, const uint16_t *k_buf, const int32_t *slots, int64_t n,
+                                         int64_t kv_heads, int64_t h, int64_t dim, float scale, vf *scores) {
+    float wide[CHUNK][MAX_DIM];
+    const float *rows[CHUNK];
+    pool_rows_bf16(k_buf, slots, n, kv_heads, h, dim, wide, rows);
+    score_rows(qt, rows, n, dim, scale, scores);
+}
+
+static inline void accumulate_chunk_bf16_wide(const vf *weights, const uint16_t *v_buf, const int32_t *slots,
+                                              int64_t n, int64_t kv_heads, int64_t h, int64_t dim, vf *acc) {
+    float wide[CHUNK][MAX_DIM];
+    const float *rows[CHUNK];
+    pool_rows_bf16(v_buf, slots, n, kv_heads, h, dim, wide, rows);
+    accumulate_rows(weights, rows, n, dim, acc);
+}
+
+/* qt[d], lane r = row r's q[d] in float32 (rows past nr repeat the last one). */
+#define DEFINE_LOAD_Q(NAME, T, LOAD)                                                                     \
+    static inline void NAME(vf *qt, const T *q, const int64_t *ids, int64_t nr, int64_t dim) {           \
+        float lane[LANES];                                                                               \
+        for (int64_t d = 0; d < dim; d++) {                                                              \
+            for (int64_t r = 0; r < LANES; r++) lane[r] = LOAD(q[ids[r < nr ? r : nr - 1] * dim + d]);   \
+            qt[d] = vf_load(lane);                                                                       \
+        }                                                                                                \
+    }
+DEFINE_LOAD_Q(load_q_f32, float, f32_id)
+DEFINE_LOAD_Q(load_q_bf16_wide, uint16_t, bf16_to_f32)
+
+/* qt[j], lane r = row r's bf16 pair (2j, 2j + 1) of q, j < dim / 2. */
 #ifdef HAVE_AVX512_BF16
 static inline void load_q_bf16(__m512i *qt, const uint16_t *q, const int64_t *ids, int64_t nr, int64_t dim) {
     uint32_t pair[LANES];
@@ -153,31 +197,31 @@ static inline void accumulate_chunk_bf16(const __m512 *weights, const uint16_t *
 }
 #endif
 
-/* Rows ids[0..nr) (nr <= 16) of kv head h over slots[0..len). limits (NULL: none): row r sees
- * slots[0..limits[r]), limits ascending with r. Seeding and outputs as attend_rows_*. bf16 needs
- * dim % 32 == 0. */
-#define DEFINE_ATTEND_LANES(NAME, T, LOAD_Q, SCORE, ACCUMULATE, LOAD, STORE)                             \
+/* Rows ids[0..nr) (nr <= LANES) of kv head h over slots[0..len). limits (NULL: none): row r sees
+ * slots[0..limits[r]), limits ascending with r. Seeding and outputs as attend_rows_*. QT: the type
+ * LOAD_Q fills (one vector per dim, or per bf16 pair for vdpbf16ps). */
+#define DEFINE_ATTEND_LANES(NAME, T, QT, LOAD_Q, SCORE, ACCUMULATE, LOAD, STORE)                         \
     static void NAME(const T *q, const T *k_buf, const T *v_buf, const int64_t *ids, int64_t nr,         \
                      const int32_t *slots, int64_t len, const int32_t *limits, int64_t kv_heads,         \
                      int64_t h, int64_t dim, float scale, const T *seed_out, const float *seed_lse,      \
                      T *out, float *lse) {                                                               \
-        __m512i qt[MAX_DIM];                                                                             \
-        __m512 acc[MAX_DIM], scores[CHUNK];                                                              \
+        QT qt[MAX_DIM];                                                                                  \
+        vf acc[MAX_DIM], scores[CHUNK];                                                                  \
         float lanes[LANES];                                                                              \
         int32_t limit[LANES];                                                                            \
         LOAD_Q(qt, q, ids, nr, dim);                                                                     \
         for (int64_t d = 0; d < dim; d++) {                                                              \
             for (int64_t r = 0; r < LANES && seed_lse != NULL; r++)                                      \
                 lanes[r] = LOAD(seed_out[ids[r < nr ? r : nr - 1] * dim + d]);                           \
-            acc[d] = seed_lse != NULL ? _mm512_loadu_ps(lanes) : _mm512_setzero_ps();                    \
+            acc[d] = seed_lse != NULL ? vf_load(lanes) : vf_zero();                                      \
         }                                                                                                \
         for (int64_t r = 0; r < LANES; r++) {                                                            \
             lanes[r] = seed_lse != NULL ? seed_lse[ids[r < nr ? r : nr - 1]] : -INFINITY;                \
             limit[r] = limits != NULL ? limits[r < nr ? r : nr - 1] : (int32_t)len;                      \
         }                                                                                                \
-        __m512 run_max = _mm512_loadu_ps(lanes);                                                         \
-        __m512 run_sum = _mm512_set1_ps(seed_lse != NULL ? 1.0f : 0.0f);                                 \
-        const __m512i limit_v = _mm512_loadu_si512(limit);                                               \
+        vf run_max = vf_load(lanes);                                                                     \
+        vf run_sum = vf_set1(seed_lse != NULL ? 1.0f : 0.0f);                                            \
+        const vi limit_v = vi_load(limit);                                                               \
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                    \
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \
             SCORE(qt, k_buf, slots + t0, n, kv_heads, h, dim, scale, scores);                            \
@@ -185,19 +229,22 @@ static inline void accumulate_chunk_bf16(const __m512 *weights, const uint16_t *
             ACCUMULATE(scores, v_buf, slots + t0, n, kv_heads, h, dim, acc);                             \
         }                                                                                                \
         float sums[LANES], maxes[LANES];                                                                 \
-        _mm512_storeu_ps(sums, run_sum);                                                                 \
-        _mm512_storeu_ps(maxes, run_max);                                                                \
+        vf_store(sums, run_sum);                                                                         \
+        vf_store(maxes, run_max);                                                                        \
         for (int64_t d = 0; d < dim; d++) {                                                              \
-            _mm512_storeu_ps(lanes, acc[d]);                                                             \
-            for (int64_t r = 0; r < nr; r++) out[ids[r] * dim + d] = STORE(lanes[r] / sums[r]);          \
+            vf_store(lanes, acc[d]);                                                                     \
+            for (int64_t r = 0; r < nr; r++)                                                           \
+                out[ids[r] * dim + d] = STORE(sums[r] > 0.0f ? lanes[r] / sums[r] : 0.0f);               \
         }                                                                                                \
         for (int64_t r = 0; r < nr && lse != NULL; r++) lse[ids[r]] = row_lse(maxes[r], sums[r]);        \
     }
 
-DEFINE_ATTEND_LANES(attend_lanes_f32, float, load_q_f32, score_chunk_f32, accumulate_chunk_f32, f32_id, f32_id)
+DEFINE_ATTEND_LANES(attend_lanes_f32, float, vf, load_q_f32, score_chunk_f32, accumulate_chunk_f32, f32_id, f32_id)
+DEFINE_ATTEND_LANES(attend_lanes_bf16_wide, uint16_t, vf, load_q_bf16_wide, score_chunk_bf16_wide,
+                    accumulate_chunk_bf16_wide, bf16_to_f32, f32_to_bf16)
 #ifdef HAVE_AVX512_BF16
-DEFINE_ATTEND_LANES(attend_lanes_bf16, uint16_t, load_q_bf16, score_chunk_bf16, accumulate_chunk_bf16, bf16_to_f32,
-                    f32_to_bf16)
+DEFINE_ATTEND_LANES(attend_lanes_bf16_dp, uint16_t, __m512i, load_q_bf16, score_chunk_bf16, accumulate_chunk_bf16,
+                    bf16_to_f32, f32_to_bf16)
 #endif
 #endif
 

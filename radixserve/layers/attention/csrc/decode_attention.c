@@ -7,15 +7,19 @@
  * `seed_lse` (float32 [bs, heads]) may hold each query head's partial result over the batch's shared
  * prefix (prefix_attention.c); every row then starts from it, so the slots given here are only the
  * request's own and the output is the exact merge of both. Built and loaded by native.py.
+ *
+ * Paths, best first: bf16 with AVX-512 BF16 (vdpbf16ps scores, a whole request per thread); with a
+ * vector level (AVX2 or AVX-512, dim % SIMD_WIDTH == 0) the head dim runs across the lanes, bf16
+ * widened to float32 as it is loaded; otherwise the portable loop of attention_common.h.
  */
-#include "attention_common.h"
+#include "simd.h"
 
 #define DEFINE_DECODE(NAME, T, ATTEND_ROWS)                                                              \
-    int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,                      \
-             const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,      \
-             int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) { \
+    static int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,               \
+                    const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,   \
+                    int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,          \
+                    int num_threads) {                                                                   \
         const int64_t group = heads / kv_heads;                                                          \
-        if (dim > MAX_DIM || group > MAX_GROUP || group * kv_heads != heads) return 1;                   \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")            \
         for (int64_t b = 0; b < bs; b++) {                                                               \
             for (int64_t h = 0; h < kv_heads; h++) {                                                     \
@@ -28,8 +32,74 @@
         return 0;                                                                                        \
     }
 
-DEFINE_DECODE(decode_attention_bf16_generic, uint16_t, attend_rows_bf16)
-DEFINE_DECODE(decode_attention_f32, float, attend_rows_f32)
+DEFINE_DECODE(decode_rows_bf16, uint16_t, attend_rows_bf16)
+DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
+
+#ifdef SIMD_WIDTH
+#define DECODE_TOKENS 8 /* tokens scored together; their 8 dot products are reduced in one step */
+
+/* The group's query rows ids[0..nr) of kv head h over slots[0..len), the head dim across the lanes
+ * (dim % SIMD_WIDTH == 0). Same arguments as attend_rows_* (no mask: `limits` and `lse` unused). */
+#define DEFINE_ATTEND_DIM(NAME, T, LOADV, LOAD, STORE)                                                   \
+    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int64_t *ids, int64_t nr,         \
+                     const int32_t *slots, int64_t len, const int32_t *limits, int64_t kv_heads,         \
+                     int64_t h, int64_t dim, float scale, const T *seed_out, const float *seed_lse,      \
+                     T *out, float *lse) {                                                               \
+        (void)limits, (void)lse;                                                                         \
+        const int64_t nv = dim / SIMD_WIDTH;                                                             \
+        vf qv[MAX_GROUP][MAX_DIM / SIMD_WIDTH];                                                          \
+        float acc[MAX_GROUP][MAX_DIM], score[MAX_GROUP][CHUNK], run_max[MAX_GROUP], run_sum[MAX_GROUP];  \
+        const T *vrow[CHUNK];                                                                            \
+        for (int64_t r = 0; r < nr; r++) {                                                               \
+            for (int64_t c = 0; c < nv; c++)                                                             \
+                qv[r][c] = vf_mul(LOADV(q + ids[r] * dim + c * SIMD_WIDTH), vf_set1(scale));             \
+            for (int64_t d = 0; d < dim; d++) acc[r][d] = seed_lse != NULL ? LOAD(seed_out[ids[r] * dim + d]) : 0.0f; \
+            run_max[r] = seed_lse != NULL ? seed_lse[ids[r]] : -INFINITY;                                \
+            run_sum[r] = seed_lse != NULL ? 1.0f : 0.0f;                                                 \
+        }                                                                                                \
+        for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                    \
+            const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \
+            for (int64_t t = 0; t < n; t += DECODE_TOKENS) {                                             \
+                const T *krow[DECODE_TOKENS];                                                            \
+                for (int64_t i = 0; i < DECODE_TOKENS; i++)                                              \
+                    krow[i] = k_buf + ((int64_t)slots[t0 + (t + i < n ? t + i : n - 1)] * kv_heads + h) * dim; \
+                for (int64_t r = 0; r < nr; r++) {                                                       \
+                    vf s[DECODE_TOKENS];                                                                 \
+                    for (int64_t i = 0; i < DECODE_TOKENS; i++) s[i] = vf_zero();                        \
+                    for (int64_t c = 0; c < nv; c++) {                                                   \
+                        const vf qc = qv[r][c];                                                          \
+                        for (int64_t i = 0; i < DECODE_TOKENS; i++)                                      \
+                            s[i] = vf_fmadd(qc, LOADV(krow[i] + c * SIMD_WIDTH), s[i]);                  \
+                    }                                                                                    \
+                    vf_sums8(s, score[r] + t); /* past n: repeats of the last token, masked below */    \
+                }                                                                                        \
+            }                                                                                            \
+            for (int64_t r = 0; r < nr; r++) {                                                           \
+                const float rescale = softmax_chunk(score[r], n, &run_max[r], &run_sum[r]);              \
+                for (int64_t d = 0; d < dim; d++) acc[r][d] *= rescale;                                  \
+            }                                                                                            \
+            for (int64_t t = 0; t < n; t++) vrow[t] = v_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim; \
+            for (int64_t c = 0; c < nv; c++) {                                                           \
+                vf a[MAX_GROUP];                                                                         \
+                for (int64_t r = 0; r < nr; r++) a[r] = vf_load(acc[r] + c * SIMD_WIDTH);                \
+                for (int64_t t = 0; t < n; t++) {                                                        \
+                    const vf v = LOADV(vrow[t] + c * SIMD_WIDTH);                                        \
+                    for (int64_t r = 0; r < nr; r++) a[r] = vf_fmadd(vf_set1(score[r][t]), v, a[r]);     \
+                }                                                                                        \
+                for (int64_t r = 0; r < nr; r++) vf_store(acc[r] + c * SIMD_WIDTH, a[r]);                \
+            }                                                                                            \
+        }                                                                                                \
+        for (int64_t r = 0; r < nr; r++) {                                                               \
+            const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;                              \
+            for (int64_t d = 0; d < dim; d++) out[ids[r] * dim + d] = STORE(acc[r][d] * inv);            \
+        }                                                                                                \
+    }
+
+DEFINE_ATTEND_DIM(attend_dim_f32, float, vf_load, f32_id, f32_id)
+DEFINE_ATTEND_DIM(attend_dim_bf16, uint16_t, vf_load_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_DECODE(decode_dim_f32, float, attend_dim_f32)
+DEFINE_DECODE(decode_dim_bf16, uint16_t, attend_dim_bf16)
+#endif
 
 #ifdef HAVE_AVX512_BF16
 #define MAX_HEADS 64
@@ -37,10 +107,10 @@ DEFINE_DECODE(decode_attention_f32, float, attend_rows_f32)
 /* One request's kv heads [h0, h1) in bf16 with AVX-512. Each token's K (then V) rows of all those
  * heads are adjacent in the pool, so the request's slots are streamed through once. Scores come from
  * vdpbf16ps on the pool's bf16 values (exact products, float32 sums); V is widened to float32. */
-static void decode_request_bf16_avx512(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,
-                                       const int32_t *slots, int64_t len, int64_t kv_heads, int64_t h0,
-                                       int64_t h1, int64_t dim, int64_t group, float scale,
-                                       const uint16_t *seed_out, const float *seed_lse, uint16_t *out) {
+static void decode_request_bf16_dp(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,
+                                   const int32_t *slots, int64_t len, int64_t kv_heads, int64_t h0, int64_t h1,
+                                   int64_t dim, int64_t group, float scale, const uint16_t *seed_out,
+                                   const float *seed_lse, uint16_t *out) {
     const int64_t pairs = dim / 32, lanes = dim / 16, rows = (h1 - h0) * group;
     __m512bh qv[MAX_HEADS][MAX_DIM / 32];
     float acc[MAX_HEADS][MAX_DIM], score[MAX_HEADS][CHUNK], run_max[MAX_HEADS], run_sum[MAX_HEADS];
@@ -72,12 +142,11 @@ static void decode_request_bf16_avx512(const uint16_t *q, const uint16_t *k_buf,
             const uint16_t *vrow = v_buf + ((int64_t)slots[t0 + t] * kv_heads + h0) * dim;
             for (int64_t h = 0; h < h1 - h0; h++) {
                 for (int64_t j = 0; j < lanes; j++) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(vrow + h * dim + 16 * j));
-                    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                    const __m512 v = vf_load_bf16(vrow + h * dim + 16 * j);
                     for (int64_t g = 0; g < group; g++) {
                         float *a = acc[h * group + g] + 16 * j;
-                        const __m512 p = _mm512_set1_ps(score[h * group + g][t]);
-                        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v, _mm512_loadu_ps(a)));
+                        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(score[h * group + g][t]), v,
+                                                            _mm512_loadu_ps(a)));
                     }
                 }
             }
@@ -88,32 +157,70 @@ static void decode_request_bf16_avx512(const uint16_t *q, const uint16_t *k_buf,
         for (int64_t d = 0; d < dim; d++) out[r * dim + d] = f32_to_bf16(acc[r][d] * inv);
     }
 }
+
+static int decode_bf16_dp(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *kv_indices,
+                          const int64_t *seq_lens, const uint16_t *seed_out, const float *seed_lse, uint16_t *out,
+                          int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                          int num_threads) {
+    const int64_t group = heads / kv_heads;
+    /* NOTE: whole requests per thread when there are enough of them (one pass over each request's
+     * slots); otherwise (request, kv head) pairs, so a lone request still uses every thread. */
+    const int64_t split = bs >= num_threads ? 1 : kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t unit = 0; unit < bs * split; unit++) {
+        const int64_t b = unit / split, h0 = (unit % split) * (kv_heads / split);
+        const int64_t h1 = split == 1 ? kv_heads : h0 + 1;
+        const int64_t first = b * heads + h0 * group; /* row id of the unit's first query head */
+        decode_request_bf16_dp(q + first * dim, k_buf, v_buf, kv_indices + b * max_len, seq_lens[b], kv_heads, h0, h1,
+                               dim, group, scale, seed_lse == NULL ? NULL : seed_out + first * dim,
+                               seed_lse == NULL ? NULL : seed_lse + first, out + first * dim);
+    }
+    return 0;
+}
 #endif
 
-int decode_attention_bf16(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,
-                          const int32_t *kv_indices, const int64_t *seq_lens, const uint16_t *seed_out,
-                          const float *seed_lse, uint16_t *out, int64_t bs,
-                          int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                          int num_threads) {
-#ifdef HAVE_AVX512_BF16
-    const int64_t group = heads / kv_heads;
-    if (dim % 32 == 0 && dim <= MAX_DIM && heads <= MAX_HEADS && group * kv_heads == heads) {
-        /* NOTE: whole requests per thread when there are enough of them (one pass over each request's
-         * slots); otherwise (request, kv head) pairs, so a lone request still uses every thread. */
-        const int64_t split = bs >= num_threads ? 1 : kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-        for (int64_t unit = 0; unit < bs * split; unit++) {
-            const int64_t b = unit / split, h0 = (unit % split) * (kv_heads / split);
-            const int64_t h1 = split == 1 ? kv_heads : h0 + 1;
-            const int64_t first = b * heads + h0 * group; /* row id of the unit's first query head */
-            decode_request_bf16_avx512(q + first * dim, k_buf, v_buf, kv_indices + b * max_len, seq_lens[b],
-                                       kv_heads, h0, h1, dim, group, scale,
-                                       seed_lse == NULL ? NULL : seed_out + first * dim,
-                                       seed_lse == NULL ? NULL : seed_lse + first, out + first * dim);
-        }
-        return 0;
-    }
+static int bad_shape(int64_t heads, int64_t kv_heads, int64_t dim) {
+    return kv_heads < 1 || dim < 1 || dim > MAX_DIM || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP;
+}
+
+int EXPORT(decode_attention_f32)(const float *q, const float *k_buf, const float *v_buf, const int32_t *kv_indices,
+                                 const int64_t *seq_lens, const float *seed_out, const float *seed_lse, float *out,
+                                 int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                                 int num_threads) {
+    if (bad_shape(heads, kv_heads, dim)) return 1;
+#ifdef SIMD_WIDTH
+    if (dim % SIMD_WIDTH == 0)
+        return decode_dim_f32(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                              kv_heads, dim, scale, num_threads);
 #endif
-    return decode_attention_bf16_generic(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len,
-                                         heads, kv_heads, dim, scale, num_threads);
+    return decode_rows_f32(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                           kv_heads, dim, scale, num_threads);
+}
+
+int EXPORT(decode_attention_bf16)(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,
+                                  const int32_t *kv_indices, const int64_t *seq_lens, const uint16_t *seed_out,
+                                  const float *seed_lse, uint16_t *out, int64_t bs, int64_t max_len, int64_t heads,
+                                  int64_t kv_heads, int64_t dim, float scale, int num_threads) {
+    if (bad_shape(heads, kv_heads, dim)) return 1;
+#ifdef HAVE_AVX512_BF16
+    if (dim % 32 == 0 && heads <= MAX_HEADS)
+        return decode_bf16_dp(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                              kv_heads, dim, scale, num_threads);
+#endif
+#ifdef SIMD_WIDTH
+    if (dim % SIMD_WIDTH == 0)
+        return decode_dim_bf16(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                               kv_heads, dim, scale, num_threads);
+#endif
+    return decode_rows_bf16(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                            kv_heads, dim, scale, num_threads);
+}
+
+/* The float32 lanes of this object's vector level (1: the portable loop only). */
+int EXPORT(attention_simd_width)(void) {
+#ifdef SIMD_WIDTH
+    return SIMD_WIDTH;
+#else
+    return 1;
+#endif
 }

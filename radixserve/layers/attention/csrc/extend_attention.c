@@ -5,20 +5,25 @@
  * and context slots kv_indices[kv_start .. + kv_len); its queries are the last q_len positions, so
  * query i sees context keys 0 .. shift + i with shift = kv_len - q_len (0 for a fresh prompt).
  *
- * Work is split into units of 16 query rows of one kv head (row j: query token j / group, head
+ * Work is split into units of UNIT_ROWS query rows of one kv head (row j: query token j / group, head
  * h * group + j % group), so every K/V row a unit reads serves all the query heads of its group. A
  * unit reads only the keys its last row sees (fully masked key chunks are never touched) and masks
  * lane by lane only in chunks past its first row's limit. Units run on OpenMP threads, each
- * request's costliest (latest) units first. A unit is the 16-lane AVX-512 block of
- * attention_lanes.h (float32: AVX-512F; bf16: AVX-512 BF16 and dim % 32 == 0), else the portable
- * float32 loop of attention_common.h. With seed_lse, rows start from a partial result over other
- * keys (as in the decode kernel); lse (float32 [tokens, heads]) may be NULL.
+ * request's costliest (latest) units first. With a vector level (AVX2: 8 rows, AVX-512: 16) a unit
+ * is the lane block of attention_lanes.h (bf16 with vdpbf16ps where AVX-512 BF16 and dim % 32 == 0,
+ * else widened to float32); otherwise the portable float32 loop of attention_common.h. With
+ * seed_lse, rows start from a partial result over other keys (as in the decode kernel); lse (float32
+ * [tokens, heads]) may be NULL.
  */
 #include <stdlib.h>
 
 #include "attention_lanes.h"
 
+#ifdef SIMD_WIDTH
+#define UNIT_ROWS LANES
+#else
 #define UNIT_ROWS MAX_ROWS
+#endif
 enum { Q_START, Q_LEN, KV_START, KV_LEN, REQ_FIELDS };
 
 typedef struct {
@@ -87,53 +92,40 @@ static void unit_setup(unit_t *u, int64_t unit, const int64_t *first, const int6
         return 0;                                                                                        \
     }
 
-DEFINE_EXTEND(extend_generic_bf16, uint16_t, attend_rows_bf16)
-DEFINE_EXTEND(extend_generic_f32, float, attend_rows_f32)
-#ifdef HAVE_AVX512
-DEFINE_EXTEND(extend_lanes_f32, float, attend_lanes_f32)
+#ifdef SIMD_WIDTH
+DEFINE_EXTEND(extend_f32, float, attend_lanes_f32)
+DEFINE_EXTEND(extend_bf16, uint16_t, attend_lanes_bf16_wide)
+#else
+DEFINE_EXTEND(extend_f32, float, attend_rows_f32)
+DEFINE_EXTEND(extend_bf16, uint16_t, attend_rows_bf16)
 #endif
 #ifdef HAVE_AVX512_BF16
-DEFINE_EXTEND(extend_lanes_bf16, uint16_t, attend_lanes_bf16)
+DEFINE_EXTEND(extend_bf16_dp, uint16_t, attend_lanes_bf16_dp)
 #endif
 
 static int bad_heads(int64_t heads, int64_t kv_heads, int64_t dim) {
     return kv_heads < 1 || dim < 1 || dim > MAX_DIM || heads % kv_heads != 0;
 }
 
-int extend_attention_bf16(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *kv_indices,
-                          const int64_t *reqs, const uint16_t *seed_out, const float *seed_lse, uint16_t *out,
-                          float *lse, int64_t bs, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                          int num_threads) {
+int EXPORT(extend_attention_bf16)(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,
+                                  const int32_t *kv_indices, const int64_t *reqs, const uint16_t *seed_out,
+                                  const float *seed_lse, uint16_t *out, float *lse, int64_t bs, int64_t heads,
+                                  int64_t kv_heads, int64_t dim, float scale, int num_threads) {
     if (bad_heads(heads, kv_heads, dim)) return 1;
 #ifdef HAVE_AVX512_BF16
     if (dim % 32 == 0)
-        return extend_lanes_bf16(q, k_buf, v_buf, kv_indices, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads,
-                                 dim, scale, num_threads);
-#endif
-    return extend_generic_bf16(q, k_buf, v_buf, kv_indices, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads,
-                               dim, scale, num_threads);
-}
-
-int extend_attention_f32(const float *q, const float *k_buf, const float *v_buf, const int32_t *kv_indices,
-                         const int64_t *reqs, const float *seed_out, const float *seed_lse, float *out, float *lse,
-                         int64_t bs, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) {
-    if (bad_heads(heads, kv_heads, dim)) return 1;
-#ifdef HAVE_AVX512
-    return extend_lanes_f32(q, k_buf, v_buf, kv_indices, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads, dim,
-                            scale, num_threads);
-#endif
-    return extend_generic_f32(q, k_buf, v_buf, kv_indices, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads,
+        return extend_bf16_dp(q, k_buf, v_buf, kv_indices, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads,
                               dim, scale, num_threads);
+#endif
+    return extend_bf16(q, k_buf, v_buf, kv_indices, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads, dim,
+                       scale, num_threads);
 }
 
-/* 1 when extend_attention_* takes its AVX-512 path for this dtype (1: bf16, 0: float32) and head dim. */
-int extend_attention_vectorized(int bf16, int64_t dim) {
-    if (dim < 1 || dim > MAX_DIM) return 0;
-#ifdef HAVE_AVX512_BF16
-    if (bf16) return dim % 32 == 0;
-#endif
-#ifdef HAVE_AVX512
-    if (!bf16) return 1;
-#endif
-    return 0;
+int EXPORT(extend_attention_f32)(const float *q, const float *k_buf, const float *v_buf, const int32_t *kv_indices,
+                                 const int64_t *reqs, const float *seed_out, const float *seed_lse, float *out,
+                                 float *lse, int64_t bs, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                                 int num_threads) {
+    if (bad_heads(heads, kv_heads, dim)) return 1;
+    return extend_f32(q, k_buf, v_buf, kv_indices, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads, dim, scale,
+                      num_threads);
 }

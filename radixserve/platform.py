@@ -1,0 +1,273 @@
+"""What this CPU can do, and the choices that follow from it: the kernel ISA and the `--dtype auto` dtype.
+
+The only module that reads /proc/cpuinfo. `cpu_info()` is the hardware (ISA features, physical cores,
+torch's own view of the CPU); `kernel_isa()` is the level our C attention kernels run at, the best the
+CPU has unless RADIXSERVE_CPU_ISA forces a lower one; `choose_dtype` decides `--dtype auto` from the
+features that level leaves visible (a pure function, `auto_dtype`, plus a short bf16-vs-float32 matmul
+measurement where bf16 is not native).
+
+    python -m radixserve.platform        # prints what radixserve sees here
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform as _stdlib_platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from radixserve import envs
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+# The features radixserve reports and decides by: /proc/cpuinfo flag names on x86; on ARM, NEON is
+# `asimd`, SVE `sve` and the BF16 dot-product instructions `bf16` (reported here as arm_bf16).
+X86_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                "avx512_fp16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16")
+ARM_FEATURES = {"asimd": "neon", "sve": "sve", "bf16": "arm_bf16"}
+
+# Levels of our C kernels, best first; a level runs where the CPU has all of its features.
+# avx512 is AVX-512 F/BW/VL/DQ without the BF16 instructions (Skylake-SP .. Ice Lake, Zen 4 minus BF16).
+KERNEL_ISAS = ("avx512_bf16", "avx512", "avx2", "portable")
+_AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+ISA_REQUIRES: dict[str, frozenset[str]] = {
+    "avx512_bf16": _AVX512 | {"avx512_bf16"},
+    "avx512": _AVX512,
+    "avx2": frozenset({"avx2", "fma"}),
+    "portable": frozenset(),
+}
+# Features that make bf16 matrix products native (no float32 round trip in torch's GEMMs).
+NATIVE_BF16 = ("amx_bf16", "avx512_bf16", "arm_bf16")
+BF16_PROBE_SHAPE = (256, 576, 1536)  # tokens x hidden -> intermediate of SmolLM2-135M's MLP
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    arch: str  # platform.machine(): x86_64, aarch64, arm64 ...
+    model: str
+    features: frozenset[str]  # of X86_FEATURES and the ARM names above
+    physical_cores: int
+    logical_cpus: int
+    torch_capability: str  # torch.backends.cpu.get_cpu_capability(): what torch's own kernels run at
+
+    @property
+    def is_x86(self) -> bool:
+        return self.arch.lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: str  # bfloat16 | float32 | float16
+    reason: str
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """This machine's CPU, read once per process."""
+    import torch
+
+    arch = _stdlib_platform.machine() or "unknown"
+    fields = _cpuinfo_fields()
+    features = _features(arch, fields)
+    return CpuInfo(arch, _model_name(fields), features, _physical_cores(fields),
+                   os.cpu_count() or 1, torch.backends.cpu.get_cpu_capability())
+
+
+def cpu_name() -> str:
+    return cpu_info().model
+
+
+def missing_features(isa: str, features: frozenset[str]) -> list[str]:
+    """The features `isa` needs that `features` lacks (empty: it runs)."""
+    return sorted(ISA_REQUIRES[_check_isa(isa)] - features)
+
+
+def best_isa(info: CpuInfo) -> str:
+    if not info.is_x86:
+        return "portable"
+    return next(isa for isa in KERNEL_ISAS if not missing_features(isa, info.features))
+
+
+def runnable_isas(info: CpuInfo | None = None) -> list[str]:
+    """Every kernel level this CPU can run, best first."""
+    info = info or cpu_info()
+    best = best_isa(info)
+    return list(KERNEL_ISAS[KERNEL_ISAS.index(best):])
+
+
+def kernel_isa() -> str:
+    """The level our kernels run at: RADIXSERVE_CPU_ISA if set (it may only go down), else the best here."""
+    info = cpu_info()
+    forced = envs.CPU_ISA.get()
+    if forced == "auto":
+        return best_isa(info)
+    if forced not in runnable_isas(info):
+        lacking = missing_features(forced, info.features) if info.is_x86 else [f"an x86 CPU (this is {info.arch})"]
+        raise envs.EnvError(f"{envs.CPU_ISA.name}={forced}: this CPU lacks {', '.join(lacking)}; "
+                            f"it can run {', '.join(runnable_isas(info))}")
+    return forced
+
+
+def visible_features(info: CpuInfo, isa: str) -> frozenset[str]:
+    """The features a decision may use at kernel level `isa`: forcing a level hides the x86 ones above it,
+    so that RADIXSERVE_CPU_ISA=avx2 makes radixserve decide as on an AVX2-only CPU."""
+    if isa == best_isa(info):
+        return info.features
+    return frozenset(f for f in info.features if f not in X86_FEATURES or f in ISA_REQUIRES[isa])
+
+
+def auto_dtype(device_type: str, features: frozenset[str], bf16_slowdown: float | None = None) -> DtypeChoice:
+    """`--dtype auto`, decided: bfloat16 where bf16 matrix products are native or measured at least as
+    fast as float32, float32 otherwise. `bf16_slowdown`: measured bf16 / float32 matmul time, or None."""
+    if device_type == "cuda":
+        return DtypeChoice("bfloat16", "CUDA")
+    native = [f for f in NATIVE_BF16 if f in features]
+    if native:
+        return DtypeChoice("bfloat16", f"bf16 matrix products are native here ({', '.join(native)})")
+    lacking = "no native bf16 matrix products (no AMX-BF16, AVX512-BF16 or ARM BF16)"
+    if bf16_slowdown is None:
+        return DtypeChoice("float32", f"{lacking}; not measured")
+    if bf16_slowdown <= 1.0:
+        return DtypeChoice("bfloat16", f"{lacking}, but bf16 matmuls measured {1 / bf16_slowdown:.2f}x as fast "
+                                       "as float32")
+    return DtypeChoice("float32", f"{lacking}; bf16 matmuls measured {bf16_slowdown:.1f}x slower than float32")
+
+
+def choose_dtype(name: str, device_type: str) -> DtypeChoice:
+    """The dtype for `--dtype name` on this machine and why; an explicit bf16 where it is slow logs one warning."""
+    if name != "auto":
+        if name == "bfloat16" and device_type == "cpu" and not _native_bf16_here():
+            _warn_slow_bf16()
+        return DtypeChoice(name, "explicit --dtype")
+    if device_type != "cpu":
+        return auto_dtype(device_type, frozenset())
+    features = visible_features(cpu_info(), kernel_isa())
+    if any(f in features for f in NATIVE_BF16):
+        return auto_dtype("cpu", features)
+    return auto_dtype("cpu", features, measure_bf16_slowdown())
+
+
+@functools.cache
+def measure_bf16_slowdown() -> float:
+    """bf16 / float32 time of a linear layer of SmolLM2-135M's MLP shape, medians of alternating calls (~0.2 s
+    where bf16 is slow); measured once per process."""
+    import torch
+    import torch.nn.functional as F
+
+    tokens, hidden, out = BF16_PROBE_SHAPE
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(tokens, hidden, generator=g), torch.randn(out, hidden, generator=g)
+    pairs = {torch.float32: (x, w), torch.bfloat16: (x.bfloat16(), w.bfloat16())}
+    times: dict[torch.dtype, list[float]] = {dtype: [] for dtype in pairs}
+    with torch.inference_mode():
+        for _ in range(4):
+            for dtype, (a, b) in pairs.items():
+                start = time.perf_counter()
+                F.linear(a, b)
+                times[dtype].append(time.perf_counter() - start)
+    # NOTE: the first call of each dtype pays one-time setup (weight packing, thread pool); dropped
+    bf16, f32 = (statistics.median(times[d][1:]) for d in (torch.bfloat16, torch.float32))
+    return bf16 / max(f32, 1e-9)
+
+
+def describe(info: CpuInfo | None = None) -> dict[str, Any]:
+    """For /get_server_info and benchmark headers."""
+    info = info or cpu_info()
+    isa = kernel_isa()
+    return {"arch": info.arch, "cpu": info.model, "physical_cores": info.physical_cores,
+            "logical_cpus": info.logical_cpus, "features": sorted(info.features),
+            "torch_cpu_capability": info.torch_capability, "kernel_isa": isa, "best_kernel_isa": best_isa(info),
+            "kernel_isa_forced": envs.CPU_ISA.get() != "auto"}
+
+
+def summary_line(info: CpuInfo | None = None) -> str:
+    """One line: the CPU, its features, cores, torch's capability and our kernel level."""
+    info = info or cpu_info()
+    isa, best = kernel_isa(), best_isa(info)
+    forced = f" (forced by {envs.CPU_ISA.name}; the CPU can run {best})" if isa != best else ""
+    features = " ".join(sorted(info.features)) or "none of the tracked ones"
+    return (f"{info.model} ({info.arch}), {info.physical_cores} physical cores, features: {features}; torch CPU "
+            f"capability {info.torch_capability}; radixserve kernels {isa}{forced}")
+
+
+def _native_bf16_here() -> bool:
+    return any(f in visible_features(cpu_info(), kernel_isa()) for f in NATIVE_BF16)
+
+
+@functools.cache
+def _warn_slow_bf16() -> None:
+    slowdown = measure_bf16_slowdown()
+    if slowdown > 1.0:
+        logger.warning("--dtype bfloat16 on a CPU without native bf16 matrix products: bf16 matmuls measured "
+                       "%.1fx slower than float32 here (--dtype auto would pick float32)", slowdown)
+
+
+def _check_isa(isa: str) -> str:
+    if isa not in ISA_REQUIRES:
+        raise ValueError(f"unknown kernel ISA {isa!r}; expected one of {', '.join(KERNEL_ISAS)}")
+    return isa
+
+
+def _cpuinfo_fields() -> list[dict[str, str]]:
+    """/proc/cpuinfo as one dict per processor (empty where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    blocks = []
+    for block in text.strip().split("\n\n"):
+        fields = {}
+        for line in block.splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields[key.strip().lower()] = value.strip()
+        blocks.append(fields)
+    return blocks
+
+
+def _features(arch: str, fields: list[dict[str, str]]) -> frozenset[str]:
+    first = fields[0] if fields else {}
+    flags = set(first.get("flags", "").split())
+    found = {f for f in X86_FEATURES if f in flags}
+    arm = set(first.get("features", "").split())
+    found |= {name for flag, name in ARM_FEATURES.items() if flag in arm}
+    if arch.lower() in ("arm64", "aarch64"):
+        found.add("neon")  # NOTE: baseline on 64-bit ARM (macOS has no /proc/cpuinfo to say so)
+    return frozenset(found)
+
+
+def _model_name(fields: list[dict[str, str]]) -> str:
+    first = fields[0] if fields else {}
+    for key in ("model name", "hardware", "cpu model"):
+        if first.get(key):
+            return first[key]
+    return _stdlib_platform.processor() or _stdlib_platform.machine() or "unknown CPU"
+
+
+def _physical_cores(fields: list[dict[str, str]]) -> int:
+    cores = {(f.get("physical id"), f.get("core id")) for f in fields if "core id" in f}
+    return len(cores) or os.cpu_count() or 1
+
+
+def main() -> None:
+    import json
+    import sys
+
+    if sys.argv[1:] == ["--runnable-isas"]:  # for .ci/run: the kernel levels this CPU can run
+        print(" ".join(runnable_isas()))
+        return
+    print(summary_line())
+    print(json.dumps(describe(), indent=2))
+    print("auto dtype on the CPU:", choose_dtype("auto", "cpu"))
+
+
+if __name__ == "__main__":
+    main()
