@@ -4,7 +4,7 @@ The only module that reads /proc/cpuinfo. `cpu_info()` is the hardware (ISA feat
 torch's own view of the CPU); `kernel_isa()` is the level our C attention kernels run at, the best the
 CPU has unless RADIXSERVE_CPU_ISA forces a lower one; `choose_dtype` decides `--dtype auto` from the
 features that level leaves visible (a pure function, `auto_dtype`, plus a short bf16-vs-float32 matmul
-measurement where bf16 is not native).
+measurement where bf16 is not native); `kernel_class()` keys which C kernels beat torch here.
 
     python -m radixserve.platform        # prints what radixserve sees here
 """
@@ -116,12 +116,22 @@ def kernel_isa() -> str:
     return forced
 
 
-def visible_features(info: CpuInfo, isa: str) -> frozenset[str]:
-    """The features a decision may use at kernel level `isa`: forcing a level hides the x86 ones above it,
-    so that RADIXSERVE_CPU_ISA=avx2 makes radixserve decide as on an AVX2-only CPU."""
-    if isa == best_isa(info):
+def visible_features(info: CpuInfo | None = None) -> frozenset[str]:
+    """The features radixserve decides by. Forcing a level (RADIXSERVE_CPU_ISA) hides every x86 feature that
+    level does not need, so that e.g. avx2 makes radixserve decide as on an AVX2-only CPU and avx512_bf16 as
+    on one without AMX (torch's own kernels still use what the CPU has; see bench/docs.TORCH_ISA_ENV)."""
+    info = info or cpu_info()
+    if envs.CPU_ISA.get() == "auto":
         return info.features
-    return frozenset(f for f in info.features if f not in X86_FEATURES or f in ISA_REQUIRES[isa])
+    allowed = ISA_REQUIRES[kernel_isa()]
+    return frozenset(f for f in info.features if f not in X86_FEATURES or f in allowed)
+
+
+def kernel_class() -> str:
+    """The class our kernel selection is keyed by (native.SELECTED): the kernel level, or `amx` at
+    avx512_bf16 with AMX-BF16 visible, where torch's own bf16 attention runs on AMX tiles."""
+    isa = kernel_isa()
+    return "amx" if isa == "avx512_bf16" and "amx_bf16" in visible_features() else isa
 
 
 def auto_dtype(device_type: str, features: frozenset[str], bf16_slowdown: float | None = None) -> DtypeChoice:
@@ -149,7 +159,7 @@ def choose_dtype(name: str, device_type: str) -> DtypeChoice:
         return DtypeChoice(name, "explicit --dtype")
     if device_type != "cpu":
         return auto_dtype(device_type, frozenset())
-    features = visible_features(cpu_info(), kernel_isa())
+    features = visible_features()
     if any(f in features for f in NATIVE_BF16):
         return auto_dtype("cpu", features)
     return auto_dtype("cpu", features, measure_bf16_slowdown())
@@ -185,21 +195,22 @@ def describe(info: CpuInfo | None = None) -> dict[str, Any]:
     return {"arch": info.arch, "cpu": info.model, "physical_cores": info.physical_cores,
             "logical_cpus": info.logical_cpus, "features": sorted(info.features),
             "torch_cpu_capability": info.torch_capability, "kernel_isa": isa, "best_kernel_isa": best_isa(info),
-            "kernel_isa_forced": envs.CPU_ISA.get() != "auto"}
+            "kernel_isa_forced": envs.CPU_ISA.get() != "auto", "kernel_class": kernel_class(),
+            "visible_features": sorted(visible_features(info))}
 
 
 def summary_line(info: CpuInfo | None = None) -> str:
     """One line: the CPU, its features, cores, torch's capability and our kernel level."""
     info = info or cpu_info()
     isa, best = kernel_isa(), best_isa(info)
-    forced = f" (forced by {envs.CPU_ISA.name}; the CPU can run {best})" if isa != best else ""
+    forced = f" (forced by {envs.CPU_ISA.name}; the CPU can run {best})" if envs.CPU_ISA.get() != "auto" else ""
     features = " ".join(sorted(info.features)) or "none of the tracked ones"
     return (f"{info.model} ({info.arch}), {info.physical_cores} physical cores, features: {features}; torch CPU "
             f"capability {info.torch_capability}; radixserve kernels {isa}{forced}")
 
 
 def _native_bf16_here() -> bool:
-    return any(f in visible_features(cpu_info(), kernel_isa()) for f in NATIVE_BF16)
+    return any(f in visible_features() for f in NATIVE_BF16)
 
 
 @functools.cache
@@ -216,14 +227,18 @@ def _check_isa(isa: str) -> str:
     return isa
 
 
+def _read_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 def _cpuinfo_fields() -> list[dict[str, str]]:
     """/proc/cpuinfo as one dict per processor (empty where there is no such file)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
+    text = _read_cpuinfo()
     blocks = []
-    for block in text.strip().split("\n\n"):
+    for block in text.strip().split("\n\n") if text.strip() else []:
         fields = {}
         for line in block.splitlines():
             key, sep, value = line.partition(":")

@@ -1,7 +1,9 @@
 """Cascade attention: the batch's shared prefix attended once, merged by log-sum-exp, equals plain attention.
 
 Unit tests compare the cascade path of a backend with the same backend with cascade off, on random
-pools whose request rows share a forced prefix of scattered slots. The end-to-end test runs a W1-like
+pools whose request rows share a forced prefix of scattered slots: the torch backend, its math path,
+the CPU backend as its kernel selection has it (`cpu`), and the CPU backend with every C kernel at
+each kernel level (`cpu-<level>`). The end-to-end test runs a W1-like
 batch through the scheduler on the embedded model with cascade on and off.
 """
 
@@ -11,10 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kernel_levels import force_level, select_everything
 from test_model_support import one_torch_thread
 
 from radixserve.layers.attention import cascade, create_attention_backend
 from radixserve.layers.attention.native import load_decode_kernel
+from radixserve.platform import KERNEL_ISAS
 from radixserve.layers.attention.torch_backend import TorchAttnBackend
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -47,8 +51,9 @@ def _pool_and_rows(shared: int, own_lens: list[int], kv_heads: int, dim: int, dt
 
 
 def _backends(name: str, policy: cascade.CascadePolicy = SMALL):
-    """Cascade on and off. "torch-math": the torch backend on the path it takes off the CPU (set by _path)."""
-    name = "torch" if name == "torch-math" else name
+    """Cascade on and off. "torch-math": the torch backend on the path it takes off the CPU (set by _path);
+    "cpu-<level>": the CPU backend at that kernel level."""
+    name = "torch" if name == "torch-math" else name.split("-")[0]
     runner = SimpleNamespace(device=torch.device("cpu"))
     on, off = create_attention_backend(name, runner), create_attention_backend(name, runner)
     on.cascade, off.cascade = policy, None
@@ -56,8 +61,11 @@ def _backends(name: str, policy: cascade.CascadePolicy = SMALL):
 
 
 def _path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if name == "cpu" and load_decode_kernel() is None:
+    if name.startswith("cpu") and load_decode_kernel() is None:
         pytest.skip("no C compiler here, so the native kernel cannot be built")
+    if name.startswith("cpu-"):  # every C kernel (prefix, seeded decode and extend) at this level
+        force_level(name.removeprefix("cpu-"), monkeypatch)
+        select_everything(monkeypatch)
     if name == "torch-math":  # no CPU flash op, and score blocks small enough to split every call
         monkeypatch.setattr(cascade, "_CPU_FLASH", None)
         monkeypatch.setattr(cascade, "MAX_SCORE_ELEMENTS", 2000)
@@ -95,7 +103,7 @@ def _both(on, off, batch, layer: RadixAttention) -> tuple[torch.Tensor, torch.Te
     return outs[0], outs[1]
 
 
-BACKENDS = ["torch", "torch-math", "cpu"]
+BACKENDS = ["torch", "torch-math", "cpu", *(f"cpu-{isa}" for isa in KERNEL_ISAS)]
 
 
 @pytest.mark.parametrize("name", BACKENDS)

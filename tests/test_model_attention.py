@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from kernel_levels import LEVELS, force_level, kernel_at, select_everything
 from test_model_support import one_torch_thread
 
 from radixserve.layers.attention import attention_backend_names, create_attention_backend
-from radixserve.layers.attention.native import load_decode_kernel
 from radixserve.layers.attention.torch_backend import (
     TorchAttnBackend,
     decode_block_diagonal,
@@ -82,27 +82,26 @@ def test_decode_paths_match_reference(kv_heads, heads):
         assert torch.allclose(out.double(), ref, atol=1e-5), path.__name__
 
 
+@pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 @pytest.mark.parametrize("kv_heads, heads, dim", [(2, 6, 32), (3, 9, 64), (1, 4, 48)])  # 48: not AVX-512 sized
-def test_native_decode_kernel_matches_reference(dtype, atol, kv_heads, heads, dim):
-    kernel = load_decode_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler here, so the native kernel cannot be built")
+def test_native_decode_kernel_matches_reference(isa, dtype, atol, kv_heads, heads, dim, monkeypatch):
+    force_level(isa, monkeypatch)
+    select_everything(monkeypatch)
     seq_lens = [3, 130, 64, 65, 1]  # across and exactly at the kernel's 64-token chunks
     q, k_new, v_new, fb, ref = _decode_batch(seq_lens, kv_heads, heads, dtype, dim)
     backend = create_attention_backend("cpu", SimpleNamespace(device=torch.device("cpu")))
-    assert backend.decode_kernel is not None
+    assert backend.decode_kernel is not None and backend.decode_kernel.isa == isa
     backend.init_forward_metadata(fb)
     got = backend.forward(q, k_new, v_new, RadixAttention(0, heads, kv_heads, dim, dim**-0.5), fb)
     assert got.dtype == dtype
     assert torch.allclose(got.view(len(seq_lens), heads, dim).double(), ref, atol=atol)
 
 
-def test_native_decode_kernel_single_request_uses_head_split():
+@pytest.mark.parametrize("isa", LEVELS)
+def test_native_decode_kernel_single_request_uses_head_split(isa):
     """One request on two threads goes through the per-(request, kv head) split."""
-    kernel = load_decode_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler here, so the native kernel cannot be built")
+    kernel = kernel_at(isa)
     q, _, _, fb, ref = _decode_batch([300], 3, 9, torch.bfloat16, 64)
     k_all, v_all = fb.token_to_kv_pool.get_kv_buffer(0)
     indices = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :300].reshape(-1)

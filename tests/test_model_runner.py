@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_model_support import make_tiny_model, one_torch_thread
 
+from radixserve import platform
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.direct_driver import DirectDriver
@@ -35,14 +36,15 @@ def _runner(folder, **kw) -> ModelRunner:
 def test_defaults_and_startup_log(tiny, caplog):
     with caplog.at_level(logging.INFO, logger="radixserve.model_executor.model_runner"):
         runner = _runner(tiny, max_total_tokens=512)
-    assert runner.dtype == torch.bfloat16 and next(runner.model.parameters()).dtype == torch.bfloat16
+    auto = platform.choose_dtype("auto", "cpu")  # bfloat16 where bf16 matmuls are native (or measured fast)
+    assert runner.dtype == getattr(torch, auto.dtype) and next(runner.model.parameters()).dtype == runner.dtype
     assert runner.max_total_num_tokens == 512 and runner.context_len == 512
     assert runner.max_running_requests == 64
     assert runner.req_to_token_pool.req_to_token.shape == (65, 516)
     assert type(runner.token_to_kv_pool_allocator) is TokenToKVPoolAllocator
     assert runner.token_to_kv_pool.k_buffer[0].shape == (513, 2, 16)
     line = caplog.records[-1].getMessage()
-    for part in ("dtype bfloat16", "KV pool 512 tokens", "page size 1", "max running requests 64", "max context 512"):
+    for part in (f"dtype {auto.dtype} ({auto.reason})", "KV pool 512 tokens", "page size 1", "max running requests 64", "max context 512"):
         assert part in line
 
 

@@ -1,8 +1,9 @@
 """The C causal extend (prefill) kernel (csrc/extend_attention.c) against SDPA, in the CPU backend, and end to end.
 
 Kernel tests read K/V through scattered pool slots, several requests per call, with plain and shifted
-causal diagonals (a cached prefix). The backend test compares CpuAttnBackend's extend with the torch
-backend's; the end-to-end test runs the embedded model greedily with the kernel on and off.
+causal diagonals (a cached prefix), once per kernel level this CPU runs (tests/kernel_levels.py). The
+backend test compares CpuAttnBackend's extend with the torch backend's at each level; the end-to-end test
+runs the embedded model greedily with the kernel on and off.
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_levels import LEVELS, force_level, kernel_at, select_everything
 from test_model_support import one_torch_thread
 
 from radixserve.layers.attention import cascade, create_attention_backend
-from radixserve.layers.attention.native import DecodeKernel, load_decode_kernel
-from radixserve.layers.attention.torch_backend import PREFILL_KERNEL_ENV, CpuAttnBackend, TorchAttnBackend
+from radixserve.layers.attention.native import DecodeKernel
+from radixserve.layers.attention.torch_backend import (
+    EXTEND_KERNEL_MAX_NEW_TOKENS,
+    PREFILL_KERNEL_ENV,
+    CpuAttnBackend,
+    TorchAttnBackend,
+)
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -27,12 +34,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 LENGTHS = [1, 15, 16, 17, 100, 513]
 
 
-@pytest.fixture(scope="module")
-def kernel() -> DecodeKernel:
-    kernel = load_decode_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler here, so the native kernel cannot be built")
-    return kernel
+@pytest.fixture(scope="module", params=LEVELS)
+def kernel(request) -> DecodeKernel:
+    """The C kernels of each level this CPU can run (whatever native.SELECTED lets the backend use)."""
+    return kernel_at(request.param)
 
 
 def _random(shape: tuple[int, ...], g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -129,7 +134,8 @@ def test_kernel_rejects_bad_shapes(kernel):
         kernel.extend(q, k_buf, v_buf, indices, bad, 0.125)
     with pytest.raises(ValueError, match="rejected"):
         kernel.extend(q[:, :5], k_buf, v_buf, indices, reqs, 0.125)  # 5 heads over 2 kv heads
-    assert kernel.extend_supports(q.bfloat16(), k_buf.bfloat16()) == kernel.extend_supports(q, k_buf)
+    for dtype in (torch.float32, torch.bfloat16):  # the backend uses it exactly where it was measured faster
+        assert kernel.extend_supports(q.to(dtype), k_buf.to(dtype)) == kernel.selected("extend", dtype)
     assert not kernel.extend_supports(q.bfloat16(), k_buf)  # the pool's dtype differs
 
 
@@ -166,28 +172,57 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefix_lens, extend_lens", [([0, 0, 0], [17, 1, 100]), ([0, 30, 5], [40, 2, 16])])
-def test_cpu_backend_extend_matches_torch_backend(kernel, monkeypatch, dtype, prefix_lens, extend_lens):
+def test_cpu_backend_extend_matches_torch_backend(isa, monkeypatch, dtype, prefix_lens, extend_lens):
+    """At each level: the kernel runs exactly where native.SELECTED chose it (and always when everything is
+    selected), and the backend's output equals the torch backend's either way."""
+    force_level(isa, monkeypatch)
     calls = _counting(monkeypatch)
     runner = SimpleNamespace(device=torch.device("cpu"))
-    cpu, plain = create_attention_backend("cpu", runner), TorchAttnBackend(runner)
-    assert isinstance(cpu, CpuAttnBackend) and cpu.extend_kernel is not None
+    plain = TorchAttnBackend(runner)
     layer = RadixAttention(0, 9, 3, 64, 64**-0.5)
     q, k, v, fb = _extend_batch(prefix_lens, extend_lens, 3, 9, 64, dtype)
-    outs = []
-    for backend in (cpu, plain):
+    for selection in ("measured", "everything"):
+        if selection == "everything":
+            select_everything(monkeypatch)
+        cpu = create_attention_backend("cpu", runner)
+        assert isinstance(cpu, CpuAttnBackend) and cpu.extend_kernel is not None and cpu.extend_kernel.isa == isa
+        chosen = cpu.extend_kernel.selected("extend", dtype)
+        outs = []
+        for backend in (cpu, plain):
+            backend.init_forward_metadata(fb)
+            outs.append(backend.forward(q, k, v, layer, fb))
+        assert len(calls) == int(chosen), (selection, chosen)
+        assert outs[0].dtype == dtype
+        assert torch.allclose(outs[0].float(), outs[1].float(), atol=TOLERANCE[dtype])
+        calls.clear()
+
+
+def test_long_requests_stay_on_sdpa(monkeypatch):
+    """A batch with a request of more new tokens than the measured crossover runs SDPA, not the kernel."""
+    select_everything(monkeypatch)
+    calls = _counting(monkeypatch)
+    backend = create_attention_backend("cpu", SimpleNamespace(device=torch.device("cpu")))
+    if backend.extend_kernel is None:
+        pytest.skip("no C compiler here, so the native kernel cannot be built")
+    layer = RadixAttention(0, 2, 1, 32, 32**-0.5)
+    for lens, want in (([EXTEND_KERNEL_MAX_NEW_TOKENS, 3], 1), ([EXTEND_KERNEL_MAX_NEW_TOKENS + 1, 3], 0)):
+        q, k, v, fb = _extend_batch([0, 0], lens, 1, 2, 32, torch.float32)
         backend.init_forward_metadata(fb)
-        outs.append(backend.forward(q, k, v, layer, fb))
-    assert len(calls) == 1 and outs[0].dtype == dtype
-    assert torch.allclose(outs[0].float(), outs[1].float(), atol=TOLERANCE[dtype])
+        backend.forward(q, k, v, layer, fb)
+        assert len(calls) == want, lens
+        calls.clear()
 
 
-def test_switch_off_keeps_sdpa(kernel, monkeypatch):
+def test_switch_off_keeps_sdpa(monkeypatch):
     calls = _counting(monkeypatch)
     monkeypatch.setenv(PREFILL_KERNEL_ENV, "0")
     backend = create_attention_backend("cpu", SimpleNamespace(device=torch.device("cpu")))
-    assert backend.extend_kernel is None and backend.decode_kernel is not None
+    if backend.decode_kernel is None:
+        pytest.skip("no C compiler here, so the native kernel cannot be built")
+    assert backend.extend_kernel is None
     q, k, v, fb = _extend_batch([0, 8], [20, 3], 1, 2, 32, torch.float32)
     backend.init_forward_metadata(fb)
     assert backend.extend_meta.kernel_reqs is None
@@ -210,14 +245,16 @@ def test_end_to_end_greedy_kernel_on_vs_off(loaded, monkeypatch):
     for switch in ("1", "0"):
         monkeypatch.setenv(PREFILL_KERNEL_ENV, switch)
         h = Harness(loaded, max_total_tokens=1024, disable_cascade_attention=True)
-        assert (h.sched.model_runner.attn_backend.extend_kernel is not None) == (switch == "1")
+        kernel = h.sched.model_runner.attn_backend.extend_kernel
+        assert (kernel is not None) == (switch == "1")
         for round_ in range(2):
             for i, p in enumerate(PROMPTS):
                 h.submit(f"r{round_}.{i}", p + [2000 + i] * round_ * 3, max_new_tokens=5, ignore_eos=True)
             h.drain()
         outputs.append([h.ids(f"r{r}.{i}") for r in range(2) for i in range(len(PROMPTS))])
-        if switch == "1":
-            assert calls, "the kernel never ran"
+        if switch == "1":  # NOTE: the kernel runs only where it was measured faster on this CPU class
+            selected = kernel.selected("extend", torch.float32)
+            assert bool(calls) == selected, f"kernel level {kernel.isa}, selected {selected}, calls {len(calls)}"
             calls_on = len(calls)
     assert len(calls) == calls_on  # none with the switch off
     assert outputs[0] == outputs[1]

@@ -227,6 +227,7 @@ async def _server_info(tm: TokenizerManager, server_args: ServerArgs) -> dict[st
     return {
         "version": _version(),
         "model": tm.info.describe(),
+        "platform": tm.info.platform,  # dtype and its reason, the C kernels in use, the CPU
         "server_args": dataclasses.asdict(server_args) | redacted,
         "frontend": dataclasses.asdict(tm.config),
         "scheduler_alive": alive and ok,

@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -58,6 +58,7 @@ class SchedulerInfo:
     dtype: str
     device: str
     pid: int
+    platform: dict[str, Any] = field(default_factory=dict)  # ModelRunner.platform_info(): dtype reason, CPU
 
     @property
     def effective_max_context(self) -> int:
@@ -67,7 +68,7 @@ class SchedulerInfo:
         return min(self.context_len, pool)
 
     def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "tokenizer"} | {
+        return {k: v for k, v in self.__dict__.items() if k not in ("tokenizer", "platform")} | {
             "effective_max_context": self.effective_max_context
         }
 
@@ -200,6 +201,7 @@ def _info_from_runner(server_args: ServerArgs, runner: Any) -> SchedulerInfo:
         dtype=str(runner.dtype).replace("torch.", ""),
         device=str(runner.device),
         pid=os.getpid(),
+        platform=runner.platform_info() if hasattr(runner, "platform_info") else {},
     )
 
 

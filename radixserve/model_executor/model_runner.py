@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve import platform
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.sampler import (
     Sampler,
@@ -41,9 +42,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    # NOTE: "auto" is bfloat16 on both CPU and CUDA: on AVX-512 CPUs bf16 matmuls run ~3x float32.
-    return torch.bfloat16 if name == "auto" else DTYPES[name]
+def resolve_dtype(name: str, device_type: str = "cpu") -> torch.dtype:
+    """`--dtype` to a torch dtype; auto is decided by the hardware (platform.choose_dtype)."""
+    return DTYPES[platform.choose_dtype(name, device_type).dtype]
 
 
 class ModelRunner:
@@ -55,7 +56,8 @@ class ModelRunner:
     def __init__(self, server_args: ServerArgs, loaded: LoadedModel | None = None) -> None:
         self.server_args = server_args
         self.device = resolve_device(server_args.device)
-        self.dtype = resolve_dtype(server_args.dtype)
+        self.dtype_choice = platform.choose_dtype(server_args.dtype, self.device.type)  # dtype and why
+        self.dtype = DTYPES[self.dtype_choice.dtype]
         self.page_size = server_args.page_size
         if server_args.torch_threads is not None:
             # NOTE: process-wide; set only when asked (on a busy machine 1 thread can beat 2)
@@ -149,18 +151,29 @@ class ModelRunner:
             self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
                 self.max_total_num_tokens, self.page_size, self.device)
 
+    def platform_info(self) -> dict:
+        """The dtype and why, the C attention kernels in use and the CPU (start-up line, /get_server_info)."""
+        kernel = getattr(self.attn_backend, "decode_kernel", None)
+        kernels = None if kernel is None else {"level": kernel.isa, "class": kernel.kernel_class(),
+                                               "used": kernel.selected_kernels().get(self.dtype_choice.dtype, [])}
+        return {"dtype": self.dtype_choice.dtype, "dtype_reason": self.dtype_choice.reason,
+                "attention_kernels": kernels, "cpu": platform.describe()}
+
     def _log_startup(self) -> None:
         gib = self.max_total_num_tokens * MHATokenToKVPool.bytes_per_token(
             self.model_config.num_kv_heads, self.model_config.head_dim, self.model_config.num_layers,
             self.dtype) / 2**30
         from radixserve.layers.quantization.model_quant import weight_summary
 
+        kernels = self.platform_info()["attention_kernels"]
+        used = "torch only" if kernels is None else f"C {', '.join(kernels['used']) or 'none'} ({kernels['class']})"
         logger.info(
-            "model %s | dtype %s | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
-            "max running requests %d | max context %d | attention %s | quantization %s: %s",
-            self.loaded.name, str(self.dtype).removeprefix("torch."), self.device, self.max_total_num_tokens, gib,
-            self.page_size, self.max_running_requests, self.context_len, self.server_args.attention_backend,
-            self.server_args.quantization, weight_summary(self.model))
+            "model %s | dtype %s (%s) | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
+            "max running requests %d | max context %d | attention %s, %s | quantization %s: %s | CPU: %s",
+            self.loaded.name, self.dtype_choice.dtype, self.dtype_choice.reason, self.device,
+            self.max_total_num_tokens, gib, self.page_size, self.max_running_requests, self.context_len,
+            self.server_args.attention_backend, used, self.server_args.quantization, weight_summary(self.model),
+            platform.summary_line())
         if self.max_total_num_tokens < self.context_len:
             logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): one request "
                            "can use at most the pool", self.max_total_num_tokens, self.context_len)

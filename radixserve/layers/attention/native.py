@@ -10,7 +10,7 @@ this CPU runs unless RADIXSERVE_CPU_ISA forces a lower one. The library is calle
 releases the GIL) and links the same libgomp as torch, so it runs on torch's OpenMP thread pool.
 Without a compiler, `load_decode_kernel` returns None and the caller keeps the torch path.
 
-`SELECTED` says, per level and dtype, which kernels measured faster than torch's own op at
+`SELECTED` says, per CPU class and dtype, which kernels measured faster than torch's own op at
 SmolLM2-135M's shapes (docs/attention.md, "Kernel levels"); the backend uses a kernel only there.
 """
 
@@ -47,10 +47,19 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "portable": (),
 }
 KERNELS = ("decode", "extend", "prefix")
-# (level, dtype) -> the kernels that measured faster than torch's op at SmolLM2-135M's shapes on that
-# level (benchmarks/bench_kernels.py; docs/attention.md, "Kernel levels"). Elsewhere the backend keeps torch.
+_EVERY_CLASS = ("amx", *ISA_FLAGS)
+# (kernel class, dtype) -> the kernels that measured faster than torch's op at SmolLM2-135M's shapes on
+# that class of CPU (`platform.kernel_class()`; benchmarks/bench_kernels.py; docs/attention.md, "Kernel
+# levels"). Elsewhere that part of attention stays on torch:
+# - decode won on every class and dtype (1.2-9x);
+# - extend (prompts of up to EXTEND_KERNEL_MAX_NEW_TOKENS new tokens) won in float32 everywhere and in bf16
+#   everywhere but on AMX, where torch's SDPA runs on AMX tiles (the kernel took 2-3x its time); on
+#   avx512_bf16 it is chosen by a real Zen 4 (2.3-4.6x faster than SDPA), not by this Xeon's emulation;
+# - prefix (cascade's part (a)) lost to torch's CPU flash op on every class (0.5-0.9x).
 SELECTED: dict[tuple[str, torch.dtype], frozenset[str]] = {
-    (isa, dtype): frozenset(KERNELS) for isa in ISA_FLAGS for dtype in _DTYPE_SUFFIX
+    **{(cls, torch.float32): frozenset({"decode", "extend"}) for cls in _EVERY_CLASS},
+    **{(cls, torch.bfloat16): frozenset({"decode", "extend"}) for cls in _EVERY_CLASS if cls != "amx"},
+    ("amx", torch.bfloat16): frozenset({"decode"}),
 }
 
 
@@ -70,9 +79,13 @@ class DecodeKernel:
         width.restype, width.argtypes = ctypes.c_int, []
         self.simd_width = int(width())  # float32 lanes of the level's vector code; 1: portable loops only
 
+    def kernel_class(self) -> str:
+        """The class SELECTED is keyed by: this level, or `amx` at avx512_bf16 where AMX-BF16 is visible."""
+        return "amx" if self.isa == "avx512_bf16" and rs_platform.kernel_class() == "amx" else self.isa
+
     def selected(self, kernel: str, dtype: torch.dtype) -> bool:
-        """Whether `kernel` (decode, extend, prefix) measured faster than torch's op on this level in `dtype`."""
-        return kernel in SELECTED.get((self.isa, dtype), frozenset())
+        """Whether `kernel` (decode, extend, prefix) measured faster than torch's op on this class in `dtype`."""
+        return kernel in SELECTED.get((self.kernel_class(), dtype), frozenset())
 
     def selected_kernels(self) -> dict[str, list[str]]:
         """dtype -> the kernels the backend uses on this level (for the start-up line and /get_server_info)."""

@@ -74,6 +74,9 @@ Plan = TypeVar("Plan")
 
 # NOTE: up to this many kv heads, decode widens queries over all kv heads (see decode_block_diagonal).
 BLOCK_DIAGONAL_MAX_KV_HEADS = 4
+# The C extend kernel runs a batch only if no request has more new tokens than this: it won at 500 on every
+# CPU class measured, while at 1,024 torch's SDPA (GEMM blocks) was level or ahead on most (docs/attention.md).
+EXTEND_KERNEL_MAX_NEW_TOKENS = 512
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -89,16 +92,19 @@ class TorchAttnBackend(AttentionBackend):
         self.cascade: cascade.CascadePolicy | None = (
             None if getattr(args, "disable_cascade_attention", False) else cascade.CascadePolicy())
         self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention
+        self.extend_kernel_fits = False  # this extend batch is short enough for the C kernel
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode():
             self.cascade_decode_meta = self._plan(cascade.plan_decode, fb, "decode")
             self.decode_meta = None if self.cascade_decode_meta is not None else _decode_metadata(fb)
         else:
+            self.extend_kernel_fits = (self.extend_kernel is not None
+                                       and max(fb.extend_seq_lens_cpu) <= EXTEND_KERNEL_MAX_NEW_TOKENS)
             self.cascade_extend_meta = self._plan(cascade.plan_extend, fb, "extend")
             self.extend_meta = None
             if self.cascade_extend_meta is None:
-                self.extend_meta = _extend_metadata(fb, with_kernel=self.extend_kernel is not None)
+                self.extend_meta = _extend_metadata(fb, with_kernel=self.extend_kernel_fits)
 
     def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy], Plan | None], fb: ForwardBatch,
               mode: str) -> Plan | None:
@@ -118,7 +124,7 @@ class TorchAttnBackend(AttentionBackend):
 
     def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | None:
         kernel = self.extend_kernel
-        return kernel if kernel is not None and kernel.extend_supports(q, k_all) else None
+        return kernel if self.extend_kernel_fits and kernel.extend_supports(q, k_all) else None
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch) -> torch.Tensor:

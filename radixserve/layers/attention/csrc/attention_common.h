@@ -31,6 +31,12 @@
 #define RS_JOIN(a, b) RS_JOIN2(a, b)
 #define EXPORT(name) RS_JOIN(name, RS_ISA_SUFFIX)
 
+/* Asks for the cache lines of a pool row ahead of its use: a request's slots may lie anywhere in the
+ * pool, where the hardware prefetcher cannot follow them. */
+static inline void prefetch_row(const void *row, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)row + o, 0, 3);
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

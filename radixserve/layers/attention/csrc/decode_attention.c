@@ -36,7 +36,8 @@ DEFINE_DECODE(decode_rows_bf16, uint16_t, attend_rows_bf16)
 DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
 
 #ifdef SIMD_WIDTH
-#define DECODE_TOKENS 8 /* tokens scored together; their 8 dot products are reduced in one step */
+#define DECODE_TOKENS 8   /* tokens scored together; their 8 dot products are reduced in one step */
+#define PREFETCH_AHEAD 16 /* tokens between a K/V row's prefetch and its scoring */
 
 /* The group's query rows ids[0..nr) of kv head h over slots[0..len), the head dim across the lanes
  * (dim % SIMD_WIDTH == 0). Same arguments as attend_rows_* (no mask: `limits` and `lse` unused). */
@@ -63,6 +64,10 @@ DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
                 const T *krow[DECODE_TOKENS];                                                            \
                 for (int64_t i = 0; i < DECODE_TOKENS; i++)                                              \
                     krow[i] = k_buf + ((int64_t)slots[t0 + (t + i < n ? t + i : n - 1)] * kv_heads + h) * dim; \
+                for (int64_t i = t0 + t + PREFETCH_AHEAD; i < t0 + t + PREFETCH_AHEAD + DECODE_TOKENS && i < len; i++) { \
+                    prefetch_row(k_buf + ((int64_t)slots[i] * kv_heads + h) * dim, dim * (int64_t)sizeof(T)); \
+                    prefetch_row(v_buf + ((int64_t)slots[i] * kv_heads + h) * dim, dim * (int64_t)sizeof(T)); \
+                }                                                                                        \
                 for (int64_t r = 0; r < nr; r++) {                                                       \
                     vf s[DECODE_TOKENS];                                                                 \
                     for (int64_t i = 0; i < DECODE_TOKENS; i++) s[i] = vf_zero();                        \
@@ -124,6 +129,11 @@ static void decode_request_bf16_dp(const uint16_t *q, const uint16_t *k_buf, con
         const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;
         for (int64_t t = 0; t < n; t++) {
             const uint16_t *krow = k_buf + ((int64_t)slots[t0 + t] * kv_heads + h0) * dim;
+            if (t0 + t + 16 < len) { /* all of the unit's heads of the token 16 ahead */
+                const int64_t ahead = ((int64_t)slots[t0 + t + 16] * kv_heads + h0) * dim;
+                prefetch_row(k_buf + ahead, (h1 - h0) * dim * 2);
+                prefetch_row(v_buf + ahead, (h1 - h0) * dim * 2);
+            }
             for (int64_t h = 0; h < h1 - h0; h++) {
                 __m512bh kv[MAX_DIM / 32];
                 for (int64_t j = 0; j < pairs; j++) kv[j] = (__m512bh)_mm512_loadu_si512(krow + h * dim + 32 * j);
