@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from bench_forward import time_rounds
 
-from radixserve.bench.docs import cpu_name, write_doc_section
+from radixserve.bench.docs import cpu_header, write_doc_section
 from radixserve.layers.attention import cascade, create_attention_backend
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.model_executor.direct_driver import DirectDriver, DirectRequest
@@ -235,8 +235,8 @@ def render(rows: list[Row], args: argparse.Namespace, load: tuple[float, float],
     lines = [
         "## Cascade attention: shared-prefix batches, cascade on vs off (`benchmarks/bench_cascade.py`)",
         "",
-        f"Model: embedded SmolLM2-135M-Instruct; dtype {args.dtype}; attention backend `{args.backend}`; "
-        f"cascade threshold {args.min_prefix} tokens. Machine: {os.cpu_count()} CPUs ({cpu_name()}), "
+        f"Model: embedded SmolLM2-135M-Instruct; attention backend `{args.backend}`; "
+        f"cascade threshold {args.min_prefix} tokens. {cpu_header(args.dtype)}; {os.cpu_count()} logical CPUs, "
         f"torch {torch.__version__}. Load average {load[0]:.1f} at start, {load[1]:.1f} at end; rounds "
         "alternate between on and off and the table shows the median round. Cached K/V are random.",
         "",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.bench.docs import cpu_name, write_doc_section
+from radixserve.bench.docs import cpu_header, write_doc_section
 from radixserve.layers.attention import create_attention_backend
 from radixserve.model_executor.direct_driver import DirectDriver, DirectRequest
 from radixserve.model_executor.model_runner import ModelRunner
@@ -37,7 +37,8 @@ BEGIN, END = "<!-- bench_forward:begin -->", "<!-- bench_forward:end -->"
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct GGUF")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: what --dtype auto picks on this CPU (radixserve.platform.choose_dtype)")
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batches", default="1,8,32")
@@ -46,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backends", default="cpu,torch", help="our attention backends to measure, comma-separated")
     p.add_argument("--threads", default="", help="torch thread counts to run, e.g. 1,2 (default: torch's)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables of our prefill and decode")
+    p.add_argument("--only-ours", action="store_true", help="skip transformers (no comparison columns)")
     p.add_argument("--no-docs", action="store_true", help="do not touch docs/")
     return p.parse_args()
 
@@ -58,6 +60,8 @@ def build_engines(args: argparse.Namespace):
     batches = [int(b) for b in args.batches.split(",")]
     pool = max(batches) * (args.context + args.steps + 2) + args.prefill_len + 64
     runner = ModelRunner(ServerArgs(model_path=args.model_path, dtype=args.dtype, max_total_tokens=pool))
+    if args.only_ours:
+        return runner, None, batches
     source = Path(runner.loaded.source)
     folder = gguf_to_hf_folder(source, runner.dtype) if source.is_file() else source
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=runner.dtype).eval()
@@ -90,7 +94,8 @@ def with_backend(runner: ModelRunner, name: str, fn):
 
 def engines(runner: ModelRunner, args: argparse.Namespace, ours, theirs) -> dict[str, callable]:
     fns = {f"radixserve ({b})": with_backend(runner, b, ours) for b in args.backends.split(",")}
-    fns["transformers"] = theirs
+    if not args.only_ours:
+        fns["transformers"] = theirs
     return fns
 
 
@@ -120,13 +125,14 @@ def fill_context(runner: ModelRunner, hf, batch: int, context: int):
     cfg = runner.model_config
     reqs = [driver.new_request() for _ in range(batch)]
     allocator = runner.token_to_kv_pool_allocator
-    cache = DynamicCache(config=hf.config)
+    cache = DynamicCache(config=hf.config) if hf is not None else None
     g = torch.Generator().manual_seed(batch)
     shape = (batch, cfg.num_kv_heads, context, cfg.head_dim)
     for layer in range(cfg.num_layers):
         k = torch.randn(shape, generator=g).to(runner.dtype)
         v = torch.randn(shape, generator=g).to(runner.dtype)
-        cache.update(k, v, layer)
+        if cache is not None:
+            cache.update(k, v, layer)
         for i, req in enumerate(reqs):
             if layer == 0:
                 slots = allocator.alloc_extend([0], [context], [-1], context)
@@ -191,13 +197,19 @@ def profile_ours(runner: ModelRunner, hf, args: argparse.Namespace) -> tuple[str
         events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in events) or 1
         top = ", ".join(f"`{e.key}` {100 * e.self_cpu_time_total / total:.0f}%" for e in events[:6])
-        summary.append(f"- {title}: {top}")
+        matmuls = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total
+        attention = sum(e.self_cpu_time_total for e in events if e.key in ATTENTION_OPS) / total
+        summary.append(f"- {title}: {top}; all matrix products {100 * matmuls:.0f}%, attention "
+                       f"{100 * attention:.0f}%")
     tables = "\n\n".join(f"{title}\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
                          for title, prof in runs)
     return "\n".join(summary) + "\n", tables
 
 
 Row = tuple[str, int, dict[str, float]]  # workload, threads, tokens/s per engine
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
+ATTENTION_OPS = {"radixserve::decode_attention_cpu", "radixserve::extend_attention_cpu",
+                 "radixserve::prefix_attention_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu"}
 NOTES = """Backends: `torch` is plain torch (one `index_select` gather of all requests' K/V per layer, then
 batched matmuls); `cpu` is the same with decode attention in a C kernel (AVX-512 BF16 where present)
 that reads each request's slots in place, with no gather. Prefill is matrix products plus
@@ -212,22 +224,23 @@ other, so the 2-thread rows swing with the load."""
 
 def render(rows: list[Row], args: argparse.Namespace, load: tuple[float, float], notes: str = "") -> str:
     names = list(rows[0][2])
-    ours = [n for n in names if n != "transformers"]
+    ours = [n for n in names if n != "transformers"] if "transformers" in names else []
     lines = [
         "## Forward pass: radixserve vs transformers (`benchmarks/bench_forward.py`)",
         "",
         f"Model: {'embedded SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)' if args.model_path is None else args.model_path}"
-        f"; dtype {args.dtype}; both engines run the same weights. Machine: {os.cpu_count()} CPUs "
-        f"({cpu_name()}), torch {torch.__version__}, transformers {_transformers_version()}. "
+        f"; both engines run the same weights. {cpu_header(args.dtype)}. torch {torch.__version__}, transformers "
+        f"{_transformers_version()}. "
         f"Load average {load[0]:.1f} at start, {load[1]:.1f} at end: the machine is shared, so rounds "
         "alternate between the engines and the table shows the median round. Decode contexts hold random K/V.",
         "",
         f"Command: `python benchmarks/bench_forward.py --dtype {args.dtype} --prefill-len {args.prefill_len} "
         f"--context {args.context} --batches {args.batches} --steps {args.steps} --rounds {args.rounds} "
-        f"--backends {args.backends}" + (f" --threads {args.threads}`" if args.threads else "`"),
+        f"--backends {args.backends}" + (f" --threads {args.threads}" if args.threads else "")
+        + (" --only-ours`" if args.only_ours else "`"),
         "",
-        "| workload | threads | " + " | ".join(f"{n} tok/s" for n in names) + " | "
-        + " | ".join(f"{n.split(' ')[-1]} / transformers" for n in ours) + " |",
+        "| " + " | ".join(["workload", "threads", *(f"{n} tok/s" for n in names),
+                             *(f"{n.split(' ')[-1]} / transformers" for n in ours)]) + " |",
         "|---|---:|" + "---:|" * (len(names) + len(ours)),
     ]
     for workload, threads, tps in rows:
@@ -257,7 +270,7 @@ def plot(rows: list[Row]) -> None:
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("tokens / s (log)")
-    ax.set_title("SmolLM2-135M bf16 forward throughput, context 1024 for decode", fontsize=9)
+    ax.set_title("SmolLM2-135M forward throughput, context 1024 for decode", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=120)
@@ -276,6 +289,7 @@ def _transformers_version() -> str:
 
 def main() -> None:
     args = parse_args()
+    print(cpu_header(args.dtype), flush=True)
     load_start = os.getloadavg()[0]
     runner, hf, batches = build_engines(args)
     rows: list[Row] = []

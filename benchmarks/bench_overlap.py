@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from radixserve.bench.docs import cpu_name, write_doc_section  # noqa: E402
+from radixserve.bench.docs import cpu_header, write_doc_section  # noqa: E402
 from radixserve.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from radixserve.managers.scheduler import Scheduler  # noqa: E402
 from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
@@ -217,7 +217,7 @@ def write_docs(section: str, doc: Path) -> None:
 
 
 def machine() -> str:
-    return f"{cpu_name()}, {os.cpu_count()} cores"
+    return f"{cpu_header()}; {os.cpu_count()} logical CPUs"
 
 
 def main() -> None:

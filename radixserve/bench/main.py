@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from radixserve.bench import report
+from radixserve.bench.docs import cpu_header
 from radixserve.bench.runner import Backend, EngineBackend, WorkloadResult, run_workload
 from radixserve.bench.workloads import Prompt, build_workloads
 from radixserve.server_args import ServerArgs
@@ -113,6 +114,7 @@ def run_bench(args: argparse.Namespace) -> dict[tuple[str, str], WorkloadResult]
     if not modes or any(m not in ("on", "off") for m in modes):
         raise SystemExit(f"--modes must list on and/or off, got {args.modes!r}")
     if args.backend == "engine":
+        print(f"[bench] {cpu_header(args.dtype)}", flush=True)
         backends: Any = _FreshEngines(ServerArgs.from_cli_args(args))
     else:
         backends = _OneServer(args, modes)
@@ -171,8 +173,8 @@ def _markdown(args: argparse.Namespace, table: str, checks: list, results: dict)
     server_args = ServerArgs.from_cli_args(args)
     parts = [
         "## Scheduler: radix cache on vs off (`radixserve bench`)",
-        f"Machine: {report.machine_line()}. Backend: {args.backend}; model "
-        f"{server_args.model_path or 'embedded SmolLM2-135M-Instruct (Q4_1 GGUF)'}, dtype {server_args.dtype}, "
+        f"Machine: {report.machine_line(server_args.dtype)}. Backend: {args.backend}; model "
+        f"{server_args.model_path or 'embedded SmolLM2-135M-Instruct (Q4_1 GGUF)'}, "
         f"KV pool {server_args.max_total_tokens} tokens, chunked prefill {server_args.chunked_prefill_size}, "
         f"policy {server_args.schedule_policy}, overlap schedule "
         f"{'off' if server_args.disable_overlap_schedule else 'on'}; greedy with ignore_eos; {args.repeats} run(s) "

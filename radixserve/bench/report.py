@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from radixserve.bench.docs import cpu_name, write_doc_section
+from radixserve.bench.docs import cpu_header, write_doc_section
 from radixserve.bench.runner import WorkloadResult
 
 SECTION_START = "<!-- radixserve-bench:start -->"
@@ -92,16 +92,16 @@ def time_breakdown(results: dict[tuple[str, str], WorkloadResult]) -> str:
     return "\n".join(lines)
 
 
-def machine_line() -> str:
+def machine_line(dtype: str) -> str:
+    """The CPU (features, kernel level, torch's view), the dtype `dtype` resolves to, cores, load and versions."""
+    import os
+
     import torch
     import transformers
 
-    cpu = cpu_name()
-    import os
-
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{cpu}, {os.cpu_count()} cores (load average at the end {load}); Python {platform.python_version()}, "
-            f"torch {torch.__version__}, transformers {transformers.__version__}, "
+    return (f"{cpu_header(dtype)}. {os.cpu_count()} logical CPUs (load average at the end {load}); Python "
+            f"{platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
             f"torch threads {torch.get_num_threads()}")
 
 
