@@ -35,79 +35,105 @@
 DEFINE_DECODE(decode_rows_bf16, uint16_t, attend_rows_bf16)
 DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
 
+#define MAX_HEADS 64 /* query heads a whole-request unit holds (else (request, kv head) units) */
+
+/* A unit's work is one request's kv heads [h0, h1) and their group query heads each; q, seed and out
+ * point at the unit's first query row, rows (h - h0) * group + g. Splits a batch into units: whole
+ * requests when there are enough of them (each request's slots streamed once, every head of a token
+ * read together), else (request, kv head) pairs so that a lone request still uses every thread. */
+#define DEFINE_DECODE_UNITS(NAME, T, REQUEST)                                                            \
+    static int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,               \
+                    const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,   \
+                    int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,          \
+                    int num_threads) {                                                                   \
+        const int64_t group = heads / kv_heads;                                                          \
+        const int64_t split = bs >= num_threads && heads <= MAX_HEADS ? 1 : kv_heads;                    \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                        \
+        for (int64_t unit = 0; unit < bs * split; unit++) {                                              \
+            const int64_t b = unit / split, h0 = (unit % split) * (kv_heads / split);                    \
+            const int64_t h1 = split == 1 ? kv_heads : h0 + 1;                                           \
+            const int64_t first = b * heads + h0 * group; /* row id of the unit's first query head */    \
+            REQUEST(q + first * dim, k_buf, v_buf, kv_indices + b * max_len, seq_lens[b], kv_heads, h0, h1, \
+                    dim, group, scale, seed_lse == NULL ? NULL : seed_out + first * dim,                 \
+                    seed_lse == NULL ? NULL : seed_lse + first, out + first * dim);                      \
+        }                                                                                                \
+        return 0;                                                                                        \
+    }
+
 #ifdef SIMD_WIDTH
 #define DECODE_TOKENS 8   /* tokens scored together; their 8 dot products are reduced in one step */
 #define PREFETCH_AHEAD 16 /* tokens between a K/V row's prefetch and its scoring */
 
-/* The group's query rows ids[0..nr) of kv head h over slots[0..len), the head dim across the lanes
- * (dim % SIMD_WIDTH == 0). Same arguments as attend_rows_* (no mask: `limits` and `lse` unused). */
-#define DEFINE_ATTEND_DIM(NAME, T, LOADV, LOAD, STORE)                                                   \
-    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int64_t *ids, int64_t nr,         \
-                     const int32_t *slots, int64_t len, const int32_t *limits, int64_t kv_heads,         \
-                     int64_t h, int64_t dim, float scale, const T *seed_out, const float *seed_lse,      \
-                     T *out, float *lse) {                                                               \
-        (void)limits, (void)lse;                                                                         \
-        const int64_t nv = dim / SIMD_WIDTH;                                                             \
-        vf qv[MAX_GROUP][MAX_DIM / SIMD_WIDTH];                                                          \
-        float acc[MAX_GROUP][MAX_DIM], score[MAX_GROUP][CHUNK], run_max[MAX_GROUP], run_sum[MAX_GROUP];  \
+/* One unit (see DEFINE_DECODE_UNITS), the head dim across the lanes (dim % SIMD_WIDTH == 0). */
+#define DEFINE_DECODE_REQUEST_DIM(NAME, T, LOADV, LOAD, STORE)                                           \
+    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, int64_t len,      \
+                     int64_t kv_heads, int64_t h0, int64_t h1, int64_t dim, int64_t group, float scale,  \
+                     const T *seed_out, const float *seed_lse, T *out) {                                 \
+        const int64_t nv = dim / SIMD_WIDTH, rows = (h1 - h0) * group, width = (h1 - h0) * dim;          \
+        vf qv[MAX_HEADS][MAX_DIM / SIMD_WIDTH];                                                          \
+        float acc[MAX_HEADS][MAX_DIM], score[MAX_HEADS][CHUNK], run_max[MAX_HEADS], run_sum[MAX_HEADS];  \
         const T *vrow[CHUNK];                                                                            \
-        for (int64_t r = 0; r < nr; r++) {                                                               \
+        for (int64_t r = 0; r < rows; r++) {                                                             \
             for (int64_t c = 0; c < nv; c++)                                                             \
-                qv[r][c] = vf_mul(LOADV(q + ids[r] * dim + c * SIMD_WIDTH), vf_set1(scale));             \
-            for (int64_t d = 0; d < dim; d++) acc[r][d] = seed_lse != NULL ? LOAD(seed_out[ids[r] * dim + d]) : 0.0f; \
-            run_max[r] = seed_lse != NULL ? seed_lse[ids[r]] : -INFINITY;                                \
+                qv[r][c] = vf_mul(LOADV(q + r * dim + c * SIMD_WIDTH), vf_set1(scale));                  \
+            for (int64_t d = 0; d < dim; d++) acc[r][d] = seed_lse != NULL ? LOAD(seed_out[r * dim + d]) : 0.0f; \
+            run_max[r] = seed_lse != NULL ? seed_lse[r] : -INFINITY;                                     \
             run_sum[r] = seed_lse != NULL ? 1.0f : 0.0f;                                                 \
         }                                                                                                \
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                    \
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \
             for (int64_t t = 0; t < n; t += DECODE_TOKENS) {                                             \
-                const T *krow[DECODE_TOKENS];                                                            \
-                for (int64_t i = 0; i < DECODE_TOKENS; i++)                                              \
-                    krow[i] = k_buf + ((int64_t)slots[t0 + (t + i < n ? t + i : n - 1)] * kv_heads + h) * dim; \
                 for (int64_t i = t0 + t + PREFETCH_AHEAD; i < t0 + t + PREFETCH_AHEAD + DECODE_TOKENS && i < len; i++) { \
-                    prefetch_row(k_buf + ((int64_t)slots[i] * kv_heads + h) * dim, dim * (int64_t)sizeof(T)); \
-                    prefetch_row(v_buf + ((int64_t)slots[i] * kv_heads + h) * dim, dim * (int64_t)sizeof(T)); \
+                    prefetch_row(k_buf + ((int64_t)slots[i] * kv_heads + h0) * dim, width * (int64_t)sizeof(T)); \
+                    prefetch_row(v_buf + ((int64_t)slots[i] * kv_heads + h0) * dim, width * (int64_t)sizeof(T)); \
                 }                                                                                        \
-                for (int64_t r = 0; r < nr; r++) {                                                       \
-                    vf s[DECODE_TOKENS];                                                                 \
-                    for (int64_t i = 0; i < DECODE_TOKENS; i++) s[i] = vf_zero();                        \
-                    for (int64_t c = 0; c < nv; c++) {                                                   \
-                        const vf qc = qv[r][c];                                                          \
-                        for (int64_t i = 0; i < DECODE_TOKENS; i++)                                      \
-                            s[i] = vf_fmadd(qc, LOADV(krow[i] + c * SIMD_WIDTH), s[i]);                  \
+                for (int64_t h = h0; h < h1; h++) {                                                      \
+                    const T *krow[DECODE_TOKENS];                                                        \
+                    for (int64_t i = 0; i < DECODE_TOKENS; i++)                                          \
+                        krow[i] = k_buf + ((int64_t)slots[t0 + (t + i < n ? t + i : n - 1)] * kv_heads + h) * dim; \
+                    for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {                 \
+                        vf s[DECODE_TOKENS];                                                             \
+                        for (int64_t i = 0; i < DECODE_TOKENS; i++) s[i] = vf_zero();                    \
+                        for (int64_t c = 0; c < nv; c++) {                                               \
+                            const vf qc = qv[r][c];                                                      \
+                            for (int64_t i = 0; i < DECODE_TOKENS; i++)                                  \
+                                s[i] = vf_fmadd(qc, LOADV(krow[i] + c * SIMD_WIDTH), s[i]);              \
+                        }                                                                                \
+                        vf_sums8(s, score[r] + t); /* past n: repeats of the last token, masked below */ \
                     }                                                                                    \
-                    vf_sums8(s, score[r] + t); /* past n: repeats of the last token, masked below */    \
                 }                                                                                        \
             }                                                                                            \
-            for (int64_t r = 0; r < nr; r++) {                                                           \
+            for (int64_t r = 0; r < rows; r++) {                                                         \
                 const float rescale = softmax_chunk(score[r], n, &run_max[r], &run_sum[r]);              \
                 for (int64_t d = 0; d < dim; d++) acc[r][d] *= rescale;                                  \
             }                                                                                            \
-            for (int64_t t = 0; t < n; t++) vrow[t] = v_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim; \
-            for (int64_t c = 0; c < nv; c++) {                                                           \
-                vf a[MAX_GROUP];                                                                         \
-                for (int64_t r = 0; r < nr; r++) a[r] = vf_load(acc[r] + c * SIMD_WIDTH);                \
-                for (int64_t t = 0; t < n; t++) {                                                        \
-                    const vf v = LOADV(vrow[t] + c * SIMD_WIDTH);                                        \
-                    for (int64_t r = 0; r < nr; r++) a[r] = vf_fmadd(vf_set1(score[r][t]), v, a[r]);     \
+            for (int64_t h = h0; h < h1; h++) {                                                          \
+                const int64_t r0 = (h - h0) * group;                                                     \
+                for (int64_t t = 0; t < n; t++) vrow[t] = v_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim; \
+                for (int64_t c = 0; c < nv; c++) {                                                       \
+                    vf a[MAX_GROUP];                                                                     \
+                    for (int64_t g = 0; g < group; g++) a[g] = vf_load(acc[r0 + g] + c * SIMD_WIDTH);    \
+                    for (int64_t t = 0; t < n; t++) {                                                    \
+                        const vf v = LOADV(vrow[t] + c * SIMD_WIDTH);                                    \
+                        for (int64_t g = 0; g < group; g++) a[g] = vf_fmadd(vf_set1(score[r0 + g][t]), v, a[g]); \
+                    }                                                                                    \
+                    for (int64_t g = 0; g < group; g++) vf_store(acc[r0 + g] + c * SIMD_WIDTH, a[g]);    \
                 }                                                                                        \
-                for (int64_t r = 0; r < nr; r++) vf_store(acc[r] + c * SIMD_WIDTH, a[r]);                \
             }                                                                                            \
         }                                                                                                \
-        for (int64_t r = 0; r < nr; r++) {                                                               \
+        for (int64_t r = 0; r < rows; r++) {                                                             \
             const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;                              \
-            for (int64_t d = 0; d < dim; d++) out[ids[r] * dim + d] = STORE(acc[r][d] * inv);            \
+            for (int64_t d = 0; d < dim; d++) out[r * dim + d] = STORE(acc[r][d] * inv);                 \
         }                                                                                                \
     }
 
-DEFINE_ATTEND_DIM(attend_dim_f32, float, vf_load, f32_id, f32_id)
-DEFINE_ATTEND_DIM(attend_dim_bf16, uint16_t, vf_load_bf16, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE(decode_dim_f32, float, attend_dim_f32)
-DEFINE_DECODE(decode_dim_bf16, uint16_t, attend_dim_bf16)
+DEFINE_DECODE_REQUEST_DIM(decode_request_dim_f32, float, vf_load, f32_id, f32_id)
+DEFINE_DECODE_REQUEST_DIM(decode_request_dim_bf16, uint16_t, vf_load_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_DECODE_UNITS(decode_dim_f32, float, decode_request_dim_f32)
+DEFINE_DECODE_UNITS(decode_dim_bf16, uint16_t, decode_request_dim_bf16)
 #endif
 
 #ifdef HAVE_AVX512_BF16
-#define MAX_HEADS 64
 
 /* One request's kv heads [h0, h1) in bf16 with AVX-512. Each token's K (then V) rows of all those
  * heads are adjacent in the pool, so the request's slots are streamed through once. Scores come from
@@ -168,25 +194,7 @@ static void decode_request_bf16_dp(const uint16_t *q, const uint16_t *k_buf, con
     }
 }
 
-static int decode_bf16_dp(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *kv_indices,
-                          const int64_t *seq_lens, const uint16_t *seed_out, const float *seed_lse, uint16_t *out,
-                          int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                          int num_threads) {
-    const int64_t group = heads / kv_heads;
-    /* NOTE: whole requests per thread when there are enough of them (one pass over each request's
-     * slots); otherwise (request, kv head) pairs, so a lone request still uses every thread. */
-    const int64_t split = bs >= num_threads ? 1 : kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t unit = 0; unit < bs * split; unit++) {
-        const int64_t b = unit / split, h0 = (unit % split) * (kv_heads / split);
-        const int64_t h1 = split == 1 ? kv_heads : h0 + 1;
-        const int64_t first = b * heads + h0 * group; /* row id of the unit's first query head */
-        decode_request_bf16_dp(q + first * dim, k_buf, v_buf, kv_indices + b * max_len, seq_lens[b], kv_heads, h0, h1,
-                               dim, group, scale, seed_lse == NULL ? NULL : seed_out + first * dim,
-                               seed_lse == NULL ? NULL : seed_lse + first, out + first * dim);
-    }
-    return 0;
-}
+DEFINE_DECODE_UNITS(decode_bf16_dp, uint16_t, decode_request_bf16_dp)
 #endif
 
 static int bad_shape(int64_t heads, int64_t kv_heads, int64_t dim) {
