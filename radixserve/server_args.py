@@ -21,7 +21,8 @@ def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
 class ServerArgs:
     model_path: str | None = _opt(None, "HF model folder or GGUF file; none means the embedded SmolLM2-135M-Instruct")
     served_model_name: str | None = _opt(None, "name reported by /v1/models (default: derived from the model path)")
-    dtype: str = _opt("auto", "compute dtype; auto is bfloat16 on CPU and CUDA", DTYPES)
+    dtype: str = _opt("auto", "compute dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls, "
+                              "else float32", DTYPES)
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
     quantization: str = _opt("none", "packed linear weights on the CPU (GGUF tensors keep their nearest format)",
                              QUANTIZATIONS)
