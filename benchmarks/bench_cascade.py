@@ -177,7 +177,7 @@ def sweep(runner: ModelRunner, args: argparse.Namespace) -> None:
 def time_attention(runner: ModelRunner, args: argparse.Namespace, call: tuple, repeat: int = 20) -> tuple[float, float]:
     """Microseconds of one backend.forward(*call), cascade on (any shared prefix) and off."""
     backends = {mode: create_attention_backend(args.backend, runner) for mode in ("on", "off")}
-    backends["on"].cascade = cascade.CascadePolicy(min_prefix=1, min_decode_saved=0)
+    backends["on"].cascade = cascade.CascadePolicy(min_prefix=1, min_decode_batch=1, min_decode_saved=0)
     backends["off"].cascade = None
     for backend in backends.values():
         backend.init_forward_metadata(call[-1])

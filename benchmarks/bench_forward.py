@@ -211,8 +211,9 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::ma
 ATTENTION_OPS = {"radixserve::decode_attention_cpu", "radixserve::extend_attention_cpu",
                  "radixserve::prefix_attention_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu"}
 NOTES = """Backends: `torch` is plain torch (one `index_select` gather of all requests' K/V per layer, then
-batched matmuls); `cpu` is the same with decode attention in a C kernel (AVX-512 BF16 where present)
-that reads each request's slots in place, with no gather. Prefill is matrix products plus
+batched matmuls); `cpu` is the same with the C attention kernels this CPU class selects (decode
+everywhere, extend where it beat SDPA; docs/attention.md, "Kernel levels"), which read each request's
+slots in place, with no gather. Prefill is matrix products plus
 `scaled_dot_product_attention`, the same kernels transformers calls, so the two run level (within
 the noise of this machine). Decode at batch 1 is bound by reading the 270 MB of bf16 weights per step
 (matrix-vector products); at larger batches the KV side decides: a transformers decode step at batch

@@ -28,7 +28,7 @@ from radixserve.server_args import ServerArgs
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
 MIN_PREFIX = 8  # the unit tests' threshold; the default is CascadePolicy().min_prefix
-SMALL = cascade.CascadePolicy(min_prefix=MIN_PREFIX, min_decode_saved=0)
+SMALL = cascade.CascadePolicy(min_prefix=MIN_PREFIX, min_decode_batch=2, min_decode_saved=0)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -168,7 +168,7 @@ def test_merge_partials_is_exact():
 
 
 def test_detection():
-    on, _ = _backends("torch", cascade.CascadePolicy(min_prefix=16, min_decode_saved=0))
+    on, _ = _backends("torch", cascade.CascadePolicy(min_prefix=16, min_decode_batch=2, min_decode_saved=0))
     q, k, v, fb = _decode_batch(40, [3, 5, 2], 1, 2, 16, torch.float32)
     table = fb.req_to_token_pool.req_to_token
     assert cascade.shared_prefix_len(fb, 42) == 40  # rows diverge right after the shared part
@@ -184,12 +184,14 @@ def test_detection():
 
 
 def test_detection_thresholds_and_flag():
-    policy = lambda **kw: cascade.CascadePolicy(**{"min_prefix": 40, "min_decode_saved": 0, **kw})  # noqa: E731
+    policy = lambda **kw: cascade.CascadePolicy(**{"min_prefix": 40, "min_decode_batch": 2,  # noqa: E731
+                                                   "min_decode_saved": 0, **kw})
     q, k, v, fb = _decode_batch(40, [3, 5], 1, 2, 16, torch.float32)
     assert cascade.plan_decode(fb, policy()) is not None
     assert cascade.plan_decode(fb, policy(min_prefix=41)) is None  # P < threshold
     assert cascade.plan_decode(fb, policy(min_decode_saved=40)) is not None  # (bs - 1) * P = 40 re-reads saved
     assert cascade.plan_decode(fb, policy(min_decode_saved=41)) is None
+    assert cascade.plan_decode(fb, policy(min_decode_batch=3)) is None  # 2 requests
     one = ForwardBatch.for_decode([5], fb.req_pool_indices[:1].tolist(), fb.seq_lens_cpu[:1], fb.out_cache_loc[:1],
                                   "cpu")
     one.req_to_token_pool, one.token_to_kv_pool = fb.req_to_token_pool, fb.token_to_kv_pool
@@ -202,8 +204,9 @@ def test_detection_thresholds_and_flag():
     flagged = TorchAttnBackend(SimpleNamespace(server_args=ServerArgs(disable_cascade_attention=True)))
     default = TorchAttnBackend(SimpleNamespace(server_args=ServerArgs()))
     assert flagged.cascade is None and default.cascade == cascade.CascadePolicy()
-    long_prefix = _decode_batch(default.cascade.min_prefix + 10, [3, 5, 1, 2], 1, 2, 16, torch.float32)[3]
-    assert 3 * (default.cascade.min_prefix + 10) >= default.cascade.min_decode_saved
+    own = [3, 5, 1, 2] * (default.cascade.min_decode_batch // 4)
+    long_prefix = _decode_batch(default.cascade.min_prefix + 10, own, 1, 2, 16, torch.float32)[3]
+    assert (len(own) - 1) * (default.cascade.min_prefix + 10) >= default.cascade.min_decode_saved
     for backend in (flagged, default):
         backend.init_forward_metadata(long_prefix)
     assert flagged.cascade_decode_meta is None and flagged.cascade_forwards == {"decode": 0, "extend": 0}
@@ -223,7 +226,7 @@ def test_prefix_slots_do_not_alias_the_table():
 SHARED = 40
 # a W1-like batch: one shared prefix + short own questions of unequal lengths
 W1_LIKE = [[1000 + (7 * i) % 5000 for i in range(SHARED)] + [3000 + 13 * r + i for i in range(4 + r)] for r in range(4)]
-E2E_POLICY = cascade.CascadePolicy(min_prefix=32, min_decode_saved=64)  # NOTE: scaled down to keep these fast
+E2E_POLICY = cascade.CascadePolicy(min_prefix=32, min_decode_batch=2, min_decode_saved=64)  # NOTE: scaled down
 
 
 @pytest.mark.slow

@@ -35,11 +35,13 @@ MAX_SCORE_ELEMENTS = 1 << 26  # float32 scores the plain-torch path (off the CPU
 
 @dataclass(frozen=True)
 class CascadePolicy:
-    """When a batch runs cascade attention; measured on the CPU kernels (docs/attention.md)."""
+    """When a batch runs cascade attention; measured with the CPU backend (docs/attention.md, "When")."""
 
     min_prefix: int = 256  # shared tokens; below, the extra calls and the merge cost more than they save
-    # decode also needs (batch - 1) * prefix, the prefix K/V rows it no longer re-reads, this large: for
-    # small batches the prefix kernel's 16-row units are mostly empty
+    # decode also needs this many requests: part (a) is one more attention call per layer, which a small
+    # batch does not win back (batch 8 lost at every prefix up to 1,000 on an AVX2 float32 run; 32 won)
+    min_decode_batch: int = 16
+    # and (batch - 1) * prefix, the prefix K/V rows it no longer re-reads, this large
     min_decode_saved: int = 768
 
 
@@ -89,7 +91,8 @@ def shared_prefix_len(fb: ForwardBatch, limit: int) -> int:
 def plan_decode(fb: ForwardBatch, policy: CascadePolicy) -> CascadeDecodeMetadata | None:
     lens = fb.seq_lens_cpu
     limit = min(lens) - 1  # NOTE: at least the new token stays in every request's suffix
-    if fb.batch_size < 2 or limit < policy.min_prefix or (fb.batch_size - 1) * limit < policy.min_decode_saved:
+    if (fb.batch_size < max(2, policy.min_decode_batch) or limit < policy.min_prefix
+            or (fb.batch_size - 1) * limit < policy.min_decode_saved):
         return None
     prefix_len = shared_prefix_len(fb, limit)
     if prefix_len < policy.min_prefix or (fb.batch_size - 1) * prefix_len < policy.min_decode_saved:
