@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 
 from radixserve.bench.docs import class_env, cpu_header, runnable_classes, write_doc_section
+from radixserve.layers.attention.native import SELECTED
+from radixserve.layers.attention.torch_backend import EXTEND_KERNEL_MAX_NEW_TOKENS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -171,15 +173,22 @@ def render(rows: list[dict], args: argparse.Namespace, load: tuple[float, float]
     for r in rows:
         lines.append(f"| {r['class']} | {r['torch_capability']} | {r['dtype']} | {r['kernel']} | {r['shape']} | "
                      f"{r['torch_ms']:.3f} | {r['c_ms']:.3f} | {r['torch_ms'] / r['c_ms']:.2f}x |")
-    lines += ["", "Classes where the C kernel was faster at every shape above:", ""]
+    lines += ["", "Classes where the C kernel was faster at every shape it would run (extend: requests of at most "
+              f"{EXTEND_KERNEL_MAX_NEW_TOKENS} new tokens), and where the backend uses it (`SELECTED`):", ""]
     for dtype in args.dtypes.split(","):
         for kernel in ("decode", "extend", "prefix"):
-            mine = [r for r in rows if r["dtype"] == dtype and r["kernel"] == kernel]
+            mine = [r for r in rows if r["dtype"] == dtype and r["kernel"] == kernel and _in_use(r)]
             wins = [c for c in args.classes.split(",") if all(r["c_ms"] < r["torch_ms"] for r in mine
                                                              if r["class"] == c)]
-            lines.append(f"- {dtype} {kernel}: {', '.join(wins) or 'none'}")
+            used = [c for c in args.classes.split(",") if kernel in SELECTED.get((c, getattr(torch, dtype)), ())]
+            lines.append(f"- {dtype} {kernel}: faster on {', '.join(wins) or 'none'}; used on {', '.join(used) or 'none'}")
     lines += ["", "Why and how the levels differ: [attention.md](attention.md#kernel-levels)."]
     return "\n".join(lines)
+
+
+def _in_use(row: dict) -> bool:
+    """Whether the backend would run this shape in the kernel at all (extend has a length cap)."""
+    return row["kernel"] != "extend" or int(row["shape"].split(" x ")[1]) <= EXTEND_KERNEL_MAX_NEW_TOKENS
 
 
 def main() -> None:

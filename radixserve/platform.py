@@ -3,8 +3,8 @@
 The only module that reads /proc/cpuinfo. `cpu_info()` is the hardware (ISA features, physical cores,
 torch's own view of the CPU); `kernel_isa()` is the level our C attention kernels run at, the best the
 CPU has unless RADIXSERVE_CPU_ISA forces a lower one; `choose_dtype` decides `--dtype auto` from the
-features that level leaves visible (a pure function, `auto_dtype`, plus a short bf16-vs-float32 matmul
-measurement where bf16 is not native); `kernel_class()` keys which C kernels beat torch here.
+features that level leaves visible and a short bf16-vs-float32 matmul measurement (skipped on AMX): a pure
+function, `auto_dtype`; `kernel_class()` keys which C kernels beat torch here.
 
     python -m radixserve.platform        # prints what radixserve sees here
 """
@@ -46,6 +46,9 @@ ISA_REQUIRES: dict[str, frozenset[str]] = {
 }
 # Features that make bf16 matrix products native (no float32 round trip in torch's GEMMs).
 NATIVE_BF16 = ("amx_bf16", "avx512_bf16", "arm_bf16")
+# With bf16 instructions but no AMX, bf16 still loses to float32 if measured this much slower (oneDNN may
+# lack a fast path for the CPU): a clear margin, so that noise never flips a native CPU to float32.
+NATIVE_SLOWDOWN_LIMIT = 1.2
 BF16_PROBE_SHAPE = (256, 576, 1536)  # tokens x hidden -> intermediate of SmolLM2-135M's MLP
 
 
@@ -135,13 +138,21 @@ def kernel_class() -> str:
 
 
 def auto_dtype(device_type: str, features: frozenset[str], bf16_slowdown: float | None = None) -> DtypeChoice:
-    """`--dtype auto`, decided: bfloat16 where bf16 matrix products are native or measured at least as
-    fast as float32, float32 otherwise. `bf16_slowdown`: measured bf16 / float32 matmul time, or None."""
+    """`--dtype auto`, decided. `bf16_slowdown`: measured bf16 / float32 matmul time here, or None.
+
+    bfloat16 with AMX-BF16 (no measurement needed); with AVX512-BF16 or ARM BF16 unless bf16 was measured
+    clearly slower (NATIVE_SLOWDOWN_LIMIT); without native bf16 only if measured at least as fast as float32."""
     if device_type == "cuda":
         return DtypeChoice("bfloat16", "CUDA")
     native = [f for f in NATIVE_BF16 if f in features]
     if native:
-        return DtypeChoice("bfloat16", f"bf16 matrix products are native here ({', '.join(native)})")
+        names = ", ".join(native)
+        if "amx_bf16" in native or bf16_slowdown is None or bf16_slowdown <= NATIVE_SLOWDOWN_LIMIT:
+            return DtypeChoice("bfloat16", f"bf16 matrix products are native here ({names})"
+                               + ("" if bf16_slowdown is None or "amx_bf16" in native
+                                  else f", measured {bf16_slowdown:.2f}x the float32 time"))
+        return DtypeChoice("float32", f"bf16 instructions are present ({names}), but bf16 matmuls measured "
+                                      f"{bf16_slowdown:.1f}x slower than float32 here")
     lacking = "no native bf16 matrix products (no AMX-BF16, AVX512-BF16 or ARM BF16)"
     if bf16_slowdown is None:
         return DtypeChoice("float32", f"{lacking}; not measured")
@@ -153,16 +164,18 @@ def auto_dtype(device_type: str, features: frozenset[str], bf16_slowdown: float 
 
 def choose_dtype(name: str, device_type: str) -> DtypeChoice:
     """The dtype for `--dtype name` on this machine and why; an explicit bf16 where it is slow logs one warning."""
+    if device_type != "cpu":
+        return DtypeChoice(name, "explicit --dtype") if name != "auto" else auto_dtype(device_type, frozenset())
     if name != "auto":
-        if name == "bfloat16" and device_type == "cpu" and not _native_bf16_here():
+        if name == "bfloat16" and (_bf16_slowdown_here() or 0.0) > 1.0:
             _warn_slow_bf16()
         return DtypeChoice(name, "explicit --dtype")
-    if device_type != "cpu":
-        return auto_dtype(device_type, frozenset())
-    features = visible_features()
-    if any(f in features for f in NATIVE_BF16):
-        return auto_dtype("cpu", features)
-    return auto_dtype("cpu", features, measure_bf16_slowdown())
+    return auto_dtype("cpu", visible_features(), _bf16_slowdown_here())
+
+
+def _bf16_slowdown_here() -> float | None:
+    """The measured bf16 / float32 matmul time, except on AMX, where bf16 is known to be fast."""
+    return None if "amx_bf16" in visible_features() else measure_bf16_slowdown()
 
 
 @functools.cache
@@ -209,16 +222,10 @@ def summary_line(info: CpuInfo | None = None) -> str:
             f"capability {info.torch_capability}; radixserve kernels {isa}{forced}")
 
 
-def _native_bf16_here() -> bool:
-    return any(f in visible_features() for f in NATIVE_BF16)
-
-
 @functools.cache
 def _warn_slow_bf16() -> None:
-    slowdown = measure_bf16_slowdown()
-    if slowdown > 1.0:
-        logger.warning("--dtype bfloat16 on a CPU without native bf16 matrix products: bf16 matmuls measured "
-                       "%.1fx slower than float32 here (--dtype auto would pick float32)", slowdown)
+    logger.warning("--dtype bfloat16 where bf16 matrix products are slow: bf16 matmuls measured %.1fx slower "
+                   "than float32 here (--dtype auto: %s)", measure_bf16_slowdown(), choose_dtype("auto", "cpu").dtype)
 
 
 def _check_isa(isa: str) -> str:

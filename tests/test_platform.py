@@ -27,7 +27,11 @@ NO_NATIVE = "no native bf16 matrix products"
 DECISIONS = [
     ("cuda", frozenset(), None, "bfloat16", "CUDA"),
     ("cpu", SAPPHIRE_RAPIDS, None, "bfloat16", "native here (amx_bf16, avx512_bf16)"),
+    ("cpu", SAPPHIRE_RAPIDS, 3.0, "bfloat16", "native here (amx_bf16, avx512_bf16)"),  # AMX: trusted
     ("cpu", ZEN4, None, "bfloat16", "native here (avx512_bf16)"),
+    ("cpu", ZEN4, 0.55, "bfloat16", "native here (avx512_bf16), measured 0.55x the float32 time"),
+    ("cpu", ZEN4, 1.15, "bfloat16", "native here (avx512_bf16), measured 1.15x"),  # within the noise margin
+    ("cpu", ZEN4, 1.7, "float32", "present (avx512_bf16), but bf16 matmuls measured 1.7x slower"),
     ("cpu", GRAVITON3, None, "bfloat16", "native here (arm_bf16)"),
     ("cpu", AVX512, 1.9, "float32", "measured 1.9x slower"),  # Skylake / Ice Lake class
     ("cpu", AVX2, 6.7, "float32", "measured 6.7x slower"),  # the reporter's AVX2-only EPYC
@@ -43,7 +47,8 @@ def test_auto_dtype_decision_table(device, features, slowdown, dtype, words):
     choice = auto_dtype(device, features, slowdown)
     assert choice.dtype == dtype
     assert words in choice.reason
-    assert (NO_NATIVE in choice.reason) == (device == "cpu" and "native here" not in words)
+    native = device == "cuda" or bool(features & {"amx_bf16", "avx512_bf16", "arm_bf16"})
+    assert (NO_NATIVE in choice.reason) == (not native)
 
 
 def _fake_cpu(monkeypatch: pytest.MonkeyPatch, features: frozenset[str], arch: str = "x86_64") -> CpuInfo:

@@ -47,19 +47,22 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "portable": (),
 }
 KERNELS = ("decode", "extend", "prefix")
-_EVERY_CLASS = ("amx", *ISA_FLAGS)
 # (kernel class, dtype) -> the kernels that measured faster than torch's op at SmolLM2-135M's shapes on
-# that class of CPU (`platform.kernel_class()`; benchmarks/bench_kernels.py; docs/attention.md, "Kernel
-# levels"). Elsewhere that part of attention stays on torch:
-# - decode won on every class and dtype (1.2-9x);
-# - extend (prompts of up to EXTEND_KERNEL_MAX_NEW_TOKENS new tokens) won in float32 everywhere and in bf16
-#   everywhere but on AMX, where torch's SDPA runs on AMX tiles (the kernel took 2-3x its time); on
-#   avx512_bf16 it is chosen by a real Zen 4 (2.3-4.6x faster than SDPA), not by this Xeon's emulation;
-# - prefix (cascade's part (a)) lost to torch's CPU flash op on every class (0.5-0.9x).
+# that class of CPU (`platform.kernel_class()`; benchmarks/bench_kernels.py, 1 thread; docs/attention.md,
+# "Kernel levels"). Elsewhere that part of attention stays on torch:
+# - decode won on every class and dtype (1.2x-9.2x);
+# - extend (batches whose requests have at most EXTEND_KERNEL_MAX_NEW_TOKENS new tokens) won on the AVX2 and
+#   AVX-512 classes in float32 (1.2x-1.4x at 500 tokens) and in bf16 without AMX (1.1x-1.3x); it tied on
+#   portable (0.96x-1.00x) and lost to torch's SDPA on AMX tiles in bf16 (0.50x). On avx512_bf16 in bf16 it
+#   is chosen by a real Zen 4 (2.3x-4.6x faster than SDPA), though this Xeon's emulation measured 0.7x;
+# - prefix (cascade's part (a)) lost to torch's CPU flash op on every class (0.3x-0.9x).
+_SIMD_CLASSES = ("avx512_bf16", "avx512", "avx2")
 SELECTED: dict[tuple[str, torch.dtype], frozenset[str]] = {
-    **{(cls, torch.float32): frozenset({"decode", "extend"}) for cls in _EVERY_CLASS},
-    **{(cls, torch.bfloat16): frozenset({"decode", "extend"}) for cls in _EVERY_CLASS if cls != "amx"},
+    **{(cls, dtype): frozenset({"decode", "extend"}) for cls in _SIMD_CLASSES for dtype in _DTYPE_SUFFIX},
+    ("amx", torch.float32): frozenset({"decode", "extend"}),
     ("amx", torch.bfloat16): frozenset({"decode"}),
+    ("portable", torch.float32): frozenset({"decode"}),
+    ("portable", torch.bfloat16): frozenset({"decode"}),
 }
 
 
