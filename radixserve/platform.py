@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 # The features radixserve reports and decides by: /proc/cpuinfo flag names on x86; on ARM, NEON is
 # `asimd`, SVE `sve` and the BF16 dot-product instructions `bf16` (reported here as arm_bf16).
-X86_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-                "avx512_fp16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16")
+X86_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "avx_vnni", "avx_ne_convert", "amx_tile", "amx_bf16")
 ARM_FEATURES = {"asimd": "neon", "sve": "sve", "bf16": "arm_bf16"}
 
 # Levels of our C kernels, best first; a level runs where the CPU has all of its features.

@@ -92,7 +92,7 @@ def time_breakdown(results: dict[tuple[str, str], WorkloadResult]) -> str:
     return "\n".join(lines)
 
 
-def machine_line(dtype: str) -> str:
+def machine_line(dtype: str | None = None) -> str:
     """The CPU (features, kernel level, torch's view), the dtype `dtype` resolves to, cores, load and versions."""
     import os
 

@@ -35,7 +35,7 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": _X86_BASE,
     "portable": (),
 }
-# /proc/cpuinfo flags each level needs.
+# The CPU features (radixserve.platform) each level needs.
 ISA_REQUIRES: dict[str, frozenset[str]] = {
     "avx512_vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
     "avx_vnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
@@ -45,13 +45,10 @@ ISA_REQUIRES: dict[str, frozenset[str]] = {
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags. NOTE: the one place to point at radixserve.platform once it lands."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        line = ""
-    return frozenset(line.partition(":")[2].split())
+    """The CPU's ISA features, as radixserve.platform reads them (Linux's flag names)."""
+    from radixserve import platform as rs_platform
+
+    return rs_platform.cpu_info().features
 
 
 def best_quant_isa(flags: frozenset[str] | None = None) -> str:
