@@ -70,8 +70,9 @@ class DecodeKernel:
     """Paged decode attention, attention of all queries over a prefix shared by the batch, and causal
     extend attention; all read K/V in place from the pool."""
 
-    def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str, kernel_class: str | None = None) -> None:
         self.isa = isa  # the kernel level whose code this object calls
+        self.kernel_class = kernel_class or isa  # what SELECTED is keyed by: the level, or amx
         self._fns = {dtype: _bind(lib, f"decode_attention_{suffix}_{isa}", pointers=8, sizes=5)
                      for dtype, suffix in _DTYPE_SUFFIX.items()}
         self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}_{isa}", pointers=6, sizes=5)
@@ -82,13 +83,9 @@ class DecodeKernel:
         width.restype, width.argtypes = ctypes.c_int, []
         self.simd_width = int(width())  # float32 lanes of the level's vector code; 1: portable loops only
 
-    def kernel_class(self) -> str:
-        """The class SELECTED is keyed by: this level, or `amx` at avx512_bf16 where AMX-BF16 is visible."""
-        return "amx" if self.isa == "avx512_bf16" and rs_platform.kernel_class() == "amx" else self.isa
-
     def selected(self, kernel: str, dtype: torch.dtype) -> bool:
         """Whether `kernel` (decode, extend, prefix) measured faster than torch's op on this class in `dtype`."""
-        return kernel in SELECTED.get((self.kernel_class(), dtype), frozenset())
+        return kernel in SELECTED.get((self.kernel_class, dtype), frozenset())
 
     def selected_kernels(self) -> dict[str, list[str]]:
         """dtype -> the kernels the backend uses on this level (for the start-up line and /get_server_info)."""
@@ -210,12 +207,15 @@ def _check_status(status: int, q: torch.Tensor, k_buf: torch.Tensor) -> None:
 
 def load_decode_kernel(isa: str | None = None) -> DecodeKernel | None:
     """The compiled kernels of level `isa` (default `platform.kernel_isa()`), or None (logged once) when the
-    library cannot be built here. A level the compiler could not build falls back to the next lower one."""
-    return _load(isa or rs_platform.kernel_isa())
+    library cannot be built here. A level the compiler could not build falls back to the next lower one.
+    Their selection class is `amx` at avx512_bf16 where AMX-BF16 is visible now, else the level."""
+    isa = isa or rs_platform.kernel_isa()
+    amx = isa == "avx512_bf16" and rs_platform.kernel_class() == "amx"
+    return _load(isa, "amx" if amx else None)
 
 
 @functools.cache
-def _load(isa: str) -> DecodeKernel | None:
+def _load(isa: str, kernel_class: str | None) -> DecodeKernel | None:
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired, FileNotFoundError) as e:
@@ -226,7 +226,7 @@ def _load(isa: str) -> DecodeKernel | None:
         if hasattr(lib, f"decode_attention_f32_{level}"):
             if level != isa:
                 logger.warning("the C compiler could not build the %s kernels; using %s", isa, level)
-            return DecodeKernel(lib, level)
+            return DecodeKernel(lib, level, kernel_class if level == isa else None)
     return None
 
 
