@@ -192,3 +192,16 @@ def test_server_reports_the_auto_dtype_and_why():
         assert re.search(rf"radixserve kernels {level} \(forced by RADIXSERVE_CPU_ISA", line)
     finally:
         server.stop()
+
+
+def test_bench_header_and_class_environments(monkeypatch):
+    from radixserve.bench.docs import CPU_CLASSES, class_env, cpu_header, runnable_classes
+
+    assert class_env("amx") == {} and class_env("avx2", torch_follows=False) == {"RADIXSERVE_CPU_ISA": "avx2"}
+    assert class_env("avx2")["ONEDNN_MAX_CPU_ISA"] == "AVX2" and class_env("avx2")["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert set(runnable_classes()) <= set(CPU_CLASSES) and "portable" in runnable_classes()
+    monkeypatch.setattr(platform, "measure_bf16_slowdown", lambda: 2.5)
+    monkeypatch.setenv(envs.CPU_ISA.name, "portable")
+    header = cpu_header("auto")
+    assert "radixserve kernels portable (forced by RADIXSERVE_CPU_ISA" in header
+    assert "Dtype: float32 (auto: no native bf16 matrix products" in header and "2.5x slower" in header
