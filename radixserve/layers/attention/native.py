@@ -50,7 +50,7 @@ KERNELS = ("decode", "extend", "prefix")
 # (kernel class, dtype) -> the kernels that measured faster than torch's op at SmolLM2-135M's shapes on
 # that class of CPU (`platform.kernel_class()`; benchmarks/bench_kernels.py, 1 thread; docs/attention.md,
 # "Kernel levels"). Elsewhere that part of attention stays on torch:
-# - decode won on every class and dtype (1.2x-9.2x);
+# - decode won on every class and dtype (1.2x-12x);
 # - extend (batches whose requests have at most EXTEND_KERNEL_MAX_NEW_TOKENS new tokens) won on the AVX2 and
 #   AVX-512 classes in float32 (1.2x-1.4x at 500 tokens) and in bf16 without AMX (1.1x-1.3x); it tied on
 #   portable (0.96x-1.00x) and lost to torch's SDPA on AMX tiles in bf16 (0.50x). On avx512_bf16 in bf16 it
