@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from radixserve.bench.docs import cpu_name, write_doc_section  # noqa: E402
+from radixserve.bench.docs import cpu_header, write_doc_section  # noqa: E402
 from radixserve.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 VOCAB = 32000
@@ -403,7 +403,7 @@ def main() -> None:
 
     versions = (f"Python {platform.python_version()}, torch {torch.__version__}"
                 + (f", SGLang {sglang_version} (pure-Python RadixCache)" if sglang_version else ""))
-    machine = f"{platform.machine()}, {platform.processor() or 'cpu'}, {cpu_name()}"
+    machine = cpu_header()
     command = "python benchmarks/bench_radix.py " + " ".join(sys.argv[1:])
     prompt_tokens = sum(len(r.prompt) for r in trace)
     section = "\n\n".join([
