@@ -63,7 +63,7 @@ class CpuInfo:
 
     @property
     def is_x86(self) -> bool:
-        return self.arch.lower() in ("x86_64", "amd64", "i686", "i386")
+        return self.arch.lower() in ("x86_64", "amd64")  # NOTE: the kernel levels are built for 64-bit x86 only
 
 
 @dataclass(frozen=True)
