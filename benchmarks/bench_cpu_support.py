@@ -8,7 +8,9 @@ MKL_ENABLE_INSTRUCTIONS) so that torch's GEMMs and SDPA run the code they would 
 --ours-only also gets a row with RADIXSERVE_CPU_ISA alone (torch keeps the machine's best code). Per
 class: a probe (dtype and reason, kernels, bf16/float32 matmul time), `benchmarks/bench_forward.py
 --only-ours` (prefill of --prefill-len tokens, decode at batch 1 and 32 with --context tokens) and
-`radixserve bench --workloads w1,w2,w3 --modes on`, all with --threads torch threads.
+`radixserve bench --workloads w1,w2,w3 --modes on`, all with --threads torch threads. An --explicit
+CLASS:DTYPE row runs that class with an explicit --dtype instead of auto (default: avx2 in bf16, the
+choice `auto` used to make there).
 
     python benchmarks/bench_cpu_support.py                # table + docs/benchmarks.md "CPU support" section
     python benchmarks/bench_cpu_support.py --classes avx2 --no-docs
@@ -40,23 +42,25 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--classes", default=",".join(runnable_classes()))
     p.add_argument("--ours-only", default="avx2", help="classes also run with RADIXSERVE_CPU_ISA alone")
+    p.add_argument("--explicit", default="avx2:bfloat16",
+                   help="CLASS:DTYPE rows run with an explicit --dtype instead of auto (what auto avoids)")
     p.add_argument("--threads", type=int, default=1, help="torch threads everywhere (1: steadier when shared)")
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=1, help="rounds over all classes; medians per cell")
-    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--probe", default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-docs", action="store_true", help="do not touch docs/")
     return p.parse_args()
 
 
-def probe() -> dict:
-    """In this process's environment: the auto dtype and why, the C kernels it uses, torch's view."""
+def probe(dtype: str) -> dict:
+    """In this process's environment: the dtype `dtype` resolves to and why, the C kernels it uses, torch's view."""
     import torch
 
     from radixserve import platform
     from radixserve.layers.attention.native import load_decode_kernel
 
-    choice = platform.choose_dtype("auto", "cpu")
+    choice = platform.choose_dtype(dtype, "cpu")
     kernel = load_decode_kernel()
     used = kernel.selected_kernels().get(choice.dtype, []) if kernel is not None else []
     return {"dtype": choice.dtype, "reason": choice.reason, "kernels": used,
@@ -64,39 +68,43 @@ def probe() -> dict:
             "torch": torch.backends.cpu.get_cpu_capability(), "bf16_slowdown": platform.measure_bf16_slowdown()}
 
 
-def forward_command(args: argparse.Namespace) -> list[str]:
-    return [sys.executable, str(ROOT / "benchmarks" / "bench_forward.py"), "--only-ours", "--backends", "cpu",
-            "--dtype", "auto", "--batches", "1,32", "--prefill-len", str(args.prefill_len), "--context",
+def forward_command(args: argparse.Namespace, dtype: str = "auto") -> list[str]:
+    return ["benchmarks/bench_forward.py", "--only-ours", "--backends", "cpu",
+            "--dtype", dtype, "--batches", "1,32", "--prefill-len", str(args.prefill_len), "--context",
             str(args.context), "--steps", "4", "--rounds", "3", "--threads", str(args.threads), "--no-docs"]
 
 
-def bench_command(args: argparse.Namespace) -> list[str]:
+def bench_command(args: argparse.Namespace, dtype: str = "auto") -> list[str]:
     return ["radixserve", "bench", "--workloads", "w1,w2,w3", "--modes", "on", "--torch-threads", str(args.threads),
-            "--output", "", "--plot", ""]
+            "--dtype", dtype, "--output", "", "--plot", ""]
 
 
 def run(cmd: list[str], env: dict[str, str]) -> str:
-    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
+    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed:\n{done.stderr[-3000:]}")
     return done.stdout
 
 
-def measure(env: dict[str, str], args: argparse.Namespace) -> dict:
-    facts = json.loads(run([sys.executable, __file__, "--probe"], env).strip().splitlines()[-1])
-    forward = run(forward_command(args), env)
+def measure(env: dict[str, str], dtype: str, args: argparse.Namespace) -> dict:
+    facts = json.loads(run([sys.executable, str(Path(__file__).resolve()), "--probe", dtype], env).strip().splitlines()[-1])
+    forward = run([sys.executable, *forward_command(args, dtype)], env)
     for match in FORWARD_LINE.finditer(forward):
         key = "prefill" if match.group(1).startswith("prefill") else f"decode bs{match.group(2)}"
         facts[key] = float(match.group(3))
-    walls = run(bench_command(args), env)
+    walls = run(bench_command(args, dtype), env)
     facts |= {w: float(wall) for w, wall in WALL_ROW.findall(walls)}
     print(f"# {env}: {facts}", file=sys.stderr, flush=True)
     return facts
 
 
-def rows_to_measure(args: argparse.Namespace) -> list[tuple[str, dict[str, str]]]:
-    rows = [(c, class_env(c)) for c in args.classes.split(",")]
-    rows += [(f"{c}, ours only", class_env(c, torch_follows=False)) for c in args.ours_only.split(",") if c]
+def rows_to_measure(args: argparse.Namespace) -> list[tuple[str, dict[str, str], str]]:
+    """(row name, environment, --dtype) of every row."""
+    rows = [(c, class_env(c), "auto") for c in args.classes.split(",")]
+    rows += [(f"{c}, ours only", class_env(c, torch_follows=False), "auto") for c in args.ours_only.split(",") if c]
+    for spec in filter(None, args.explicit.split(",")):
+        cpu_class, dtype = spec.split(":")
+        rows.append((f"{cpu_class}, --dtype {dtype}", class_env(cpu_class), dtype))
     return rows
 
 
@@ -118,8 +126,9 @@ def render(results: dict[str, list[dict]], envs: dict[str, dict[str, str]], args
         f"{args.rounds} round(s) over the classes, medians.", "",
         f"Command: `python benchmarks/bench_cpu_support.py --classes {args.classes} --ours-only {args.ours_only} "
         f"--threads {args.threads} --prefill-len {args.prefill_len} --context {args.context} --rounds "
-        f"{args.rounds}`; per class `{shlex.join(forward_command(args)[1:])}` and `{shlex.join(bench_command(args))}`.",
-        "", "| class | environment | torch | dtype auto picks (why) | C kernels used | bf16 / f32 matmul time | "
+        f"{args.rounds} --explicit {args.explicit}`; per class `python {shlex.join(forward_command(args))}` and "
+        f"`{shlex.join(bench_command(args))}` (the `--dtype <dtype>` rows pass theirs instead of auto).",
+        "", "| class | environment | torch | dtype (why) | C kernels used | bf16 / f32 matmul time | "
         f"prefill {args.prefill_len} tok/s | decode bs1 tok/s | decode bs32 tok/s | W1 wall s | W2 wall s | "
         "W3 wall s |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -138,15 +147,15 @@ def render(results: dict[str, list[dict]], envs: dict[str, dict[str, str]], args
 def main() -> None:
     args = parse_args()
     if args.probe:
-        print(json.dumps(probe()))
+        print(json.dumps(probe(args.probe)))
         return
     load_start = os.getloadavg()[0]
     plan = rows_to_measure(args)
-    results: dict[str, list[dict]] = {name: [] for name, _ in plan}
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in plan}
     for _ in range(args.rounds):
-        for name, env in plan:
-            results[name].append(measure(env, args))
-    section = render(results, dict(plan), args, (load_start, os.getloadavg()[0]))
+        for name, env, dtype in plan:
+            results[name].append(measure(env, dtype, args))
+    section = render(results, {name: env for name, env, _ in plan}, args, (load_start, os.getloadavg()[0]))
     print("\n" + section)
     if not args.no_docs:
         write_doc_section(DOCS, BEGIN, END, section)
