@@ -128,8 +128,8 @@ def run_once(loaded, server_args: ServerArgs, workload: Workload, overlap: bool)
     server_args = server_args.replace(chunked_prefill_size=workload.chunked_prefill_size)
 
     def sink(out) -> None:
-        for rid, ids in zip(out.rids, out.new_token_ids, strict=True):
-            outputs.setdefault(rid, []).extend(ids)
+        for o in out.outputs:
+            outputs.setdefault(o.rid, []).extend(o.new_token_ids)
 
     runner = ModelRunner(server_args, loaded)
     meter = BusyMeter(runner)

@@ -15,6 +15,7 @@ import torch
 from test_model_smollm2 import hf_model_from_gguf
 
 from radixserve import Engine
+from radixserve.managers.io_struct import LogprobSpec
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,7 @@ def test_sampled_tokens_get_the_logprob_of_the_temperature_scaled_distribution(e
 
 def test_mixed_batch_streaming_and_validation(engines):
     engine = engines[0]
-    handles = [engine.submit(engine.tokenizer.encode(p), GREEDY, return_logprob=i != 1, top_logprobs_num=2)
+    handles = [engine.submit(engine.tokenizer.encode(p), GREEDY, logprob=LogprobSpec(i != 1, top_logprobs_num=2))
                for i, p in enumerate(PROMPTS)]
     results = [h.result(timeout=120) for h in handles]
     assert "output_token_logprobs" not in results[1]["meta_info"]

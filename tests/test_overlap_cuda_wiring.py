@@ -19,7 +19,8 @@ import pytest
 import torch
 from test_overlap_parity import PRESSURE, assert_same_outputs, mixed_requests, run_scheduler
 
-import radixserve.managers.scheduler_overlap as scheduler_overlap
+import radixserve.managers.forward_pipeline as forward_pipeline
+import radixserve.managers.scheduler_loop as scheduler_loop
 from radixserve.managers.overlap_utils import CudaStream, create_device_streams
 
 pytestmark = pytest.mark.slow
@@ -115,20 +116,22 @@ class FakeEvent:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     cuda = FakeCuda()
     cuda.install(monkeypatch)
-    # NOTE: the scheduler's device stays the CPU; only its streams take the CUDA branch.
-    def cuda_streams(device, debug=None):
+    # NOTE: the scheduler's device stays the CPU; only the overlap loop's streams take the CUDA branch.
+    def cuda_streams(device, debug=None, inline=False):
+        if inline:
+            return create_device_streams(device, debug, inline=True)
         streams = create_device_streams("cuda", debug)
         cuda.device_streams.append(streams)
         return streams
 
-    monkeypatch.setattr(scheduler_overlap, "create_device_streams", cuda_streams)
-    real_copy = scheduler_overlap._copy_to_host
+    monkeypatch.setattr(scheduler_loop, "create_device_streams", cuda_streams)
+    real_copy = forward_pipeline._copy_to_host
 
     def traced_copy(forward_done):
         cuda.trace.append(("copy", cuda.name(cuda.current)))
         return real_copy(forward_done)
 
-    monkeypatch.setattr(scheduler_overlap, "_copy_to_host", traced_copy)
+    monkeypatch.setattr(forward_pipeline, "_copy_to_host", traced_copy)
     return cuda
 
 
@@ -164,7 +167,7 @@ def test_cuda_branch_runs_the_overlap_loop_with_its_fences_in_order(fake_cuda, l
     assert len({forward, schedule, copy}) == 3, "one stream each: forward, schedule, copy"
     names = {forward.name: "forward", schedule.name: "schedule", copy.name: "copy"}
     steps = launches(fake_cuda.trace, names)
-    assert len(steps) == sched.overlap_counters.launched > 0
+    assert len(steps) == sched.pipeline_counters.launched > 0
     expected_head = ["wait forward schedule", "record forward", "model forward", "record forward",
                      "wait copy forward", "copy copy", "record copy", "wait schedule forward"]
     for step in steps:

@@ -63,10 +63,10 @@ def run_scheduler(loaded, work, overlap: bool, device: str = "cpu", **kw):
     outputs: dict[str, dict] = {}
 
     def sink(out) -> None:
-        for i, rid in enumerate(out.rids):
-            rec = outputs.setdefault(rid, {"ids": [], "finish": None})
-            rec["ids"].extend(out.new_token_ids[i])
-            rec["finish"] = out.finished_reasons[i]
+        for o in out.outputs:
+            rec = outputs.setdefault(o.rid, {"ids": [], "finish": None})
+            rec["ids"].extend(o.new_token_ids)
+            rec["finish"] = o.finished_reason
 
     sched = Scheduler(args, ModelRunner(args, loaded), output_sink=sink)
     if overlap:
@@ -117,7 +117,7 @@ def test_overlap_parity_64_mixed_requests(loaded):
     for sched in (normal_sched, overlap_sched):
         assert sched.stats.num_retractions > 0 and sched.stats.cached_tokens > 0
         assert sched.stats.num_aborts == len(ABORTS)
-    counters = overlap_sched.overlap_counters
+    counters = overlap_sched.pipeline_counters
     assert counters.corrupted_reads == 0 and counters.dropped_tokens > 0
     assert counters.processed == counters.launched
 
@@ -138,4 +138,4 @@ def test_overlap_parity_on_cuda_streams():
     sched.close_overlap()
     overlapped, overlap_sched = run_scheduler(cuda_loaded, work, overlap=True, device="cuda", **PRESSURE)
     assert_same_outputs(normal, overlapped, work)
-    assert overlap_sched.overlap_counters.corrupted_reads == 0
+    assert overlap_sched.pipeline_counters.corrupted_reads == 0

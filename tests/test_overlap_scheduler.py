@@ -17,10 +17,9 @@ import pytest
 import torch
 
 from radixserve.layers.sampler import compute_input_logprobs
-from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import AbortReq, LogprobSpec, TokenizedGenerateReqInput
 from radixserve.managers.overlap_utils import FutureMapError, OverlapDebug, StreamError
 from radixserve.managers.scheduler import Scheduler
-from radixserve.managers.scheduler_overlap import ReadFence
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
@@ -75,10 +74,12 @@ class FakeRunner:
         self.kv = torch.full((pool_tokens + page_size,), -1, dtype=torch.int64)
         self.compute_s = compute_s
 
-    def forward(self, fb) -> torch.Tensor:
+    def forward(self, fb, read_done=None) -> torch.Tensor:
         fb.req_to_token_pool = self.req_to_token_pool
         fb.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(fb)
+        if read_done is not None:
+            read_done.record()  # as the model runner: the shared reads are done
         time.sleep(self.compute_s)
         self.kv[fb.out_cache_loc] = fb.input_ids
         logits = torch.zeros(fb.batch_size, VOCAB)
@@ -113,12 +114,12 @@ def make_scheduler(pool_tokens=512, page_size=1, max_running=8, chunk=-1, comput
     outputs: dict[str, dict] = {}
 
     def sink(out) -> None:
-        for i, rid in enumerate(out.rids):
-            rec = outputs.setdefault(rid, {"ids": [], "finish": None})
-            rec["ids"].extend(out.new_token_ids[i])
-            rec["finish"] = out.finished_reasons[i]
-            if out.input_token_logprobs and out.input_token_logprobs[i] is not None:
-                rec["input_logprobs"] = out.input_token_logprobs[i]
+        for o in out.outputs:
+            rec = outputs.setdefault(o.rid, {"ids": [], "finish": None})
+            rec["ids"].extend(o.new_token_ids)
+            rec["finish"] = o.finished_reason
+            if o.input_token_logprobs is not None:
+                rec["input_logprobs"] = o.input_token_logprobs
 
     sched = Scheduler(args, FakeRunner(pool_tokens, page_size, max_running, compute_s), output_sink=sink)
     sched.init_overlap(OverlapDebug(**{"check_future_map": True, "check_reads": True, **debug}))
@@ -187,7 +188,7 @@ def test_overlap_outputs_match_the_reference_and_the_normal_loop(page_size, chun
         sched, outputs = make_scheduler(pool, page_size, max_running, chunk, conservativeness=0.05)
         run(sched, work, overlap, aborts)
         results[overlap] = (outputs, sched)
-        assert sched.overlap_counters.corrupted_reads == 0
+        assert sched.pipeline_counters.corrupted_reads == 0
     (normal, normal_sched), (overlapped, overlap_sched) = results[False], results[True]
     for rid, prompt, params in work:
         want = reference(prompt, params)
@@ -199,7 +200,7 @@ def test_overlap_outputs_match_the_reference_and_the_normal_loop(page_size, chun
             assert got == normal[rid], rid
     assert overlap_sched.stats.num_finished + overlap_sched.stats.num_aborts == len(work)
     assert overlap_sched.stats.num_aborts == len(aborts)
-    counters = overlap_sched.overlap_counters
+    counters = overlap_sched.pipeline_counters
     assert counters.processed == counters.launched and counters.dropped_tokens > 0
     if pool < 4096:
         assert overlap_sched.stats.num_retractions > 0 and normal_sched.stats.num_retractions > 0
@@ -245,11 +246,11 @@ def test_war_barrier_keeps_slow_forwards_from_reading_overwritten_rows(barrier):
     sched, outputs = make_scheduler(pool_tokens=512, max_running=2, compute_s=0.0, check_future_map=False,
                                     war_barrier=barrier, forward_read_delay_s=0.03)
     run(sched, row_reuse_workload(), overlap=True)
-    assert sched.overlap_counters.dropped_tokens > 0, "no overrun step: the hazard was not exercised"
+    assert sched.pipeline_counters.dropped_tokens > 0, "no overrun step: the hazard was not exercised"
     if barrier:
-        assert sched.overlap_counters.corrupted_reads == 0
+        assert sched.pipeline_counters.corrupted_reads == 0
     else:
-        assert sched.overlap_counters.corrupted_reads > 0
+        assert sched.pipeline_counters.corrupted_reads > 0
 
 
 @pytest.mark.parametrize("barrier", [True, False])
@@ -281,7 +282,7 @@ def test_event_loop_overlap_runs_until_stopped_then_cleans_up():
     sched.stop_event.set()
     loop.join(10)
     assert not loop.is_alive()
-    assert sched.overlap is None and not isinstance(sched.model_runner.attn_backend, ReadFence)
+    assert sched.overlap is None and isinstance(sched.model_runner.attn_backend, FakeBackend)
     for rid, prompt, params in work:
         assert outputs[rid]["ids"] == reference(prompt, params)
     conserve(sched)
@@ -294,11 +295,11 @@ def test_a_failing_forward_reaches_the_scheduler_instead_of_hanging_it():
     runner, calls = sched.model_runner, []
     real_forward = runner.forward
 
-    def flaky_forward(fb):
+    def flaky_forward(fb, read_done=None):
         calls.append(fb.forward_mode)
         if len(calls) == 3:
             raise RuntimeError("device fault")
-        return real_forward(fb)
+        return real_forward(fb, read_done)
 
     runner.forward = flaky_forward
     work = mixed_workload(4, seed=5)
@@ -330,7 +331,7 @@ def test_a_failing_forward_reaches_the_scheduler_instead_of_hanging_it():
     sched.stop_event.set()
     thread.join(20)
     assert not thread.is_alive() and not errors
-    assert sched.overlap is None  # streams closed, backend unwrapped
+    assert sched.overlap is None  # streams closed
 
 
 def reference_prompt_logprobs(prompt: list[int], start: int) -> list[float | None]:
@@ -350,8 +351,8 @@ def test_prompt_logprobs_survive_retraction_while_their_prefill_is_in_flight(mon
     work = mixed_workload(16, seed=5)
     starts = {rid: (0, 3, len(prompt) - 1)[i % 3] for i, (rid, prompt, _) in enumerate(work)}
     for rid, prompt, params in work:
-        sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, params, return_logprob=True,
-                                                        logprob_start_len=min(starts[rid], len(prompt) - 1)))
+        logprob = LogprobSpec(return_logprob=True, logprob_start_len=min(starts[rid], len(prompt) - 1))
+        sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, params, logprob=logprob))
     sched.run_until_idle_overlap(20_000, on_step=lambda: conserve(sched))
     sched.close_overlap()
     assert sched.stats.num_retractions > 5

@@ -1,9 +1,11 @@
-"""RadixCache operations and edge cases (reference 2.1-2.5, 2.8, 2.9) at page sizes 1, 4, 16, with and without extra_key."""
+"""RadixCache operations and edge cases (match, split, insert, locks, eviction, a disabled cache) at page sizes
+1, 4, 16, with and without extra_key."""
 
 import pytest
 import torch
 
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixserve.mem_cache.memory_pool import SLOT_DTYPE
 from radixserve.mem_cache.radix_cache import RadixCache, RadixKey
 
 CASES = [(ps, ns) for ps in (1, 4, 16) for ns in (None, "ns")]
@@ -25,7 +27,7 @@ def key(tokens, ns):
 
 
 def values(n: int, start: int = 100) -> torch.Tensor:
-    return torch.arange(start, start + n, dtype=torch.int64)
+    return torch.arange(start, start + n, dtype=SLOT_DTYPE)
 
 
 def test_empty_cache_and_short_keys_return_root(case):
@@ -45,7 +47,7 @@ def test_insert_then_match_returns_the_values(case):
     assert cache.total_size() == cache.evictable_size() == 3 * ps
     result = cache.match_prefix(key(tokens, ns))
     assert result.device_indices.tolist() == values(3 * ps).tolist()
-    assert result.device_indices.dtype == torch.int64
+    assert result.device_indices.dtype == SLOT_DTYPE
     assert result.last_node.parent is cache.root_node
 
 
@@ -256,10 +258,10 @@ def test_reset_and_pretty_print(case, capsys):
     assert cache.match_prefix(key(toks(ps, 1, 2), ns)).device_indices.numel() == 0
 
 
-def test_all_values_flatten_and_empty_match_results_are_int64(case):
+def test_all_values_flatten_and_empty_match_results_are_slot_ids(case):
     ps, ns, cache = case
     assert cache.all_values_flatten().numel() == 0
     cache.insert(key(toks(ps, 1), ns), values(ps, 10))
     cache.insert(key(toks(ps, 2), ns), values(ps, 50))
     assert sorted(cache.all_values_flatten().tolist()) == values(ps, 10).tolist() + values(ps, 50).tolist()
-    assert cache.match_prefix(key([], ns)).device_indices.dtype == torch.int64
+    assert cache.match_prefix(key([], ns)).device_indices.dtype == SLOT_DTYPE

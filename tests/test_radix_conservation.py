@@ -5,13 +5,13 @@ import torch
 
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixserve.mem_cache.conservation import ConservationError, check_conservation
+from radixserve.mem_cache.kv_manager import ReqKV
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.mem_cache.radix_cache import RadixCache, RadixKey
 
 
-class Req:
-    def __init__(self, row: int, protected: int, allocated: int) -> None:
-        self.req_pool_idx, self.cache_protected_len, self.kv_allocated_len = row, protected, allocated
+def Req(row: int, protected: int, allocated: int) -> ReqKV:  # noqa: N802
+    return ReqKV(req_pool_idx=row, cache_protected_len=protected, kv_allocated_len=allocated)
 
 
 def setup(page_size: int = 1, size: int = 16):

@@ -36,10 +36,10 @@ class Harness:
         self.steps = 0
 
     def _sink(self, out) -> None:
-        for i, rid in enumerate(out.rids):
-            rec = self.outputs.setdefault(rid, {"ids": [], "finish": None})
-            rec["ids"].extend(out.new_token_ids[i])
-            rec.update(finish=out.finished_reasons[i], cached=out.cached_tokens[i])
+        for o in out.outputs:
+            rec = self.outputs.setdefault(o.rid, {"ids": [], "finish": None})
+            rec["ids"].extend(o.new_token_ids)
+            rec.update(finish=o.finished_reason, cached=o.cached_tokens)
 
     def submit(self, rid: str, ids: list[int], **params) -> None:
         params.setdefault("temperature", 0.0)
@@ -159,7 +159,7 @@ def test_abort_at_each_stage(loaded):
     batch = h.sched.get_next_batch_to_run()
     assert [r.rid for r in batch.reqs] == ["admitted"] and h.sched.tree_cache.protected_size() == 30
     h.sched.abort_request("admitted")
-    h.sched.process_batch_result(batch, h.sched.run_batch(batch))
+    h.sched.process_batch_result(h.sched.run_batch(batch))
     h.sched.last_batch = batch
     h.conserve()
     # mid-chunk

@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from radixserve.layers.sampler import compute_input_logprobs
-from radixserve.managers.io_struct import AbortReq, FlushCacheOut, FlushCacheReq, TokenizedGenerateReqInput
+from radixserve.managers.io_struct import (
+    AbortReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    LogprobSpec,
+    TokenizedGenerateReqInput,
+)
 from radixserve.managers.scheduler import Scheduler
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixserve.mem_cache.conservation import check_conservation
@@ -61,14 +67,16 @@ class FakeRunner:
         self.kv = torch.full((pool_tokens + page_size,), -1, dtype=torch.int64)
         self.forward_calls = 0
 
-    def forward(self, fb) -> torch.Tensor:
+    def forward(self, fb, read_done=None) -> torch.Tensor:
         self.forward_calls += 1
-        self.kv[fb.out_cache_loc] = fb.input_ids
         table = self.req_to_token_pool.req_to_token
+        rows = [table[row, :n].long() for row, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, strict=True)]
+        if read_done is not None:
+            read_done.record()  # the rows are read: the scheduler may write them again
+        self.kv[fb.out_cache_loc] = fb.input_ids
         logits = torch.zeros(fb.batch_size, VOCAB)
-        for i, (row, n) in enumerate(zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, strict=True)):
-            seq = self.kv[table[row, :n].long()].tolist()
-            logits[i, next_token(seq)] = 1.0
+        for i, slots in enumerate(rows):
+            logits[i, next_token(self.kv[slots].tolist())] = 1.0
         if fb.extra_logits_indices is not None:
             fb.input_logprobs = compute_input_logprobs(self._prompt_logits(fb), fb.extra_target_ids, fb.extra_top_k)
         return logits
@@ -94,7 +102,7 @@ class FakeRunner:
 
 
 class FakeScheduler(Scheduler):
-    def make_sampling_info(self, batch):
+    def sampling_info(self, reqs, output_lens, is_extend):
         return None
 
 
@@ -109,13 +117,13 @@ def make_scheduler(pool_tokens=256, page_size=1, max_running=8, chunk=-1, disabl
         if isinstance(out, FlushCacheOut):
             outputs["__flush__"] = out
             return
-        for i, rid in enumerate(out.rids):
-            rec = outputs.setdefault(rid, {"ids": [], "finish": None})
-            rec["ids"].extend(out.new_token_ids[i])
-            rec["finish"] = out.finished_reasons[i]
-            rec["cached"] = out.cached_tokens[i]
-            if out.input_token_logprobs and out.input_token_logprobs[i] is not None:
-                rec["input_logprobs"] = out.input_token_logprobs[i]
+        for o in out.outputs:
+            rec = outputs.setdefault(o.rid, {"ids": [], "finish": None})
+            rec["ids"].extend(o.new_token_ids)
+            rec["finish"] = o.finished_reason
+            rec["cached"] = o.cached_tokens
+            if o.input_token_logprobs is not None:
+                rec["input_logprobs"] = o.input_token_logprobs
 
     sched = FakeScheduler(args, FakeRunner(pool_tokens, page_size, max_running), output_sink=sink)
     return sched, outputs
@@ -128,8 +136,8 @@ def conserve(sched: Scheduler) -> None:
 
 def submit(sched, rid, prompt, logprob_start_len=-1, **params):
     sp = SamplingParams(**params)
-    sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, sp, return_logprob=logprob_start_len >= 0,
-                                                    logprob_start_len=logprob_start_len))
+    logprob = LogprobSpec(return_logprob=logprob_start_len >= 0, logprob_start_len=logprob_start_len)
+    sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, sp, logprob=logprob))
     return sp
 
 
@@ -239,7 +247,7 @@ def test_abort_at_every_stage_releases_exactly_what_was_held():
     batch = sched.get_next_batch_to_run()
     assert [r.rid for r in batch.reqs] == ["admitted"] and sched.tree_cache.protected_size() == 40
     sched.abort_request("admitted")
-    sched.process_batch_result(batch, sched.run_batch(batch))
+    sched.process_batch_result(sched.run_batch(batch))
     sched.last_batch = batch
     assert outputs["admitted"] == {"ids": [], "finish": outputs["admitted"]["finish"], "cached": 40}
     assert sched.tree_cache.protected_size() == 0

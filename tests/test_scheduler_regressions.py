@@ -45,8 +45,8 @@ def _run_big_after_evictable(loaded, overlap: bool, big_len: int,
     outputs: dict[str, list[int]] = {}
 
     def sink(out) -> None:
-        for i, rid in enumerate(out.rids):
-            outputs.setdefault(rid, []).extend(out.new_token_ids[i])
+        for o in out.outputs:
+            outputs.setdefault(o.rid, []).extend(o.new_token_ids)
 
     sched = Scheduler(args, ModelRunner(args, loaded), output_sink=sink)
     run = sched.run_until_idle_overlap if overlap else sched.run_until_idle
@@ -87,4 +87,4 @@ def test_near_pool_prompt_evicts_earlier_kv_in_both_loops(loaded, early_steps):
     assert set(normal) == set(overlapped) == {f"early{i}" for i in range(5)} | {"big"}
     assert len(normal["big"]) == 3
     assert overlapped == normal
-    assert sched.overlap_counters.processed == sched.overlap_counters.launched
+    assert sched.pipeline_counters.processed == sched.pipeline_counters.launched

@@ -20,12 +20,14 @@ from typing import Any
 
 from radixserve.entrypoints.request_state import RequestHandle, RequestState
 from radixserve.managers.io_struct import (
+    NO_LOGPROBS,
     AbortReq,
     BatchTokenIDOut,
     FlushCacheOut,
     FlushCacheReq,
     GetInternalStateOut,
     GetInternalStateReq,
+    LogprobSpec,
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.schedule_batch import Req
@@ -76,14 +78,13 @@ class Engine:
         from that position on (None at position 0), computed, never read from the radix cache."""
         batch, single = self._normalize_inputs(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(batch))
-        logprobs = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
-                    "logprob_start_len": logprob_start_len}
+        logprob = LogprobSpec(return_logprob, top_logprobs_num, logprob_start_len)
         if stream:
             if not single or params[0].n != 1:
                 raise ValueError("stream=True takes one prompt with n=1")
-            return self.submit(batch[0], params[0], extra_key, stream=True, **logprobs).stream()
+            return self.submit(batch[0], params[0], extra_key, stream=True, logprob=logprob).stream()
         handles = [h for ids, p in zip(batch, params, strict=True)
-                   for h in self._submit_n(ids, p, extra_key, **logprobs)]
+                   for h in self._submit_n(ids, p, extra_key, logprob)]
         results = [h.result() for h in handles]
         return results[0] if single and len(results) == 1 else results
 
@@ -98,8 +99,8 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
-               extra_key: Any = None, stream: bool = False, rid: str | None = None, return_logprob: bool = False,
-               top_logprobs_num: int = 0, logprob_start_len: int = -1) -> RequestHandle:
+               extra_key: Any = None, stream: bool = False, rid: str | None = None,
+               logprob: LogprobSpec = NO_LOGPROBS) -> RequestHandle:
         """Queue one request and return at once; the handle waits for, streams or aborts it."""
         self._raise_if_dead()
         params = SamplingParams.from_any(sampling_params)
@@ -107,20 +108,16 @@ class Engine:
         check_input_ids(input_ids, self.scheduler.vocab_size)
         params.verify_for_model(self.scheduler.vocab_size)
         rid = rid or uuid.uuid4().hex
-        error = self.scheduler.validate_request(
-            Req(rid, input_ids, params, extra_key, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                logprob_start_len=logprob_start_len))
+        error = self.scheduler.validate_request(Req(rid, input_ids, params, extra_key, logprob=logprob))
         if error is not None:
             raise ValueError(error)
-        state = RequestState(rid, list(input_ids), params, self.tokenizer, stream, return_logprob,
-                             logprob_start_len if return_logprob else -1)
+        state = RequestState(rid, list(input_ids), params, self.tokenizer, stream, logprob)
         with self._lock:
             if rid in self._states:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._states[rid] = state
         # NOTE: always streamed from the scheduler, so the time of the first token is known (TTFT).
-        self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True,
-                                                                 return_logprob, top_logprobs_num, logprob_start_len))
+        self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True, logprob))
         return RequestHandle(state, self)
 
     def abort(self, rid: str) -> None:
@@ -172,12 +169,13 @@ class Engine:
             return [SamplingParams.from_any(p) for p in sampling_params]
         return [SamplingParams.from_any(sampling_params)] * n
 
-    def _submit_n(self, ids: list[int], params: SamplingParams, extra_key: Any, **logprobs: Any) -> list[RequestHandle]:
+    def _submit_n(self, ids: list[int], params: SamplingParams, extra_key: Any,
+                  logprob: LogprobSpec) -> list[RequestHandle]:
         if params.n == 1:
-            return [self.submit(ids, params, extra_key, **logprobs)]
+            return [self.submit(ids, params, extra_key, logprob=logprob)]
         # NOTE: n samples are n requests; the 2nd..nth hit the first's prompt in the radix cache.
         seeds = itertools.count(params.seed) if params.seed is not None else itertools.repeat(None)
-        return [self.submit(ids, dataclasses.replace(params, n=1, seed=next(seeds)), extra_key, **logprobs)
+        return [self.submit(ids, dataclasses.replace(params, n=1, seed=next(seeds)), extra_key, logprob=logprob)
                 for _ in range(params.n)]
 
     def _control(self, msg: Any) -> Any:
@@ -194,17 +192,13 @@ class Engine:
         """Called on the scheduler thread for every message it sends."""
         if isinstance(out, BatchTokenIDOut):
             now = time.perf_counter()
-            for i, rid in enumerate(out.rids):
+            for record in out.outputs:
                 with self._lock:
-                    state = self._states.get(rid)
-                    if state is not None and out.finished_reasons[i] is not None:
-                        del self._states[rid]
+                    state = self._states.get(record.rid)
+                    if state is not None and record.finished_reason is not None:
+                        del self._states[record.rid]
                 if state is not None:
-                    if out.input_token_logprobs[i] is not None:  # NOTE: before on_tokens, which may end it
-                        state.on_input_logprobs(out.input_token_logprobs[i], out.input_top_logprobs[i])
-                    state.on_tokens(out.new_token_ids[i], out.finished_reasons[i], out.prompt_tokens[i],
-                                    out.completion_tokens[i], out.cached_tokens[i], now,
-                                    out.output_logprobs[i], out.output_top_logprobs[i])
+                    state.on_output(record, now)
         else:
             self._control_reply.append(out)
             self._control_event.set()

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from radixserve.managers.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
 from radixserve.managers.text_stream import IncrementalDetokenizer, final_text
 from radixserve.sampling_params import SamplingParams
 
@@ -16,19 +17,18 @@ if TYPE_CHECKING:
 
 
 class RequestState:
-    """Written by the scheduler thread (`on_tokens`, `fail`), read by the caller's thread."""
+    """Written by the scheduler thread (`on_output`, `fail`), read by the caller's thread."""
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, tokenizer: Any,
-                 stream: bool, return_logprob: bool = False, logprob_start_len: int = -1) -> None:
+                 stream: bool, logprob: LogprobSpec = NO_LOGPROBS) -> None:
         self.rid = rid
         self.input_ids = input_ids
         self.params = params
         self.tokenizer = tokenizer
         self.output_ids: list[int] = []
-        self.return_logprob = return_logprob
+        self.logprob = logprob
         self.logprobs: list[float] = []  # with return_logprob: one per output id
         self.top_logprobs: list[list[tuple[int, float]]] = []
-        self.logprob_start_len = logprob_start_len
         self.input_logprobs: list[float | None] = []  # prompt positions logprob_start_len.. (when >= 0)
         self.input_top_logprobs: list[list[tuple[int, float]]] = []
         self.finish_reason: dict[str, Any] | None = None
@@ -42,16 +42,19 @@ class RequestState:
         self.done = threading.Event()
         self.increments: queue.Queue | None = queue.Queue() if stream else None
 
-    def on_tokens(self, new_ids: list[int], finish_reason: dict[str, Any] | None, prompt_tokens: int,
-                  completion_tokens: int, cached_tokens: int, now: float, logprobs: list[float] | None = None,
-                  top_logprobs: list[list[tuple[int, float]]] | None = None) -> None:
+    def on_output(self, out: TokenIDOut, now: float) -> None:
+        """This request's part of one scheduler message."""
+        if out.input_token_logprobs is not None:  # NOTE: before the tokens, whose finish may end the request
+            self.input_logprobs, self.input_top_logprobs = list(out.input_token_logprobs), list(out.input_top_logprobs)
+        new_ids, finish_reason = out.new_token_ids, out.finished_reason
         if new_ids and self.first_token_at is None:
             self.first_token_at = now
         start = len(self.output_ids)
         self.output_ids.extend(new_ids)
-        self.logprobs.extend(logprobs or ())
-        self.top_logprobs.extend(top_logprobs or ())
-        self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt_tokens, completion_tokens, cached_tokens
+        self.logprobs.extend(out.output_logprobs or ())
+        self.top_logprobs.extend(out.output_top_logprobs or ())
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = (
+            out.prompt_tokens, out.completion_tokens, out.cached_tokens)
         if finish_reason is not None:
             self.finish_reason = finish_reason
             self.finished_at = now
@@ -59,9 +62,6 @@ class RequestState:
             self.increments.put((list(new_ids), finish_reason, start))
         if finish_reason is not None:
             self.done.set()
-
-    def on_input_logprobs(self, logprobs: list[float | None], top_logprobs: list[list[tuple[int, float]]]) -> None:
-        self.input_logprobs, self.input_top_logprobs = list(logprobs), list(top_logprobs)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
@@ -82,11 +82,11 @@ class RequestState:
             "e2e_latency": end - self.submitted_at,
             "ttft": ttft,
         }
-        if self.return_logprob:
+        if self.logprob.return_logprob:
             info["output_token_logprobs"] = self.token_logprobs(start, end_index)
             info["output_top_logprobs"] = self.position_top_logprobs(start, end_index)
-        if self.logprob_start_len >= 0 and start == 0:
-            ids = self.input_ids[self.logprob_start_len:]
+        if self.logprob.logprob_start_len >= 0 and start == 0:
+            ids = self.input_ids[self.logprob.logprob_start_len:]
             # NOTE: empty until the prompt was computed (a request aborted earlier never gets them).
             info["input_token_logprobs"] = [(lp, t, self._text(t))
                                             for lp, t in zip(self.input_logprobs, ids, strict=False)]

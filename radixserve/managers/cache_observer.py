@@ -26,7 +26,7 @@ def cache_tree_snapshot(scheduler: Scheduler, req: CacheTreeReq) -> CacheTreeOut
     cache = scheduler.tree_cache
     if cache.events is None:
         cache.events = CacheEventLog(EVENT_LOG_CAPACITY)
-    requests = [(r.rid, getattr(r.last_node, "id", None), r.extra_key, r.cache_protected_len, r.seqlen)
+    requests = [(r.rid, getattr(r.kv.last_node, "id", None), r.extra_key, r.kv.cache_protected_len, r.seqlen)
                 for r in scheduler.active_requests()]
     snapshot = tree_snapshot(cache, NamespaceLabels(), max_nodes=_clamp(req.max_nodes, "max_nodes"),
                              max_tokens=_clamp(req.max_tokens, "max_tokens"), since=req.since,

@@ -13,6 +13,26 @@ from radixserve.sampling_params import SamplingParams
 MAX_TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for, as OpenAI's top_logprobs
 
 
+@dataclass(frozen=True)
+class LogprobSpec:
+    """The logprobs a request asks for, carried as one value from the front end to the scheduler.
+
+    Without `return_logprob` the other two fields are normalised to "none" (0 and -1).
+    """
+
+    return_logprob: bool = False
+    top_logprobs_num: int = 0  # the most likely tokens to report at each position
+    logprob_start_len: int = -1  # also the prompt's logprobs from this position (-1: none)
+
+    def __post_init__(self) -> None:
+        if not self.return_logprob:
+            object.__setattr__(self, "top_logprobs_num", 0)
+            object.__setattr__(self, "logprob_start_len", -1)
+
+
+NO_LOGPROBS = LogprobSpec()
+
+
 @dataclass
 class TokenizedGenerateReqInput:
     rid: str
@@ -20,9 +40,7 @@ class TokenizedGenerateReqInput:
     sampling_params: SamplingParams
     extra_key: Any = None  # hashable namespace; different values never share KV
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0  # with return_logprob: the most likely tokens to report at each step
-    logprob_start_len: int = -1  # with return_logprob: also the prompt's logprobs from this position
+    logprob: LogprobSpec = NO_LOGPROBS
 
 
 @dataclass
@@ -72,19 +90,26 @@ class CacheTreeOut:
 
 
 @dataclass
-class BatchTokenIDOut:
-    """Incremental output of one scheduler step: for each request, its new token ids since the last message."""
+class TokenIDOut:
+    """One request's new output since its last message."""
 
-    rids: list[str]
-    new_token_ids: list[list[int]]
-    finished_reasons: list[dict[str, Any] | None]  # None while running; {"type": "stop"|"length"|"abort", ...}
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: dict[str, Any] | None  # None while running; {"type": "stop"|"length"|"abort", ...}
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
     # With return_logprob: the logprob of each new token, and its top alternatives as (token id, logprob).
-    output_logprobs: list[list[float] | None] = field(default_factory=list)
-    output_top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
+    output_logprobs: list[float] | None = None
+    output_top_logprobs: list[list[tuple[int, float]]] | None = None
     # With logprob_start_len >= 0: the prompt's logprobs from that position (None for position 0),
     # sent once, in the first message after the prompt was fully computed; else None.
-    input_token_logprobs: list[list[float | None] | None] = field(default_factory=list)
-    input_top_logprobs: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)
+    input_token_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class BatchTokenIDOut:
+    """The output of one scheduler step: a record for each request that has something new."""
+
+    outputs: list[TokenIDOut] = field(default_factory=list)

@@ -41,6 +41,10 @@ class Event(ABC):
     """A point in one stream's order. Waiting on an event that was never recorded returns at once."""
 
     @abstractmethod
+    def record(self) -> None:
+        """Record this event on the stream that created it: inside a callable launched there, at that point."""
+
+    @abstractmethod
     def synchronize(self) -> None:
         """Block the host until the stream has passed this point; raise `StreamError` if it failed."""
 
@@ -118,8 +122,14 @@ def _stream_error(name: str, error: BaseException) -> StreamError:
 
 
 class CpuEvent(Event):
-    def __init__(self, mark: _Mark | None = None) -> None:
+    def __init__(self, mark: _Mark | None = None, stream: Stream | None = None) -> None:
         self.mark = mark if mark is not None else _Mark(done=True)
+        self.stream = stream
+
+    def record(self) -> None:
+        if self.stream is None:
+            raise RuntimeError("this event belongs to no stream")
+        self.stream.record(self)
 
     def synchronize(self) -> None:
         self.mark.done.wait()
@@ -186,7 +196,7 @@ class WorkerStream(Stream):
                 mark.set(self._error)
             else:
                 self._unrecorded.add(mark)
-        return CpuEvent(mark)
+        return CpuEvent(mark, self)
 
     def record(self, event: Event) -> None:
         mark = _cpu_mark(event)
@@ -282,7 +292,7 @@ class InlineStream(Stream):
         return future
 
     def create_event(self) -> Event:
-        return CpuEvent(_Mark())
+        return CpuEvent(_Mark(), self)
 
     def record(self, event: Event) -> None:
         _cpu_mark(event).set()
@@ -304,8 +314,14 @@ def _cpu_mark(event: Event) -> _Mark:
 
 
 class CudaEvent(Event):
-    def __init__(self) -> None:
+    def __init__(self, stream: CudaStream | None = None) -> None:
         self.raw = torch.cuda.Event()
+        self.stream = stream
+
+    def record(self) -> None:
+        if self.stream is None:
+            raise RuntimeError("this event belongs to no stream")
+        self.stream.record(self)
 
     def synchronize(self) -> None:
         self.raw.synchronize()
@@ -328,7 +344,7 @@ class CudaStream(Stream):
         return future
 
     def create_event(self) -> Event:
-        return CudaEvent()
+        return CudaEvent(self)
 
     def record(self, event: Event) -> None:
         if not isinstance(event, CudaEvent):

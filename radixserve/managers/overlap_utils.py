@@ -93,13 +93,16 @@ class DeviceStreams:
             stream.close()
 
 
-def create_device_streams(device: torch.device | str, debug: OverlapDebug | None = None) -> DeviceStreams:
+def create_device_streams(device: torch.device | str, debug: OverlapDebug | None = None,
+                          inline: bool = False) -> DeviceStreams:
+    """CUDA: three CUDA streams. CPU: a worker-thread forward stream, or with `inline` (the normal loop,
+    which waits for each result at once) the scheduler thread itself."""
     debug = debug or OverlapDebug()
     device = torch.device(device)
     if device.type == "cuda":
         schedule = CudaStream("schedule", device)
         return DeviceStreams(CudaStream("forward", device), schedule, CudaStream("copy", device), debug)
-    forward = WorkerStream("forward", delay_s=debug.forward_read_delay_s)
+    forward = InlineStream("forward") if inline else WorkerStream("forward", delay_s=debug.forward_read_delay_s)
     return DeviceStreams(forward, InlineStream("schedule"), forward, debug)
 
 

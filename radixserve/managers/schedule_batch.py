@@ -1,9 +1,10 @@
-"""Requests and batches: the scheduler's view of who holds which KV slot (reference §1.6, §3, §4.6).
+"""Requests and batches: what the scheduler knows of each request, and the sets that run one forward.
 
-A `Req` owns three kinds of state: its tokens (`origin_input_ids`, `output_ids`, `fill_ids`), its KV
-bookkeeping (named exactly as the radix cache expects), and its lifecycle (finish, abort, retraction).
-A `ScheduleBatch` is a set of requests that turns into one `ForwardBatch`: `prepare_for_extend`
-allocates the rows and slots of a prefill, `prepare_for_decode` one slot per request.
+A `Req` owns its tokens (`origin_input_ids`, `output_ids`, `fill_ids`), its logprob state and its
+lifecycle (finish, abort, retraction); its KV is a `ReqKV` handle (`req.kv`) that only the
+`KVManager` writes. A `ScheduleBatch` is a set of requests that turns into one `ForwardBatch`:
+`prepare_for_extend` asks the manager for rows and slots of a prefill, `prepare_for_decode` for one
+slot per request.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import torch
 
 from radixserve.layers.penalties import PenaltyBatchInfo
-from radixserve.managers import kv_ops
+from radixserve.managers.io_struct import NO_LOGPROBS, LogprobSpec
+from radixserve.mem_cache.kv_manager import KVManager, ReqKV
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.sampling_params import SamplingParams
 
@@ -50,15 +52,12 @@ class FinishReason:
         return FinishReason("abort", message=message, status_code=status_code)
 
 
-_EMPTY_INDICES = torch.empty((0,), dtype=torch.int64)
-
-
 class Req:
-    """One generation request. The KV attribute names are the radix cache's contract (reference §1.6)."""
+    """One generation request. Its KV (row, slots, tree lock) is `self.kv`, written by KVManager only."""
 
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
                  extra_key: Any = None, stream: bool = False, eos_token_ids: Iterable[int] = (),
-                 return_logprob: bool = False, top_logprobs_num: int = 0, logprob_start_len: int = -1) -> None:
+                 logprob: LogprobSpec = NO_LOGPROBS) -> None:
         self.rid = rid
         self.origin_input_ids: list[int] = list(origin_input_ids)
         self.output_ids: list[int] = []
@@ -70,25 +69,17 @@ class Req:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.stop_str_max_len = max((len(s) for s in sampling_params.stop), default=0)
-        self.return_logprob = return_logprob
-        self.top_logprobs_num = top_logprobs_num if return_logprob else 0
+        self.logprob = logprob
         self.output_token_logprobs: list[float] = []  # with return_logprob: one per output id
         self.output_top_logprobs: list[list[tuple[int, float]]] = []
         # Input logprobs of prompt positions [logprob_start_len, n) (-1: none). Position 0 has no context.
-        self.logprob_start_len = logprob_start_len if return_logprob else -1
-        self.input_token_logprobs: list[float | None] = [None] if self.logprob_start_len == 0 else []
-        self.input_top_logprobs: list[list[tuple[int, float]]] = [[]] if self.logprob_start_len == 0 else []
-        self.input_logprob_next = max(self.logprob_start_len, 1)  # next prompt position a forward will score
+        start = logprob.logprob_start_len
+        self.input_token_logprobs: list[float | None] = [None] if start == 0 else []
+        self.input_top_logprobs: list[list[tuple[int, float]]] = [[]] if start == 0 else []
+        self.input_logprob_next = max(start, 1)  # next prompt position a forward will score
         self.input_logprobs_sent = False
         self.penalty_reset = False  # a new row: its penalty history must be rebuilt in the next forward
-        # KV bookkeeping (read and written by the radix cache as well).
-        self.req_pool_idx: int | None = None
-        self.prefix_indices: torch.Tensor = _EMPTY_INDICES
-        self.last_node: Any = None
-        self.cache_protected_len = 0  # NOTE: row positions [0, cpl) belong to the tree, never freed by us
-        self.kv_committed_len = 0
-        self.kv_allocated_len = 0
-        self.extend_input_len = 0
+        self.kv = ReqKV()
         # Lifecycle.
         self.finished_reason: FinishReason | None = None
         self.to_abort: FinishReason | None = None
@@ -105,12 +96,18 @@ class Req:
         self.stats_counted = False  # prompt/cached tokens counted (at the first prefill)
 
     def __repr__(self) -> str:
+        kv = self.kv
         return (f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)}, "
-                f"row={self.req_pool_idx}, cpl={self.cache_protected_len}, kv={self.kv_allocated_len})")
+                f"row={kv.req_pool_idx}, cpl={kv.cache_protected_len}, kv={kv.kv_allocated_len})")
 
     @property
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def extend_input_len(self) -> int:
+        """Tokens this round computes: `fill_ids` beyond the prefix whose KV exists."""
+        return len(self.fill_ids) - self.kv.prefix_len
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -118,32 +115,26 @@ class Req:
     @property
     def wants_input_logprobs(self) -> bool:
         """Some prompt position still has to be scored by a forward."""
-        return self.logprob_start_len >= 0 and self.input_logprob_next < len(self.origin_input_ids)
+        return self.logprob.logprob_start_len >= 0 and self.input_logprob_next < len(self.origin_input_ids)
 
     def input_logprobs_complete(self) -> bool:
-        return self.logprob_start_len >= 0 and len(self.input_token_logprobs) == (
-            len(self.origin_input_ids) - self.logprob_start_len)
+        start = self.logprob.logprob_start_len
+        return start >= 0 and len(self.input_token_logprobs) == len(self.origin_input_ids) - start
 
-    def init_next_round_input(self, tree_cache: Any = None) -> None:
-        """Set `fill_ids` to the whole sequence; with a tree, re-match the prefix (limit: all but one token)."""
+    def init_next_round_input(self) -> None:
+        """This round covers the whole sequence (the prefill adder may cut it to a chunk)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
-        if tree_cache is not None:
-            # NOTE: at least one token is always computed, so the forward has logits to sample from.
-            limit = max(len(self.fill_ids) - 1, 0)
-            if self.wants_input_logprobs:
-                # NOTE: the logits at position p score prompt token p + 1, and a cached prefix has no
-                # logits: positions from input_logprob_next - 1 on are computed, never matched.
-                limit = min(limit, self.input_logprob_next - 1)
-            match = kv_ops.match_prefix(tree_cache, self.fill_ids[:limit], self.extra_key)
-            self.prefix_indices, self.last_node = match.device_indices, match.last_node
-            self.cache_protected_len = len(self.prefix_indices)
-        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
-    def forget_prefix_match(self) -> None:
-        """Drop an unlocked match (a waiting request's): it must never be released like a held lock."""
-        self.prefix_indices = _EMPTY_INDICES
-        self.last_node = None
-        self.cache_protected_len = 0
+    @property
+    def prefix_match_limit(self) -> int:
+        """How many leading `fill_ids` a cached prefix may cover."""
+        # NOTE: at least one token is always computed, so the forward has logits to sample from.
+        limit = max(len(self.fill_ids) - 1, 0)
+        if self.wants_input_logprobs:
+            # NOTE: the logits at position p score prompt token p + 1, and a cached prefix has no
+            # logits: positions from input_logprob_next - 1 on are computed, never matched.
+            limit = min(limit, self.input_logprob_next - 1)
+        return limit
 
     def check_finished(self, tokenizer: Any = None) -> None:
         """Set `finished_reason` after a token was appended: abort, length, stop token, then stop string."""
@@ -167,44 +158,34 @@ class Req:
                     return
 
     def reset_for_retract(self) -> None:
-        """Forget all KV (already released); keep the outputs so the request resumes where it was."""
-        self.prefix_indices = _EMPTY_INDICES
-        self.last_node = None
-        self.cache_protected_len = 0
-        self.kv_committed_len = 0
-        self.kv_allocated_len = 0
-        self.extend_input_len = 0
-        self.req_pool_idx = None
+        """After its KV was released: keep the outputs, so the request resumes where it was."""
         self.is_chunked = 0
         self.is_retracted = True
         self.retracted_stain = True
         self.retraction_count += 1
-        if self.logprob_start_len >= 0:
+        start = self.logprob.logprob_start_len
+        if start >= 0:
             # NOTE: under overlap the prefill that scored the prompt may still be in flight; its result is
             # dropped with the retraction, so scoring resumes after what has really arrived.
-            self.input_logprob_next = max(self.logprob_start_len + len(self.input_token_logprobs), 1)
+            self.input_logprob_next = max(start + len(self.input_token_logprobs), 1)
 
 
 class ScheduleBatch:
     """A set of requests run by one forward. The running (decode) batch is one long-lived instance."""
 
-    def __init__(self, reqs: list[Req], req_to_token_pool: Any, allocator: Any, tree_cache: Any,
-                 device: torch.device | str = "cpu", page_size: int = 1, stats: Any = None) -> None:
+    def __init__(self, reqs: list[Req], kv_manager: KVManager, device: torch.device | str = "cpu") -> None:
         self.reqs = reqs
-        self.req_to_token_pool = req_to_token_pool
-        self.allocator = allocator
-        self.tree_cache = tree_cache
+        self.kv_manager = kv_manager
         self.device = torch.device(device)
-        self.page_size = page_size
-        self.stats = stats  # SchedulerStats or None; eviction counts go there
         self.forward_mode = ForwardMode.IDLE
         self.forward_batch: ForwardBatch | None = None
         self.prefill_new_tokens = 0  # Σ extend lengths of a prefill batch, for logs and counters
         self.prefill_cached_tokens = 0
 
     def empty_copy(self, reqs: list[Req] | None = None) -> ScheduleBatch:
-        return ScheduleBatch(reqs or [], self.req_to_token_pool, self.allocator, self.tree_cache,
-                             self.device, self.page_size, self.stats)
+        copy = ScheduleBatch(reqs or [], self.kv_manager, self.device)
+        copy.forward_mode = self.forward_mode
+        return copy
 
     def is_empty(self) -> bool:
         return not self.reqs
@@ -214,26 +195,20 @@ class ScheduleBatch:
 
     # ---- prefill --------------------------------------------------------------------------------
     def prepare_for_extend(self) -> ForwardBatch:
-        """Allocate rows and KV slots for each request's `fill_ids[len(prefix):]`, write the rows."""
+        """Rows and KV slots for each request's `fill_ids[prefix_len:]`, from the KV manager."""
         self.forward_mode = ForwardMode.EXTEND
         reqs = self.reqs
-        self._alloc_rows([r for r in reqs if r.req_pool_idx is None])
-        prefix_lens = [len(r.prefix_indices) for r in reqs]
+        for req in reqs:
+            req.penalty_reset |= req.kv.req_pool_idx is None  # NOTE: a new row has no penalty history
+        prefix_lens = [r.kv.prefix_len for r in reqs]
         seq_lens = [len(r.fill_ids) for r in reqs]
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens, strict=True)]
-        out_cache_loc = kv_ops.alloc_for_extend(self, prefix_lens, seq_lens)
-        offset = 0
+        out_cache_loc = self.kv_manager.alloc_extend(reqs, seq_lens)
         for req, pre, seq in zip(reqs, prefix_lens, seq_lens, strict=True):
-            table = self.req_to_token_pool.req_to_token
-            if pre:
-                table[req.req_pool_idx, :pre] = req.prefix_indices.to(table.device, table.dtype)
-            table[req.req_pool_idx, pre:seq] = out_cache_loc[offset:offset + seq - pre].to(table.device, table.dtype)
-            offset += seq - pre
-            req.kv_committed_len = req.kv_allocated_len = seq
             self._count_cached_tokens(req, pre, seq)
         self.prefill_new_tokens = sum(extend_lens)
         input_ids = [t for r, p in zip(reqs, prefix_lens, strict=True) for t in r.fill_ids[p:]]
-        rows = [r.req_pool_idx for r in reqs]
+        rows = [r.kv.req_pool_idx for r in reqs]
         self.forward_batch = ForwardBatch.for_extend(input_ids, rows, prefix_lens, extend_lens,
                                                      out_cache_loc, self.device)
         self._plan_input_logprobs(prefix_lens, extend_lens)
@@ -260,7 +235,7 @@ class ScheduleBatch:
         fb = self.forward_batch
         fb.extra_logits_indices = torch.tensor(indices, dtype=torch.int64, device=self.device)
         fb.extra_target_ids = torch.tensor(targets, dtype=torch.int64, device=self.device)
-        fb.extra_top_k = max(r.top_logprobs_num for r, n in zip(self.reqs, counts, strict=True) if n)
+        fb.extra_top_k = max(r.logprob.top_logprobs_num for r, n in zip(self.reqs, counts, strict=True) if n)
         fb.input_logprob_counts = counts
 
     @staticmethod
@@ -270,47 +245,20 @@ class ScheduleBatch:
             req.cached_tokens += max(prefix_len - req.already_computed, 0)
             req.already_computed = seq_len
 
-    def _alloc_rows(self, reqs: list[Req]) -> None:
-        if not reqs:
-            return
-        rows = self.req_to_token_pool.alloc(len(reqs))
-        if rows is None:
-            raise RuntimeError(f"no free request row for {len(reqs)} request(s): the admission budget was wrong")
-        for req, row in zip(reqs, rows, strict=True):
-            req.req_pool_idx = row
-            req.penalty_reset = True
-
     # ---- decode ---------------------------------------------------------------------------------
     def prepare_for_decode(self) -> ForwardBatch:
-        """One new slot per request for its last sampled token, written at row position `kv_committed_len`."""
+        """One new slot per request, for the last sampled token (its input ids are resolved on the device)."""
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
-        out_cache_loc = kv_ops.alloc_for_decode(self)
-        table = self.req_to_token_pool.req_to_token
-        for i, req in enumerate(reqs):
-            # NOTE: before this step the last output token has no KV: kv_committed_len == seqlen - 1.
-            table[req.req_pool_idx, req.kv_committed_len] = out_cache_loc[i].to(table.device, table.dtype)
-            req.kv_committed_len += 1
-            req.kv_allocated_len += 1
-        # NOTE: under overlap the newest token may still be in flight (-1 here); the forward resolves it on
-        # the device from the FutureMap (scheduler_overlap.py).
-        input_ids = [r.output_ids[-1] if r.output_ids else -1 for r in reqs]
-        seq_lens = [r.kv_committed_len for r in reqs]
-        self.forward_batch = ForwardBatch.for_decode(input_ids, [r.req_pool_idx for r in reqs], seq_lens,
+        out_cache_loc = self.kv_manager.alloc_decode(reqs)
+        seq_lens = [r.kv.kv_allocated_len for r in reqs]
+        self.forward_batch = ForwardBatch.for_decode(None, [r.kv.req_pool_idx for r in reqs], seq_lens,
                                                      out_cache_loc, self.device)
         return self.forward_batch
 
-    def decode_tokens_needed(self, reqs: list[Req] | None = None) -> int:
-        reqs = self.reqs if reqs is None else reqs
-        if self.page_size == 1:
-            return len(reqs)
-        return self.page_size * sum(1 for r in reqs if r.kv_committed_len % self.page_size == 0)
-
     def check_decode_mem(self, reqs: list[Req] | None = None) -> bool:
         """Evict the shortfall, then say whether the next decode step's slots are available."""
-        needed = self.decode_tokens_needed(reqs)
-        kv_ops.evict_from_tree_cache(self, needed)
-        return self.allocator.available_size() >= needed
+        return self.kv_manager.can_decode(self.reqs if reqs is None else reqs)
 
     def retract_decode(self) -> list[Req]:
         """Release requests (fewest outputs first, then longest prompt) until the rest can decode.
@@ -326,9 +274,9 @@ class ScheduleBatch:
             req = self.reqs[order.pop()]
             remaining.remove(req)
             retracted.append(req)
-            kv_ops.release(req, self.tree_cache, is_insert=False)
+            self.kv_manager.release(req, insert=False)
             req.reset_for_retract()
-            kv_ops.evict_from_tree_cache(self, len(remaining) * RETRACT_DECODE_STEPS)
+            self.kv_manager.evict(len(remaining) * RETRACT_DECODE_STEPS)
         self.reqs = remaining
         return retracted
 
@@ -350,7 +298,7 @@ def penalty_info(reqs: list[Req], output_lens: list[int], device: torch.device,
     if not any(r.sampling_params.processes_logits for r in reqs):
         return None
     params = [r.sampling_params for r in reqs]
-    resets = [(r.req_pool_idx, r.origin_input_ids, list(r.output_ids)) for r in reqs
+    resets = [(r.kv.req_pool_idx, r.origin_input_ids, list(r.output_ids)) for r in reqs
               if r.penalty_reset and r.sampling_params.uses_history]
     for r in reqs:
         r.penalty_reset = False
@@ -372,7 +320,7 @@ def penalty_info(reqs: list[Req], output_lens: list[int], device: torch.device,
         return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
     return PenaltyBatchInfo(
-        rows=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
+        rows=torch.tensor([r.kv.req_pool_idx for r in reqs], dtype=torch.int64, device=device),
         frequency=column([p.frequency_penalty for p in params]),
         presence=column([p.presence_penalty for p in params]),
         repetition=column([p.repetition_penalty for p in params]),

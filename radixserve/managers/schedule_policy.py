@@ -1,4 +1,4 @@
-"""Which waiting requests run next, and how many fit (reference §4.2–§4.5).
+"""Which waiting requests run next, and how many fit.
 
 `SchedulePolicy.calc_priority` orders the waiting queue (lpm, dfs-weight or fcfs), marks requests
 that would recompute a long prefix an earlier waiting request is about to compute (in-batch prefix
@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any
 
 from radixserve import envs
 from radixserve.managers.schedule_batch import Req
+from radixserve.mem_cache.kv_manager import KVManager
 from radixserve.mem_cache.radix_cache import RadixCache, RadixKey
 
-# SGLang's constants (reference §7.1).
+# SGLang's constants.
 LPM_FALLBACK_QUEUE_LEN = 128  # lpm matches every waiting request; above this many, use fcfs for the step
 IN_BATCH_CHECK_THRESHOLD = 32  # only requests whose real cache hit is at most this are checked ...
 IN_BATCH_DEPRIORITIZE_THRESHOLD = 32  # ... and wait a round if an earlier one shares this many tokens
@@ -29,13 +29,17 @@ STARVATION_TIMEOUT_S = envs.STARVATION_TIMEOUT_S  # read when a policy is built
 
 
 class SchedulePolicy:
-    """Orders the waiting queue in place. Cache-aware policies fall back to fcfs without a cache."""
+    """Orders the waiting queue in place. Cache-aware policies fall back to fcfs without a cache.
 
-    def __init__(self, policy: str, tree_cache: Any, starvation_timeout_s: float | None = None) -> None:
+    They match every waiting request against the tree (through the KV manager): that is the step's
+    one prefix match of each request the adder then admits."""
+
+    def __init__(self, policy: str, kv_manager: KVManager, starvation_timeout_s: float | None = None) -> None:
         if policy not in ("lpm", "dfs-weight", "fcfs"):
             raise ValueError(f"unknown schedule policy {policy!r}; valid: lpm, dfs-weight, fcfs")
         self.policy = policy
-        self.tree_cache = tree_cache
+        self.kv_manager = kv_manager
+        self.tree_cache = kv_manager.tree_cache
         self.starvation_timeout_s = (
             STARVATION_TIMEOUT_S.get() if starvation_timeout_s is None else starvation_timeout_s)
         self.deprioritized: set[str] = set()  # rids that wait a round (in-batch prefix dedup)
@@ -75,12 +79,11 @@ class SchedulePolicy:
         for req in in_flight:
             self._scratch.insert(RadixKey(req.fill_ids, req.extra_key))
         for req in waiting_queue:
-            tokens = req.origin_input_ids + req.output_ids
-            req.init_next_round_input(self.tree_cache)
-            req.num_matched_prefix_tokens = len(req.prefix_indices)
-            if len(req.prefix_indices) > IN_BATCH_CHECK_THRESHOLD:
+            req.init_next_round_input()
+            req.num_matched_prefix_tokens = self.kv_manager.match_prefix(req)
+            if req.num_matched_prefix_tokens > IN_BATCH_CHECK_THRESHOLD:
                 continue
-            key = RadixKey(tokens, req.extra_key)
+            key = RadixKey(req.fill_ids, req.extra_key)
             in_batch = len(self._scratch.match_prefix(key).device_indices)
             if in_batch >= IN_BATCH_DEPRIORITIZE_THRESHOLD:
                 self.deprioritized.add(req.rid)
@@ -91,7 +94,7 @@ class SchedulePolicy:
         """Group by matched node; visit heavier subtrees first; a node's own requests after its subtree."""
         by_node: dict[Any, list[Req]] = defaultdict(list)
         for req in waiting_queue:
-            by_node[req.last_node].append(req)
+            by_node[req.kv.last_node].append(req)
         weight: dict[Any, int] = defaultdict(int)
         for node, reqs in by_node.items():
             while node is not None:
@@ -133,17 +136,16 @@ class AddReqResult(Enum):
 
 
 class PrefillAdder:
-    """Admits requests into one prefill batch under token budgets (reference §4.5).
+    """Admits requests into one prefill batch under token budgets.
 
-    Admission takes a lock on each admitted request's matched prefix, so the budget it was checked
-    against cannot be evicted underneath it.
+    Admission takes a lock on each admitted request's matched prefix (through the KV manager), so the
+    budget it was checked against cannot be evicted underneath it.
     """
 
-    def __init__(self, tree_cache: Any, allocator: Any, running_reqs: list[Req], new_token_ratio: float,
-                 max_prefill_tokens: int, chunked_prefill_size: int | None, page_size: int = 1) -> None:
-        self.tree_cache = tree_cache
-        self.allocator = allocator
-        self.page_size = page_size
+    def __init__(self, kv_manager: KVManager, running_reqs: list[Req], new_token_ratio: float,
+                 max_prefill_tokens: int, chunked_prefill_size: int | None) -> None:
+        self.kv_manager = kv_manager
+        self.page_size = kv_manager.page_size
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.running_empty = not running_reqs
@@ -157,16 +159,13 @@ class PrefillAdder:
         self.log_hit_tokens = 0
         self.log_input_tokens = 0
 
-    def _free_and_evictable(self) -> int:
-        return self.allocator.available_size() + self.tree_cache.evictable_size()
-
     @property
     def rem_total_tokens(self) -> float:
-        return self._free_and_evictable() - self.rem_total_token_offset
+        return self.kv_manager.free_and_evictable() - self.rem_total_token_offset
 
     @property
     def cur_rem_tokens(self) -> int:
-        return self._free_and_evictable() - self.cur_rem_token_offset
+        return self.kv_manager.free_and_evictable() - self.cur_rem_token_offset
 
     def ceil_paged(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
@@ -188,27 +187,17 @@ class PrefillAdder:
         self.log_hit_tokens += prefix_len
         self.log_input_tokens += extend_len
 
-    @contextmanager
-    def _lock(self, node: Any):
-        # NOTE: locking the prefix moves it from evictable to protected, shrinking the budget.
-        self.tree_cache.inc_lock_ref(node)
-        try:
-            yield
-        finally:
-            self.tree_cache.dec_lock_ref(node)
-
     def add_chunked_req(self, req: Req) -> Req | None:
         """Admit the next chunk of the in-flight chunked request, first; returns it if still truncated."""
         rem = min(self.rem_chunk_tokens or req.extend_input_len, self.rem_total_tokens)
         if rem <= 0:
             rem = self.rem_chunk_tokens or req.extend_input_len  # NOTE: it must progress, or it holds its KV forever
-        prefix_len = len(req.prefix_indices)
+        prefix_len = req.kv.prefix_len
         truncated = req.extend_input_len > rem
         new_len = req.extend_input_len
         if truncated:
             end = (prefix_len + int(rem)) // self.page_size * self.page_size
             new_len = max(end - prefix_len, self.page_size)
-        req.extend_input_len = new_len
         req.fill_ids = req.fill_ids[:prefix_len + new_len]
         self.can_run_list.append(req)
         max_new = 0 if truncated else min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
@@ -216,14 +205,15 @@ class PrefillAdder:
         return req if truncated else None
 
     def add_one_req(self, req: Req) -> AddReqResult:
-        """Admit `req` (after `init_next_round_input(tree)`), whole or as a first chunk, or refuse it."""
+        """Admit `req` (after its prefix match), whole or as a first chunk, or refuse it."""
         max_new = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-        prefix_len = len(req.prefix_indices)
+        prefix_len = req.kv.prefix_len
         total_tokens = req.extend_input_len + max_new + self.page_size
         lone = self.running_empty and not self.can_run_list
         if total_tokens >= self.rem_total_tokens and not lone:
             return AddReqResult.NO_TOKEN
-        with self._lock(req.last_node):
+        # NOTE: locking the prefix moves it from evictable to protected, shrinking the budget.
+        with self.kv_manager.locked_while(req):
             if total_tokens >= self.rem_total_tokens and not (lone and self._fits_now(req)):
                 return AddReqResult.NO_TOKEN
             input_tokens = self.ceil_paged(req.extend_input_len)
@@ -231,17 +221,16 @@ class PrefillAdder:
                 return AddReqResult.OTHER
             if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
                 self.can_run_list.append(req)
-                self.tree_cache.inc_lock_ref(req.last_node)
+                self.kv_manager.lock(req)
                 self._update_prefill_budget(prefix_len, input_tokens, min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS))
             else:
                 trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
                 if trunc_len <= 0:
                     return AddReqResult.OTHER
-                req.extend_input_len = trunc_len
                 req.fill_ids = req.fill_ids[:prefix_len + trunc_len]
                 self.can_run_list.append(req)
                 self.new_chunked_req = req
-                self.tree_cache.inc_lock_ref(req.last_node)
+                self.kv_manager.lock(req)
                 self._update_prefill_budget(prefix_len, trunc_len, 0)
         return self.budget_state()
 
@@ -256,7 +245,7 @@ class PrefillAdder:
 
 
 class NewTokenRatio:
-    """The fraction of `max_new_tokens` reserved for running requests (reference §4.6 step 4-5)."""
+    """The fraction of `max_new_tokens` reserved for running requests: decays each decode step, jumps on retract."""
 
     def __init__(self, schedule_conservativeness: float = 1.0) -> None:
         self.init = min(0.7 * schedule_conservativeness, 1.0)

@@ -1,9 +1,10 @@
-"""The scheduler: continuous batching with radix prefix reuse (reference §3, §4, §5.2).
+"""The scheduler: continuous batching with radix prefix reuse.
 
-One step of `event_loop_normal`: receive messages, pick the next batch (a prefill if one can be
-admitted, else a decode of the running batch), run the forward, process its result. Outputs go to
-`output_sink` as io_struct messages. The overlap loop (`event_loop_overlap`) can sit beside the
-normal one: both use `get_next_batch_to_run`, `run_batch` and `process_batch_result`.
+One step, in both loops: receive messages, pick the next batch (a prefill if one can be admitted,
+else a decode of the running batch), launch it (`run_batch`, the one forward path), and process a
+result (`process_batch_result`): the batch just launched in `event_loop_normal`, the previous one in
+`event_loop_overlap` (forward_pipeline.py). Outputs go to `output_sink` as io_struct messages. Every
+KV operation goes through `self.kv_manager`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from radixserve import envs
+from radixserve.managers.forward_pipeline import ForwardPipeline, PipelineCounters
+from radixserve.managers.overlap_utils import OverlapDebug
 from radixserve.managers.schedule_batch import (
     RETRACT_DECODE_STEPS,
     FinishReason,
@@ -26,24 +29,19 @@ from radixserve.managers.schedule_batch import (
 from radixserve.managers.schedule_policy import AddReqResult, NewTokenRatio, PrefillAdder, SchedulePolicy
 from radixserve.managers.scheduler_failures import SchedulerFailuresMixin
 from radixserve.managers.scheduler_input_processor import SchedulerInputProcessorMixin
+from radixserve.managers.scheduler_loop import SchedulerLoopMixin
 from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, prefill_log_line
-from radixserve.managers.scheduler_output_processor import (
-    GenerationBatchResult,
-    SchedulerOutputProcessorMixin,
-    host_input_logprobs,
-    host_logprobs,
-    logprob_top_k,
-)
-from radixserve.managers.scheduler_overlap import SchedulerOverlapMixin
+from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from radixserve.mem_cache.kv_manager import KVManager
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOutputProcessorMixin,
+class Scheduler(SchedulerLoopMixin, SchedulerInputProcessorMixin, SchedulerOutputProcessorMixin,
                 SchedulerFailuresMixin):
-    """Owns the waiting queue, the running batch, the radix cache and the model runner."""
+    """Owns the waiting queue, the running batch, the KV manager and the model runner."""
 
     def __init__(self, server_args: ServerArgs, model_runner: Any = None,
                  output_sink: Callable[[Any], None] | None = None) -> None:
@@ -66,10 +64,12 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
         self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size,
                                      disable=server_args.disable_radix_cache,
                                      eviction_policy=server_args.radix_eviction_policy)
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache)
+        self.stats = SchedulerStats()
+        self.kv_manager = KVManager(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
+                                    self.stats)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.kv_manager)
         self.chunked_prefill_size = server_args.chunked_prefill_size if server_args.chunked_prefill_size > 0 else None
         self.new_token_ratio = NewTokenRatio(server_args.schedule_conservativeness)
-        self.stats = SchedulerStats()
 
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
@@ -90,39 +90,15 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
         self.test_retract_interval = envs.TEST_RETRACT_INTERVAL.get()
         self.decode_steps = 0
         self._idle_checked = False
+        # The forward pipelines (forward_pipeline.py): the normal loop's, made on first use, and the
+        # overlap loop's, from init_overlap until close_overlap.
+        self.overlap: ForwardPipeline | None = None
+        self.overlap_debug: OverlapDebug | None = None
+        self.pipeline_counters = PipelineCounters()
+        self._normal_pipeline: ForwardPipeline | None = None
 
     def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
-        return ScheduleBatch(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-                             self.device, self.page_size, self.stats)
-
-    # ---- loop -----------------------------------------------------------------------------------
-    def event_loop_normal(self) -> None:
-        """Run steps until `stop_event` is set (reference §5.2)."""
-        while not self.stop_event.is_set():
-            self.run_step_contained(self.run_step)  # NOTE: a failing step aborts its requests (scheduler_failures.py)
-
-    def run_step(self, block_when_idle: bool = True) -> ScheduleBatch | None:
-        """One iteration of the normal loop; returns the batch it ran, or None when idle."""
-        self.process_input_requests(self.recv_requests(block=block_when_idle and self.is_idle()))
-        batch = self.get_next_batch_to_run()
-        self.cur_batch = batch
-        if batch is not None:
-            self._idle_checked = False
-            self.process_batch_result(batch, self.run_batch(batch))
-        else:
-            self.on_idle()
-        self.last_batch = batch
-        return batch
-
-    def run_until_idle(self, max_steps: int = 100_000, on_step: Callable[[], None] | None = None) -> int:
-        """Run steps (without blocking) until nothing is queued or running; returns the steps taken."""
-        for step in range(max_steps):
-            if self.is_idle() and self.input_queue.empty():
-                return step
-            self.run_step(block_when_idle=False)
-            if on_step is not None:
-                on_step()
-        raise RuntimeError(f"not idle after {max_steps} steps")
+        return ScheduleBatch(reqs, self.kv_manager, self.device)
 
     def is_idle(self) -> bool:
         """Nothing queued and nothing holding KV (a prefill batch not yet merged into running counts)."""
@@ -156,9 +132,8 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
             if chunked.to_abort is not None:
                 self.chunked_req = None
                 self.finish_now(chunked, chunked.to_abort)
-            elif len(chunked.fill_ids) > len(chunked.prefix_indices):
-                with self.stats.timing("cache_ops_s"):
-                    self.tree_cache.cache_unfinished_req(chunked, chunked=True)
+            else:
+                self.kv_manager.cache_unfinished(chunked, chunked=True)
         last = self.last_batch
         self.in_flight_prefill = []
         if last is not None and last.forward_mode.is_extend():
@@ -187,7 +162,6 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
         gone = {id(r) for r in expired}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in gone]
         for req in expired:
-            req.forget_prefix_match()
             self.stats.num_queue_timeouts += 1
             self.finish_now(req, FinishReason.abort(
                 f"waited {now - req.wait_since:.1f} s for admission, over the queue timeout of {timeout:g} s; "
@@ -207,8 +181,8 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
             self.batch_is_full = True
             return None
         with self.stats.timing("cache_ops_s"):  # NOTE: matching and locking: what the radix cache costs
-            self.policy.calc_priority(self.waiting_queue, in_flight=self.in_flight_prefill)
-            adder = self._admit(running, allocatable)
+            policy = self.policy.calc_priority(self.waiting_queue, in_flight=self.in_flight_prefill)
+            adder = self._admit(running, allocatable, matched=policy != "fcfs")
         if not adder.can_run_list:
             return None
         admitted = {id(r) for r in adder.can_run_list}
@@ -222,12 +196,14 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
         self._count_prefill(batch, adder)
         return batch
 
-    def _admit(self, running: list[Req], allocatable: int) -> PrefillAdder:
-        """Walk the ordered queue into a PrefillAdder: the continuing chunk first, then until a budget stops."""
-        adder = PrefillAdder(self.tree_cache, self.token_to_kv_pool_allocator, running, self.new_token_ratio.value,
-                             self.server_args.max_prefill_tokens, self.chunked_prefill_size, self.page_size)
+    def _admit(self, running: list[Req], allocatable: int, matched: bool) -> PrefillAdder:
+        """Walk the ordered queue into a PrefillAdder: the continuing chunk first, then until a budget stops.
+
+        `matched`: the policy has just matched every waiting request against the tree (one match a step)."""
+        adder = PrefillAdder(self.kv_manager, running, self.new_token_ratio.value,
+                             self.server_args.max_prefill_tokens, self.chunked_prefill_size)
         if self.chunked_req is not None:
-            self.chunked_req.init_next_round_input(None)
+            self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
         for req in self.waiting_queue:
             if len(adder.can_run_list) >= allocatable:
@@ -235,7 +211,9 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
                 break
             if req.rid in self.policy.deprioritized:
                 continue  # NOTE: an earlier request is computing its prefix; next round it hits the cache
-            req.init_next_round_input(self.tree_cache)
+            if not matched:
+                req.init_next_round_input()
+                self.kv_manager.match_prefix(req)
             result = adder.add_one_req(req)
             if result != AddReqResult.CONTINUE:
                 self.batch_is_full = result == AddReqResult.NO_TOKEN
@@ -288,35 +266,12 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
 
     def _abort_out_of_memory(self, batch: ScheduleBatch) -> None:
         for req in list(batch.reqs):
-            needed = req.kv_committed_len + 1
+            needed = req.kv.kv_allocated_len + 1
             message = (f"out of memory even after retracting every other request: this request needs "
                        f"{needed} KV slots, the pool has {self.max_total_num_tokens}")
             logger.error("Abort %s: %s", req.rid, message)
             self.finish_now(req, FinishReason.abort(message, status_code=500))
         batch.filter_batch()
-
-    def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        start = time.perf_counter()
-        logits = self.model_runner.forward(batch.forward_batch)
-        info = self.make_sampling_info(batch)
-        next_ids = self.model_runner.sample(logits, info)
-        logprobs = host_logprobs(self.step_logprobs(logprob_top_k(batch.reqs), logits, next_ids, info))
-        fb = batch.forward_batch
-        input_logprobs = host_input_logprobs(fb.input_logprobs, fb.input_logprob_counts)
-        next_ids = next_ids.tolist()
-        elapsed = time.perf_counter() - start  # NOTE: tolist() waits for the device, so this is the forward
-        if batch.forward_mode.is_extend():
-            self.stats.prefill_forward_s += elapsed
-        else:
-            self.stats.decode_forward_s += elapsed
-        return GenerationBatchResult(next_ids, *logprobs, input_logprobs)
-
-    def step_logprobs(self, top_k: int | None, logits: Any, next_ids: Any, info: Any) -> Any:
-        """This step's `TokenLogprobs` (with `top_k` alternatives per row), or None when top_k is None."""
-        return None if top_k is None else self.model_runner.logprobs(logits, next_ids, info, top_k)
-
-    def make_sampling_info(self, batch: ScheduleBatch) -> Any:
-        return self.sampling_info(batch.reqs, [len(r.output_ids) for r in batch.reqs], batch.forward_mode.is_extend())
 
     def sampling_info(self, reqs: list[Req], output_lens: list[int], is_extend: bool) -> Any:
         """Sampling parameters and logit processing of a batch whose rows are assigned (both loops).
@@ -332,14 +287,14 @@ class Scheduler(SchedulerOverlapMixin, SchedulerInputProcessorMixin, SchedulerOu
 
     # ---- state and checks -----------------------------------------------------------------------
     def free_and_evictable(self) -> int:
-        return self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        return self.kv_manager.free_and_evictable()
 
     def active_requests(self) -> list[Req]:
         """Requests holding KV or locks: running, in the batch just run, or mid-chunk."""
         seen: dict[int, Req] = {}
         batches = [self.running_batch, self.cur_batch, self.last_batch]
         for req in [r for b in batches if b is not None for r in b.reqs] + [self.chunked_req]:
-            if req is not None and not req.finished() and req.req_pool_idx is not None:
+            if req is not None and not req.finished() and req.kv.req_pool_idx is not None:
                 seen[id(req)] = req
         return list(seen.values())
 

@@ -46,7 +46,7 @@ class SchedulerInputProcessorMixin:
 
     def handle_generate_request(self: Scheduler, msg: TokenizedGenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.eos_token_ids,
-                  msg.return_logprob, msg.top_logprobs_num, msg.logprob_start_len)
+                  msg.logprob)
         error = self.validate_request(req)
         if msg.rid in self.reqs:
             error = f"request id {msg.rid!r} is already in use"
@@ -75,10 +75,11 @@ class SchedulerInputProcessorMixin:
         bad = [t for t in req.origin_input_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-        if not -1 <= req.logprob_start_len < n:
-            return f"logprob_start_len must be -1 or a prompt position (0 to {n - 1}), got {req.logprob_start_len}"
-        if not 0 <= req.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            return f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got {req.top_logprobs_num}"
+        logprob = req.logprob
+        if not -1 <= logprob.logprob_start_len < n:
+            return f"logprob_start_len must be -1 or a prompt position (0 to {n - 1}), got {logprob.logprob_start_len}"
+        if not 0 <= logprob.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            return f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got {logprob.top_logprobs_num}"
         try:
             check_namespace(req.extra_key)
         except TypeError as e:
@@ -94,7 +95,6 @@ class SchedulerInputProcessorMixin:
         if any(r is req for r in self.waiting_queue):
             # NOTE: a waiting request holds no lock and no slot; a retracted one released them.
             self.waiting_queue = [r for r in self.waiting_queue if r is not req]
-            req.forget_prefix_match()
             self.finish_now(req, reason)
         else:
             req.to_abort = reason  # running, mid-chunk or in the batch being run: ended at the next step
@@ -105,9 +105,8 @@ class SchedulerInputProcessorMixin:
         if busy:
             return FlushCacheOut(False, 0, f"{len(busy)} request(s) hold KV: {', '.join(r.rid for r in busy[:8])}",
                                  self.cache_epoch)
-        freed = self.tree_cache.evict(self.tree_cache.evictable_size())
-        self.tree_cache.reset()
+        freed = self.kv_manager.flush()
         for req in self.waiting_queue:  # NOTE: their unlocked matches point into the old tree
-            req.forget_prefix_match()
+            self.kv_manager.forget_match(req)
         self.cache_epoch += 1
         return FlushCacheOut(True, freed, f"flushed {freed} cached tokens", self.cache_epoch)

@@ -6,15 +6,16 @@ A mixin of `Scheduler` (as in SGLang): it reads and writes the scheduler's state
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, NamedTuple
 
-from radixserve.managers import kv_ops
-from radixserve.managers.io_struct import BatchTokenIDOut
+from radixserve.managers.io_struct import BatchTokenIDOut, TokenIDOut
 from radixserve.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from radixserve.managers.scheduler_metrics import decode_log_line
 
 if TYPE_CHECKING:
     from radixserve.layers.sampler import TokenLogprobs
+    from radixserve.managers.forward_pipeline import LaunchedBatch, StepOutput
     from radixserve.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class GenerationBatchResult(NamedTuple):
 
 def logprob_top_k(reqs: list[Req]) -> int | None:
     """How many alternatives a batch's logprobs need per row; None when no request asked for logprobs."""
-    asking = [r.top_logprobs_num for r in reqs if r.return_logprob]
+    asking = [r.logprob.top_logprobs_num for r in reqs if r.logprob.return_logprob]
     return max(asking) if asking else None
 
 
@@ -60,8 +61,32 @@ def host_logprobs(lp: TokenLogprobs | None) -> tuple[list[float] | None, list[li
 
 
 class SchedulerOutputProcessorMixin:
-    def process_batch_result(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        if batch.forward_mode.is_extend():
+    def process_batch_result(self: Scheduler, launched: LaunchedBatch) -> None:
+        """Wait for a launched batch's tokens, then process them for the requests that still own their rows."""
+        launched.copy_done.synchronize()
+        output: StepOutput = launched.host_output.result()
+        result = GenerationBatchResult(output.next_token_ids.tolist(), *host_logprobs(output.logprobs),
+                                       host_input_logprobs(output.input_logprobs, launched.input_logprob_counts))
+        is_extend = launched.batch.forward_mode.is_extend()
+        if launched.lag == 0:
+            # NOTE: the normal loop waits for each forward at once: its wall time (unknown under overlap)
+            elapsed = time.perf_counter() - launched.launched_at
+            if is_extend:
+                self.stats.prefill_forward_s += elapsed
+            else:
+                self.stats.decode_forward_s += elapsed
+        live, keep = [], []
+        for i, (req, row) in enumerate(zip(launched.batch.reqs, launched.rows, strict=True)):
+            if req.finished() or req.kv.req_pool_idx != row:
+                continue  # NOTE: finished in an earlier result, aborted, or retracted: handled once
+            self.kv_manager.commit(req, launched.seq_lens[i])
+            live.append(req)
+            keep.append(i)
+        counters = self.pipeline_counters
+        counters.processed += 1
+        counters.dropped_tokens += len(result.next_token_ids) - len(live)
+        batch, result = launched.batch.empty_copy(live), result.select(keep)
+        if is_extend:
             self.process_batch_result_prefill(batch, result)
         else:
             self.process_batch_result_decode(batch, result)
@@ -71,7 +96,7 @@ class SchedulerOutputProcessorMixin:
             if result.input_logprobs is not None and result.input_logprobs[i] is not None and not req.finished():
                 values, tops = result.input_logprobs[i]
                 req.input_token_logprobs.extend(values)
-                req.input_top_logprobs.extend(top[: req.top_logprobs_num] for top in tops)
+                req.input_top_logprobs.extend(top[: req.logprob.top_logprobs_num] for top in tops)
             if req.is_chunked > 0:
                 # NOTE: a non-final chunk samples nothing; its KV is stashed at the next step.
                 req.is_chunked -= 1
@@ -87,8 +112,7 @@ class SchedulerOutputProcessorMixin:
             if req.finished():
                 self.release_finished_req(req)
             else:
-                with self.stats.timing("cache_ops_s"):
-                    self.tree_cache.cache_unfinished_req(req)
+                self.kv_manager.cache_unfinished(req)
         self.stream_output(batch.reqs)
 
     def process_batch_result_decode(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
@@ -109,10 +133,10 @@ class SchedulerOutputProcessorMixin:
     def append_output_token(self: Scheduler, req: Req, token: int, result: GenerationBatchResult, row: int) -> None:
         req.output_ids.append(token)
         self.stats.generated_tokens += 1
-        if req.return_logprob:
+        if req.logprob.return_logprob:
             # NOTE: one entry per output token, so output_token_logprobs stays aligned with output_ids.
             req.output_token_logprobs.append(result.logprobs[row])
-            req.output_top_logprobs.append(result.top_logprobs[row][: req.top_logprobs_num])
+            req.output_top_logprobs.append(result.top_logprobs[row][: req.logprob.top_logprobs_num])
 
     def log_decode_stats(self: Scheduler, running_req: int) -> None:
         used = self.max_total_num_tokens - self.free_and_evictable()
@@ -123,8 +147,7 @@ class SchedulerOutputProcessorMixin:
     def release_finished_req(self: Scheduler, req: Req) -> None:
         """Hand a finished request's KV to the tree (not an aborted one's), free the rest, count it."""
         aborted = req.finished_reason.type == "abort"
-        with self.stats.timing("cache_ops_s"):
-            kv_ops.release(req, self.tree_cache, is_insert=not aborted)
+        self.kv_manager.release(req, insert=not aborted)
         self.reqs.pop(req.rid, None)
         self.batch_is_full = False
         if aborted:
@@ -140,24 +163,23 @@ class SchedulerOutputProcessorMixin:
 
     def stream_output(self: Scheduler, reqs: list[Req]) -> None:
         """Send new tokens of streaming requests, and the rest of every finished request."""
-        out = BatchTokenIDOut([], [], [], [], [], [], [], [], [], [])
-        for req in reqs:
-            if req.finish_sent or not (req.finished() or (req.stream and len(req.output_ids) > req.sent_output_len)):
-                continue
-            req.finish_sent = req.finished()
-            out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[req.sent_output_len:])
-            out.output_logprobs.append(req.output_token_logprobs[req.sent_output_len:] if req.return_logprob else None)
-            out.output_top_logprobs.append(req.output_top_logprobs[req.sent_output_len:] if req.return_logprob
-                                           else None)
-            req.sent_output_len = len(req.output_ids)
-            send_input = req.input_logprobs_complete() and not req.input_logprobs_sent
-            req.input_logprobs_sent |= send_input
-            out.input_token_logprobs.append(req.input_token_logprobs if send_input else None)
-            out.input_top_logprobs.append(req.input_top_logprobs if send_input else None)
-            out.finished_reasons.append(req.finished_reason.to_json() if req.finished() else None)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-        if out.rids:
+        out = BatchTokenIDOut([self._take_output(req) for req in reqs if not req.finish_sent and (
+            req.finished() or (req.stream and len(req.output_ids) > req.sent_output_len))])
+        if out.outputs:
             self.output_sink(out)
+
+    @staticmethod
+    def _take_output(req: Req) -> TokenIDOut:
+        """What `req` has not sent yet, marked as sent."""
+        sent, logprobs = req.sent_output_len, req.logprob.return_logprob
+        req.finish_sent = req.finished()
+        req.sent_output_len = len(req.output_ids)
+        send_input = req.input_logprobs_complete() and not req.input_logprobs_sent
+        req.input_logprobs_sent |= send_input
+        return TokenIDOut(
+            req.rid, req.output_ids[sent:], req.finished_reason.to_json() if req.finished() else None,
+            len(req.origin_input_ids), len(req.output_ids), req.cached_tokens,
+            req.output_token_logprobs[sent:] if logprobs else None,
+            req.output_top_logprobs[sent:] if logprobs else None,
+            req.input_token_logprobs if send_input else None,
+            req.input_top_logprobs if send_input else None)

@@ -35,6 +35,7 @@ from radixserve.managers.io_struct import (
     FlushCacheReq,
     GetInternalStateOut,
     GetInternalStateReq,
+    LogprobSpec,
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
@@ -228,8 +229,7 @@ class TokenizerManager(SchedulerSupervisorMixin):
             state.link = self._link
             self._link.send_request(TokenizedGenerateReqInput(
                 rid, list(req.input_ids), req.sampling_params, req.extra_key, stream=True,
-                return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num,
-                logprob_start_len=req.logprob_start_len))
+                logprob=LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len)))
             state.sent = True
             while True:
                 item = await state.queue.get()
@@ -346,35 +346,35 @@ class TokenizerManager(SchedulerSupervisorMixin):
     def _detokenize(self, out: BatchTokenIDOut) -> list[str | None]:
         """On the detokenizer thread: each request's text delta (None for requests no longer here)."""
         deltas: list[str | None] = []
-        for i, rid in enumerate(out.rids):
-            state = self._states.get(rid)
+        for record in out.outputs:
+            state = self._states.get(record.rid)
             if state is None or state.done:
                 deltas.append(None)
                 continue
-            ids, finished = list(out.new_token_ids[i]), out.finished_reasons[i]
+            ids, finished = list(record.new_token_ids), record.finished_reason
             deltas.append(state.detok.feed(ids) if finished is None else state.detok.finish(ids, finished))
         return deltas
 
     def _dispatch(self, out: BatchTokenIDOut, deltas: list[str | None]) -> None:
         now = time.monotonic()
-        for i, rid in enumerate(out.rids):
-            state = self._states.get(rid)
-            if state is None or state.done or deltas[i] is None:
+        for record, delta in zip(out.outputs, deltas, strict=True):
+            state = self._states.get(record.rid)
+            if state is None or state.done or delta is None:
                 continue  # aborted here already; late outputs are dropped
-            new_ids = list(out.new_token_ids[i])
+            new_ids = list(record.new_token_ids)
             self.admission.started(state.ticket)
             self._observe_step(state, len(new_ids), now)
-            state.cached_tokens = out.cached_tokens[i]
-            finished = out.finished_reasons[i]
+            state.cached_tokens = record.cached_tokens
+            finished = record.finished_reason
             state.queue.put_nowait(GenerateOutput(
-                rid=rid, text_delta=deltas[i], token_ids=new_ids,
+                rid=record.rid, text_delta=delta, token_ids=new_ids,
                 finish_reason=None if finished is None else str(finished.get("type", "stop")),
                 finish_message=None if finished is None else finished.get("message"),
                 finish_status=None if finished is None else finished.get("status_code"),
-                prompt_tokens=state.prompt_len, completion_tokens=out.completion_tokens[i],
-                cached_tokens=out.cached_tokens[i], logprobs=out.output_logprobs[i],
-                top_logprobs=out.output_top_logprobs[i], input_logprobs=out.input_token_logprobs[i],
-                input_top_logprobs=out.input_top_logprobs[i]))
+                prompt_tokens=state.prompt_len, completion_tokens=record.completion_tokens,
+                cached_tokens=record.cached_tokens, logprobs=record.output_logprobs,
+                top_logprobs=record.output_top_logprobs, input_logprobs=record.input_token_logprobs,
+                input_top_logprobs=record.input_top_logprobs))
             if finished is not None:
                 state.done = True
                 self._observe_finished(state, aborted=finished.get("type") == "abort")

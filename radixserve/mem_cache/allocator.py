@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from radixserve import envs
+from radixserve.mem_cache.memory_pool import SLOT_DTYPE
 
 DEBUG_ENV = envs.DEBUG_ALLOC.name
 
@@ -44,7 +45,7 @@ class PagedTokenToKVPoolAllocator:
 
     # ------------------------------------------------------------------ state
     def clear(self) -> None:
-        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        self.free_pages = torch.arange(1, self.num_pages + 1, dtype=SLOT_DTYPE, device=self.device)
         self.is_not_in_free_group = True
         self.free_group: list[torch.Tensor] = []
         # Debug bookkeeping, on the CPU: page_is_free[p]; pages collected by the open free group.
@@ -70,7 +71,7 @@ class PagedTokenToKVPoolAllocator:
 
     # ------------------------------------------------------------------ alloc / free
     def alloc(self, need_size: int) -> torch.Tensor | None:
-        """`need_size` slots (a multiple of page_size) as an int64 tensor, or None if not available."""
+        """`need_size` slots (a multiple of page_size) as a SLOT_DTYPE tensor, or None if not available."""
         if need_size % self.page_size != 0:
             raise ValueError(f"paged alloc of {need_size} slots is not a multiple of page {self.page_size}")
         pages = self._take_pages(need_size // self.page_size)
@@ -82,11 +83,12 @@ class PagedTokenToKVPoolAllocator:
         """Release every page touched by `free_index` (pages are released whole)."""
         if free_index.numel() == 0:
             return
-        free_index = free_index.to(device=self.device, dtype=torch.int64)
+        free_index = free_index.to(device=self.device, dtype=SLOT_DTYPE)
         if self.debug:
             self._check_free(free_index)
         if not self.is_not_in_free_group:
-            self.free_group.append(free_index)
+            # NOTE: a copy: the caller may pass a view of a request row it rewrites before the group ends
+            self.free_group.append(free_index.clone())
             return
         pages = self._pages_of(free_index)
         if self.debug:
@@ -105,7 +107,7 @@ class PagedTokenToKVPoolAllocator:
     def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         if self.page_size == 1:
             return pages
-        offsets = torch.arange(self.page_size, dtype=torch.int64, device=self.device)
+        offsets = torch.arange(self.page_size, dtype=SLOT_DTYPE, device=self.device)
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 
     def _take_pages(self, num_pages: int) -> torch.Tensor | None:
@@ -168,7 +170,7 @@ class PagedTokenToKVPoolAllocator:
                 remaining -= take
         if len(out) != extend_num_tokens:
             raise ValueError(f"alloc_extend: extend_num_tokens={extend_num_tokens} but lengths give {len(out)}")
-        return torch.tensor(out, dtype=torch.int64, device=self.device)
+        return torch.tensor(out, dtype=SLOT_DTYPE, device=self.device)
 
     def alloc_decode(self, seq_lens: torch.Tensor | Sequence[int],
                      last_loc: torch.Tensor | Sequence[int]) -> torch.Tensor | None:
@@ -181,7 +183,7 @@ class PagedTokenToKVPoolAllocator:
             return None
         pages = iter(pages_t.tolist())
         out = [next(pages) * ps if new else last + 1 for new, last in zip(starts_page, lasts, strict=True)]
-        return torch.tensor(out, dtype=torch.int64, device=self.device)
+        return torch.tensor(out, dtype=SLOT_DTYPE, device=self.device)
 
 
 class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):

@@ -5,7 +5,8 @@
 
 and every page 1..num_pages is owned exactly once: by the free list, by the tree (a node's
 value), or by one active request (its private row positions [cache_protected_len,
-kv_allocated_len)). Slots collected by an open free group count as free.
+kv_allocated_len)). Slots collected by an open free group count as free. Requests are anything with
+a KV handle `kv` (a `ReqKV`): `Req`, or a `ReqKV` itself.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ class ConservationError(AssertionError):
 
 
 def _unique_active(active_reqs: Sequence[Any]) -> list[Any]:
+    """The KV handles of the requests that hold a row, each once."""
     seen: dict[int, Any] = {}
     for req in active_reqs:
-        if req.req_pool_idx is not None:
-            seen.setdefault(id(req), req)
+        kv = getattr(req, "kv", req)
+        if kv.req_pool_idx is not None:
+            seen.setdefault(id(kv), kv)
     return list(seen.values())
 
 
@@ -63,7 +66,7 @@ def check_conservation(allocator: Any, tree_cache: Any, req_to_token_pool: Any,
     if tree_cache is not None and not tree_cache.disable:
         _recount_tree(nodes, tree_cache)
     pending = torch.cat(allocator.free_group) if allocator.free_group else torch.empty(0, dtype=torch.int64)
-    pending_pages = torch.unique(pending.cpu() // ps)
+    pending_pages = torch.unique(pending.cpu().long() // ps)
     report = {
         "available": allocator.available_size(),
         "pending_free": len(pending_pages) * ps,
@@ -89,8 +92,8 @@ def check_conservation(allocator: Any, tree_cache: Any, req_to_token_pool: Any,
 def _ownership(allocator: Any, nodes: list[Any], pool: Any, reqs: list[Any],
                pending_pages: torch.Tensor) -> tuple[list[int], list[int]]:
     ps, num_pages = allocator.page_size, allocator.size // allocator.page_size
-    owners = [allocator.free_pages.cpu(), pending_pages]
-    tree_slots = torch.cat([n.value.cpu() for n in nodes]) if nodes else torch.empty(0, dtype=torch.int64)
+    owners = [allocator.free_pages.cpu().long(), pending_pages]
+    tree_slots = torch.cat([n.value.cpu().long() for n in nodes]) if nodes else torch.empty(0, dtype=torch.int64)
     doubly: set[int] = {slot // ps for slot in _repeated(tree_slots)}
     owners.append(torch.unique(tree_slots // ps))
     for req in reqs:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# NOTE: the one dtype of KV slot ids, from the allocator through the tree and `req_to_token` to the
+# attention kernels: no conversion on the way (a pool holds far fewer than 2**31 slots).
+SLOT_DTYPE = torch.int32
+
 
 class ReqToTokenPool:
     """Maps (request row, position) to a KV slot. Row 0 is padding and never handed out."""
@@ -12,7 +16,7 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=self.device)
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=SLOT_DTYPE, device=self.device)
         self.free_slots: list[int] = list(range(1, size + 1))
 
     def available_size(self) -> int:
@@ -35,9 +39,6 @@ class ReqToTokenPool:
             free_now.add(idx)
         # NOTE: appended at the tail, so rows are reused in FIFO order, as in SGLang.
         self.free_slots.extend(indices)
-
-    def write(self, indices, values: torch.Tensor) -> None:
-        self.req_to_token[indices] = values.to(self.req_to_token.dtype)
 
     def clear(self) -> None:
         self.free_slots = list(range(1, self.size + 1))

@@ -1,9 +1,12 @@
 """RadixAttention's prefix cache: a radix tree over token ids whose nodes hold KV slot indices.
 
-Ownership (reference section 3): a KV slot is either free (in the allocator), owned by the tree
-(in exactly one node's `value`), or private to one request (row positions
-`[cache_protected_len, kv_allocated_len)` of its `req_to_token` row). The tree frees a slot only
-when it evicts the node holding it; a request frees only its private positions.
+Ownership: a KV slot is either free (in the allocator), owned by the tree (in exactly one node's
+`value`), or private to one request (row positions `[cache_protected_len, kv_allocated_len)` of its
+`req_to_token` row). The tree frees a slot only when it evicts the node holding it, or when a
+request hands it KV the tree already holds (a duplicate); a request frees only its private positions.
+`cache_finished_req` / `cache_unfinished_req` read a request's KV handle (`req.kv`, see
+`kv_manager.py`) and change only the tree and the allocator: `KVManager`, their only caller in the
+server, writes the request's row and handle.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from typing import Any, NamedTuple
 import torch
 
 from radixserve.mem_cache.cache_events import CacheEventLog
-from radixserve.mem_cache.common import release_kv_cache
 from radixserve.mem_cache.evict_policy import get_eviction_key
+from radixserve.mem_cache.memory_pool import SLOT_DTYPE
 from radixserve.mem_cache.radix_key import RadixKey, common_prefix_len
 
-__all__ = ["MatchResult", "RadixCache", "RadixKey", "TreeNode", "release_kv_cache"]
+__all__ = ["MatchResult", "RadixCache", "RadixKey", "TreeNode"]
 
 _node_ids = itertools.count()
 
@@ -62,9 +65,9 @@ class RadixCache:
     """The radix tree cache. Usable with no pools (tests): then eviction frees nothing.
 
     `page_size` > 1 makes every key, match and node a whole number of pages. With `disable=True`
-    nothing is cached (reference 2.9): matches are empty, inserts return 0, locks and eviction do
-    nothing, `cache_unfinished_req` only records the request's own row as its prefix (so chunked
-    prefill continues) and `cache_finished_req` frees the request's private KV.
+    nothing is cached: matches are empty, inserts return 0, locks and eviction do nothing,
+    `cache_unfinished_req` publishes nothing (a chunked request keeps its own row as its prefix)
+    and `cache_finished_req` frees the request's private KV.
 
     `is_eagle=True` keys the tree by the EAGLE bigram view (`RadixKey.to_bigram`): every key passed
     in is converted, and the slot of position i stands for the pair (t[i], t[i+1]). Set `events` to
@@ -94,7 +97,7 @@ class RadixCache:
         """Forget every node (frees nothing: the caller clears the allocator too)."""
         self.root_node = TreeNode(self._now())
         self.root_node.key = RadixKey(())
-        self.root_node.value = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.root_node.value = torch.empty(0, dtype=SLOT_DTYPE, device=self.device)
         self.root_node.lock_ref = 1  # NOTE: the root is locked forever, so it is never evicted
         self.root_node.priority = -sys.maxsize
         self.evictable_size_ = 0
@@ -228,7 +231,7 @@ class RadixCache:
             return 0
         key = key.page_aligned(self.page_size)
         if value is None:
-            value = torch.tensor(key.raw_token_ids[:len(key)], dtype=torch.int64)
+            value = torch.tensor(key.raw_token_ids[:len(key)], dtype=SLOT_DTYPE)
         elif len(value) < len(key):
             raise ValueError(f"insert: {len(value)} values for a key of {len(key)} tokens")
         return self._insert_helper(key.packed, key.extra_key, value, priority, chunked)
@@ -379,72 +382,59 @@ class RadixCache:
 
     # ------------------------------------------------------------------ requests
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        """Hand a finished (or, with is_insert=False, retracted/aborted) request's KV to the tree.
+        """Take a finished request's KV (with is_insert=False, a retracted or aborted one's: none of it).
 
         Inserts the page-aligned first `kv_committed_len` tokens, frees the request's duplicates
-        `[cache_protected_len, prefix_len)` and its unaligned tail, and releases its lock. It does
-        NOT free the over-allocation or the request's row: `release_kv_cache` does both.
+        `[cache_protected_len, prefix_len)` and everything else it holds privately (the unaligned tail
+        and any slot allocated beyond the committed tokens), and releases its lock. It reads the
+        request; the caller frees the request's row and clears its handle.
         """
-        pool, alloc = self._pools()
-        row = pool.req_to_token[req.req_pool_idx]
-        committed, cpl = req.kv_committed_len, req.cache_protected_len
-        if self.disable:
-            if committed > cpl:
-                alloc.free(row[cpl:committed].to(torch.int64))
-            return
-        key = RadixKey(_prefix_of(req.origin_input_ids, req.output_ids, committed), req.extra_key, self.is_eagle)
-        key = key.page_aligned(self.page_size)
-        key_len = len(key)
-        kv_indices = row[:committed].to(torch.int64)
-        if is_insert:
-            prefix_len = self.insert(key, kv_indices[:key_len].clone(), getattr(req, "priority", 0) or 0)
-            self._check_protected_prefix(req, prefix_len)
-            freed_end = prefix_len
-        else:
-            freed_end = key_len
-        # NOTE: [0, cpl) are tree slots the request only referenced; [freed_end, key_len) were just
-        # handed to the tree. Both stay. One free call, so each page is freed exactly once.
-        to_free = torch.cat([kv_indices[cpl:freed_end], kv_indices[key_len:committed]])
-        if len(to_free):
-            alloc.free(to_free)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
+        kv = req.kv
+        row = self._pools()[0].req_to_token[kv.req_pool_idx]
+        cpl, allocated = kv.cache_protected_len, kv.kv_allocated_len
+        # NOTE: [0, cpl) are tree slots the request only referenced; they stay.
+        to_free = [(cpl, allocated)]
+        if is_insert and not self.disable:
+            key = RadixKey(_prefix_of(req.origin_input_ids, req.output_ids, kv.kv_committed_len), req.extra_key,
+                           self.is_eagle).page_aligned(self.page_size)
+            prefix_len = self.insert(key, row[: len(key)], getattr(req, "priority", 0) or 0)
+            self._check_protected_prefix(kv, prefix_len)
+            to_free = [(cpl, prefix_len), (len(key), allocated)]  # [prefix_len, len(key)) went to the tree
+        self._free_ranges(row, to_free)
+        if kv.locked:
+            self.dec_lock_ref(kv.last_node)
 
-    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        """Publish a request's computed prefix (`fill_ids`) mid-flight, keeping it locked.
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> MatchResult | None:
+        """Publish a running request's computed tokens (`fill_ids`) mid-flight, keeping them locked.
 
-        After this call the request's row points at the tree's slots for the page-aligned prefix
-        (duplicates freed), `cache_protected_len` is that prefix's length, the lock sits on the
-        new last node, and `prefix_indices` covers every computed token (the unaligned tail stays
-        private to the request).
+        Inserts the page-aligned prefix, frees the request's duplicates `[cache_protected_len,
+        prefix_len)`, locks the new last node and unlocks the old one. Returns the tree's slots for the
+        whole aligned prefix and its last node, which the caller must write into the request's row
+        before any slot is allocated again (the row still names the freed duplicates). None when the
+        cache is disabled: nothing is published and the request keeps its row as its prefix.
         """
-        pool, alloc = self._pools()
-        row = pool.req_to_token[req.req_pool_idx]
-        fill_len = len(req.fill_ids)
-        kv_indices = row[:fill_len].to(torch.int64)
         if self.disable:
-            req.prefix_indices = kv_indices
-            return
-        cpl = req.cache_protected_len
+            return None
+        kv = req.kv
+        row = self._pools()[0].req_to_token[kv.req_pool_idx]
+        cpl = kv.cache_protected_len
         key = RadixKey(req.fill_ids, req.extra_key, self.is_eagle).page_aligned(self.page_size)
-        key_len = len(key)
-        prefix_len = self.insert(key, kv_indices[:key_len].clone(), getattr(req, "priority", 0) or 0,
-                                 chunked=chunked)
-        self._check_protected_prefix(req, prefix_len)
-        if prefix_len > cpl:
-            alloc.free(kv_indices[cpl:prefix_len])
-        new_indices, new_last_node = self.match_prefix(key)
-        if len(new_indices) != key_len:
-            raise RuntimeError(f"re-match found {len(new_indices)} of {key_len} just-inserted tokens")
-        # NOTE: rewrite the row BEFORE anyone reuses the freed duplicates: a live row must never
-        # reference a free slot.
-        row[cpl:key_len] = new_indices[cpl:].to(row.dtype)
-        self.inc_lock_ref(new_last_node)
-        if req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
-        req.cache_protected_len = key_len
-        req.prefix_indices = torch.cat([new_indices, kv_indices[key_len:]])
-        req.last_node = new_last_node
+        prefix_len = self.insert(key, row[: len(key)], getattr(req, "priority", 0) or 0, chunked=chunked)
+        self._check_protected_prefix(kv, prefix_len)
+        self._free_ranges(row, [(cpl, prefix_len)])
+        match = self.match_prefix(key)
+        if len(match.device_indices) != len(key):
+            raise RuntimeError(f"re-match found {len(match.device_indices)} of {len(key)} just-inserted tokens")
+        self.inc_lock_ref(match.last_node)
+        if kv.locked:
+            self.dec_lock_ref(kv.last_node)
+        return match
+
+    def _free_ranges(self, row: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+        """Free the slots at these row positions in one call, so that each page is freed once."""
+        pieces = [row[lo:hi] for lo, hi in ranges if hi > lo]
+        if pieces:
+            self._pools()[1].free(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
 
     def _pools(self) -> tuple[Any, Any]:
         if self.req_to_token_pool is None or self.token_to_kv_pool_allocator is None:
@@ -452,10 +442,10 @@ class RadixCache:
         return self.req_to_token_pool, self.token_to_kv_pool_allocator
 
     @staticmethod
-    def _check_protected_prefix(req: Any, prefix_len: int) -> None:
-        if prefix_len < req.cache_protected_len:
+    def _check_protected_prefix(kv: Any, prefix_len: int) -> None:
+        if prefix_len < kv.cache_protected_len:
             raise RuntimeError(
-                f"request's protected prefix ({req.cache_protected_len} tokens) is no longer in the tree "
+                f"request's protected prefix ({kv.cache_protected_len} tokens) is no longer in the tree "
                 f"(found {prefix_len}); was the cache reset while it ran?"
             )
 

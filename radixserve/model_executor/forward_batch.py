@@ -31,11 +31,11 @@ class ForwardBatch:
 
     forward_mode: ForwardMode
     batch_size: int
-    input_ids: torch.Tensor  # int64 [num_tokens]
+    input_ids: torch.Tensor  # int64 [num_tokens]; decode: filled on the device (FutureMap) unless given
     positions: torch.Tensor  # int64 [num_tokens]
     req_pool_indices: torch.Tensor  # int64 [bs]
     seq_lens: torch.Tensor  # int64 [bs], prefix + new tokens
-    out_cache_loc: torch.Tensor  # int64 [num_tokens]
+    out_cache_loc: torch.Tensor  # SLOT_DTYPE (int32) [num_tokens], as the allocator handed them out
     seq_lens_cpu: list[int]
     extend_prefix_lens: torch.Tensor | None = None  # int64 [bs], extend only
     extend_seq_lens: torch.Tensor | None = None  # int64 [bs], extend only
@@ -65,14 +65,15 @@ class ForwardBatch:
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return cls(ForwardMode.EXTEND, len(req_pool_indices), as_long(input_ids), as_long(positions),
-                   as_long(req_pool_indices), as_long(seq_lens), out_cache_loc.to(device=device, dtype=torch.int64),
-                   seq_lens, as_long(prefix_lens), as_long(extend_lens), list(prefix_lens), list(extend_lens))
+                   as_long(req_pool_indices), as_long(seq_lens), out_cache_loc.to(device), seq_lens,
+                   as_long(prefix_lens), as_long(extend_lens), list(prefix_lens), list(extend_lens))
 
     @classmethod
-    def for_decode(cls, input_ids: list[int] | torch.Tensor, req_pool_indices: list[int], seq_lens: list[int],
+    def for_decode(cls, input_ids: list[int] | torch.Tensor | None, req_pool_indices: list[int], seq_lens: list[int],
                    out_cache_loc: torch.Tensor, device: torch.device | str) -> ForwardBatch:
+        """`input_ids` None: the scheduler's forward resolves them on the device (the previous samples)."""
         as_long = lambda xs: torch.as_tensor(xs, dtype=torch.int64).to(device)  # noqa: E731
         positions = [s - 1 for s in seq_lens]
-        return cls(ForwardMode.DECODE, len(req_pool_indices), as_long(input_ids), as_long(positions),
-                   as_long(req_pool_indices), as_long(seq_lens), out_cache_loc.to(device=device, dtype=torch.int64),
-                   list(seq_lens))
+        ids = as_long(input_ids) if input_ids is not None else torch.full((len(seq_lens),), -1, device=device)
+        return cls(ForwardMode.DECODE, len(req_pool_indices), ids, as_long(positions), as_long(req_pool_indices),
+                   as_long(seq_lens), out_cache_loc.to(device), list(seq_lens))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -82,15 +82,24 @@ class ModelRunner:
         self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
         self._log_startup()
 
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits: of each request's last new token (extend) or of each token (decode)."""
+    def forward(self, forward_batch: ForwardBatch, read_done: Any = None) -> torch.Tensor:
+        """Float32 logits: of each request's last new token (extend) or of each token (decode).
+
+        `read_done` (an overlap_streams.Event, optional) is recorded once the forward has read every
+        buffer the scheduler writes (`req_to_token` rows, through the backend's `init_forward_metadata`),
+        so the scheduler may write them again from then on, while the layers still run.
+        """
         if forward_batch.forward_mode == ForwardMode.IDLE:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
         with torch.inference_mode():
-            self.attn_backend.init_forward_metadata(forward_batch)
+            try:
+                self.attn_backend.init_forward_metadata(forward_batch)
+            finally:
+                if read_done is not None:
+                    read_done.record()
             logits = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
             if forward_batch.extra_logits_indices is None:
                 return logits

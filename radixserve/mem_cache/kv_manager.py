@@ -1,0 +1,253 @@
+"""KVManager: the one owner of a request's KV, and ReqKV, the handle it keeps on each request.
+
+The scheduler, its batches and its policy ask the manager; nothing else writes a `ReqKV` or a
+`req_to_token` row. Behind it: the radix tree (`RadixCache`, which owns the slots in its nodes),
+the allocator (which owns the free slots) and the request-to-token table. A request owns the slots
+at its private row positions `[cache_protected_len, kv_allocated_len)`.
+
+A request's KV goes through: `match_prefix` (waiting: an unlocked match) → `lock` (admitted) →
+`alloc_extend` (a row, the matched slots and new ones written into it) → `commit` (a forward's
+result was processed) → `cache_unfinished` (computed tokens published, still locked) →
+`alloc_decode` … → `release` (finished: handed to the tree; retracted or aborted: freed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.mem_cache.radix_key import RadixKey
+
+
+@dataclass(eq=False)
+class ReqKV:
+    """A request's KV bookkeeping (SGLang's field names). Written by KVManager only; read by anyone.
+
+    Row positions [0, cache_protected_len) hold tree slots, kept from eviction by a lock on
+    `last_node` while `locked`; positions [cache_protected_len, kv_allocated_len) hold the request's
+    own slots. `kv_committed_len` tokens have KV written by forwards whose results were processed;
+    under overlap the forward in flight has already allocated one more (kv_allocated_len runs ahead).
+    Before the request has a row, `prefix_indices` holds the slots of its prefix match.
+    """
+
+    req_pool_idx: int | None = None
+    last_node: Any = None
+    locked: bool = False
+    cache_protected_len: int = 0
+    kv_committed_len: int = 0
+    kv_allocated_len: int = 0
+    prefix_indices: torch.Tensor | None = None
+
+    @property
+    def prefix_len(self) -> int:
+        """Leading tokens whose KV exists: the match before a row exists, then the row's slots.
+
+        NOTE: a continuing chunked prefill is carried by this length alone: its row already holds them."""
+        return self.kv_allocated_len if self.req_pool_idx is not None else self.cache_protected_len
+
+
+class KVManager:
+    """The tree, the allocator and `req_to_token` behind one object; the only writer of `ReqKV`.
+
+    `stats` (a SchedulerStats, optional) receives the evicted-token count and the time spent on
+    cache operations.
+    """
+
+    def __init__(self, req_to_token_pool: Any, allocator: Any, tree_cache: Any, stats: Any = None) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.page_size = allocator.page_size
+        self.stats = stats
+
+    # ---- sizes ----------------------------------------------------------------------------------
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def evictable_size(self) -> int:
+        return self.tree_cache.evictable_size()
+
+    def free_and_evictable(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def timing(self):
+        return self.stats.timing("cache_ops_s") if self.stats is not None else nullcontext()
+
+    # ---- before a row: match and lock -----------------------------------------------------------
+    def match_prefix(self, req: Any) -> int:
+        """Match the cacheable head of `req.fill_ids` (see Req.prefix_match_limit); locks nothing.
+
+        The match is remembered on the handle and replaced by the next one; returns its length."""
+        kv = req.kv
+        assert kv.req_pool_idx is None and not kv.locked, f"{req!r} already holds KV"  # NOTE: waiting only
+        match = self.tree_cache.match_prefix(RadixKey(req.fill_ids[: req.prefix_match_limit], req.extra_key))
+        kv.prefix_indices, kv.last_node = match.device_indices, match.last_node
+        kv.cache_protected_len = len(match.device_indices)
+        return kv.cache_protected_len
+
+    def forget_match(self, req: Any) -> None:
+        """Drop a waiting request's unlocked match (after the tree was flushed)."""
+        kv = req.kv
+        assert not kv.locked and kv.req_pool_idx is None
+        kv.prefix_indices, kv.last_node, kv.cache_protected_len = None, None, 0
+
+    def lock(self, req: Any) -> None:
+        """Keep the matched prefix from eviction until the request releases its KV."""
+        kv = req.kv
+        assert not kv.locked
+        self.tree_cache.inc_lock_ref(kv.last_node)
+        kv.locked = True
+
+    @contextmanager
+    def locked_while(self, req: Any) -> Iterator[None]:
+        """Lock the match only for the block: its evictable tokens count as protected meanwhile."""
+        node = req.kv.last_node
+        self.tree_cache.inc_lock_ref(node)
+        try:
+            yield
+        finally:
+            self.tree_cache.dec_lock_ref(node)
+
+    # ---- allocation -----------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        """Evict only the shortfall between `num_tokens` and what the allocator has free."""
+        shortfall = num_tokens - self.allocator.available_size()
+        if shortfall <= 0 or self.tree_cache.disable:
+            return 0
+        with self.timing():
+            evicted = self.tree_cache.evict(shortfall)
+        if self.stats is not None:
+            self.stats.evicted_tokens += evicted
+        return evicted
+
+    def alloc_extend(self, reqs: Sequence[Any], seq_lens: Sequence[int]) -> torch.Tensor:
+        """Give each request a row (if it has none) and slots for positions [prefix_len, seq_len).
+
+        The row gets the matched prefix's slots, then the new ones; returns the new slots of all
+        requests, flat in request order (the forward's `out_cache_loc`).
+        """
+        kvs = [r.kv for r in reqs]
+        prefix_lens = [kv.prefix_len for kv in kvs]
+        extend_num = sum(seq_lens) - sum(prefix_lens)
+        new = [kv for kv in kvs if kv.req_pool_idx is None]
+        rows = self.req_to_token_pool.alloc(len(new)) if new else []
+        if rows is None:
+            raise RuntimeError(f"no free request row for {len(new)} request(s): the admission budget was wrong")
+        try:
+            out = self._alloc_extend_slots(kvs, prefix_lens, seq_lens, extend_num)
+        except RuntimeError:
+            if rows:
+                self.req_to_token_pool.free(rows)  # NOTE: a failed allocation leaks nothing
+            raise
+        table = self.req_to_token_pool.req_to_token
+        for kv, row in zip(new, rows, strict=True):
+            kv.req_pool_idx = row
+            if kv.cache_protected_len:
+                table[row, : kv.cache_protected_len] = kv.prefix_indices
+            kv.prefix_indices = None
+        offset = 0
+        for kv, pre, seq in zip(kvs, prefix_lens, seq_lens, strict=True):
+            table[kv.req_pool_idx, pre:seq] = out[offset : offset + seq - pre]
+            offset += seq - pre
+            kv.kv_allocated_len = seq
+        return out
+
+    def _alloc_extend_slots(self, kvs: list[ReqKV], prefix_lens: list[int], seq_lens: Sequence[int],
+                            extend_num: int) -> torch.Tensor:
+        if self.page_size == 1:
+            self.evict(extend_num)
+            out = self.allocator.alloc(extend_num)
+        else:
+            # NOTE: one extra page per request over-estimates a partial page's needs (as SGLang does).
+            self.evict(extend_num + len(kvs) * self.page_size)
+            last_loc = [self._slot_at(kv, pre - 1) for kv, pre in zip(kvs, prefix_lens, strict=True)]
+            out = self.allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num)
+        if out is None:
+            raise self._out_of_memory("prefill", extend_num)
+        return out
+
+    def _slot_at(self, kv: ReqKV, position: int) -> int:
+        """The slot of a prefix position (-1 for none): from the match before a row exists, else the row."""
+        if position < 0:
+            return -1
+        if kv.req_pool_idx is None:
+            return int(kv.prefix_indices[position])
+        return int(self.req_to_token_pool.req_to_token[kv.req_pool_idx, position])
+
+    def alloc_decode(self, reqs: Sequence[Any]) -> torch.Tensor:
+        """One slot per request, for the token it feeds next, at row position `kv_allocated_len`."""
+        kvs = [r.kv for r in reqs]
+        positions = [kv.kv_allocated_len for kv in kvs]
+        if self.page_size == 1:
+            self.evict(len(kvs))
+            out = self.allocator.alloc(len(kvs))
+        else:
+            self.evict(len(kvs) * self.page_size)
+            last_loc = [self._slot_at(kv, pos - 1) for kv, pos in zip(kvs, positions, strict=True)]
+            out = self.allocator.alloc_decode([pos + 1 for pos in positions], last_loc)
+        if out is None:
+            raise self._out_of_memory("decode", len(kvs))
+        table = self.req_to_token_pool.req_to_token
+        table[_index([kv.req_pool_idx for kv in kvs], table), _index(positions, table)] = out
+        for kv in kvs:
+            kv.kv_allocated_len += 1
+        return out
+
+    def decode_slots_needed(self, reqs: Sequence[Any]) -> int:
+        """Free slots the next decode step takes: one per request, or a page per request at a page start."""
+        if self.page_size == 1:
+            return len(reqs)
+        return self.page_size * sum(1 for r in reqs if r.kv.kv_allocated_len % self.page_size == 0)
+
+    def can_decode(self, reqs: Sequence[Any]) -> bool:
+        """Evict the shortfall, then say whether the next decode step of `reqs` fits."""
+        needed = self.decode_slots_needed(reqs)
+        self.evict(needed)
+        return self.allocator.available_size() >= needed
+
+    def _out_of_memory(self, what: str, num_tokens: int) -> RuntimeError:
+        return RuntimeError(f"out of KV memory allocating {num_tokens} {what} slot(s) "
+                            f"({self.tree_cache.available_and_evictable_str()}); the admission budget was wrong")
+
+    # ---- after a forward ------------------------------------------------------------------------
+    def commit(self, req: Any, computed_len: int) -> None:
+        """A forward that wrote KV up to `computed_len` has had its result processed."""
+        req.kv.kv_committed_len = computed_len
+
+    def cache_unfinished(self, req: Any, chunked: bool = False) -> None:
+        """Publish the request's computed tokens in the tree (deduplicated), keeping them locked."""
+        kv = req.kv
+        with self.timing():
+            match = self.tree_cache.cache_unfinished_req(req, chunked=chunked)
+            if match is None:
+                return
+            # NOTE: the tree just freed this row's duplicates; the row must name the tree's slots before
+            # anything is allocated again, or a live row would reference a free slot.
+            cpl, key_len = kv.cache_protected_len, len(match.device_indices)
+            self.req_to_token_pool.req_to_token[kv.req_pool_idx, cpl:key_len] = match.device_indices[cpl:]
+            kv.cache_protected_len, kv.last_node, kv.locked = key_len, match.last_node, True
+
+    def release(self, req: Any, insert: bool) -> None:
+        """Give up all of the request's KV: hand it to the tree (finished) or free it (retracted, aborted)."""
+        kv = req.kv
+        with self.timing():
+            if kv.req_pool_idx is not None:
+                self.tree_cache.cache_finished_req(req, is_insert=insert)
+                self.req_to_token_pool.free(kv.req_pool_idx)
+            elif kv.locked:
+                self.tree_cache.dec_lock_ref(kv.last_node)
+        req.kv = ReqKV()
+
+    def flush(self) -> int:
+        """Empty the tree (only when no request holds KV: the caller checks); returns the tokens freed."""
+        freed = self.tree_cache.evict(self.tree_cache.evictable_size())
+        self.tree_cache.reset()
+        return freed
+
+
+def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=like.device)
