@@ -1,4 +1,4 @@
-"""KV slot allocators (reference 1.5): order of reuse, free groups, paged extend/decode, debug double-free checks."""
+"""KV slot allocators: order of reuse, free groups, paged extend/decode, debug double-free checks."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""RadixKey: length, iteration, indexing, page alignment, child keys and page-rounded matching (reference 1.1)."""
+"""RadixKey: length, iteration, indexing, page alignment, child keys and page-rounded matching."""
 
 from array import array
 

@@ -1,4 +1,4 @@
-"""Property tests: random insert / match / lock / unlock / evict sequences against the lesson's model.
+"""Property tests: random insert / match / lock / unlock / evict sequences against the semantic model (`longest_cached_prefix`).
 
 After every step `match_prefix` must agree with `longest_cached_prefix` over the paths inserted
 and not evicted (length and slot values), and the tree's invariants must hold.

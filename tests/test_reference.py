@@ -1,4 +1,4 @@
-"""The lesson's exercise: longest_cached_prefix, the semantic model of a page-aligned, namespace-aware match."""
+"""longest_cached_prefix, the semantic model of a page-aligned, namespace-aware match."""
 
 import pytest
 
@@ -10,7 +10,7 @@ CACHE = [
 ]
 
 
-def test_the_lessons_three_assertions():
+def test_three_basic_assertions():
     assert longest_cached_prefix([1, 2, 3, 4, 5, 8], "base", CACHE, 4) == 4
     assert longest_cached_prefix([1, 2, 3, 4, 6, 7], "adapter-A", CACHE, 2) == 6
     assert longest_cached_prefix([1, 2, 3, 4], "adapter-B", CACHE, 2) == 0
@@ -23,7 +23,7 @@ def test_query_shorter_than_the_cached_path():
     assert longest_cached_prefix([], "base", CACHE, 1) == 0
 
 
-def test_the_lessons_worked_example():
+def test_a_worked_example():
     path = [([1, 2, 3, 4, 5, 6, 7, 8], "lora_finance")]
     query = [1, 2, 3, 4, 5, 6, 7, 9]
     assert longest_cached_prefix(query, "lora_finance", path, 4) == 4  # 7 common, floor to a page

@@ -26,7 +26,7 @@ from radixserve.managers.io_struct import (
 from radixserve.managers.scheduler import Scheduler
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixserve.mem_cache.conservation import check_conservation
-from radixserve.mem_cache.memory_pool import ReqToTokenPool
+from radixserve.mem_cache.memory_pool import SLOT_DTYPE, ReqToTokenPool
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -69,6 +69,7 @@ class FakeRunner:
 
     def forward(self, fb, read_done=None) -> torch.Tensor:
         self.forward_calls += 1
+        assert fb.out_cache_loc.dtype == SLOT_DTYPE  # NOTE: slot ids reach the forward as the allocator made them
         table = self.req_to_token_pool.req_to_token
         rows = [table[row, :n].long() for row, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, strict=True)]
         if read_done is not None:
@@ -371,3 +372,26 @@ def test_flush_counts_its_epoch():
     drain(sched)
     assert outputs["__flush__"].success and outputs["__flush__"].cache_epoch == 1
     assert sched.get_internal_state()["cache_epoch"] == 1
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_a_waiting_request_is_matched_once_per_step(policy):
+    rng = random.Random(3)
+    sched, outputs = make_scheduler(pool_tokens=256, policy=policy, max_running=4, chunk=16)
+    base = [rng.randrange(1, VOCAB) for _ in range(30)]
+    for i in range(12):
+        submit(sched, f"r{i}", base[: rng.randrange(5, 30)] + [i + 1], max_new_tokens=4, ignore_eos=True)
+    matches: list[tuple[int, str]] = []
+    real_match, step = sched.kv_manager.match_prefix, 0
+
+    def counted(req):
+        matches.append((step, req.rid))
+        return real_match(req)
+
+    sched.kv_manager.match_prefix = counted
+    while not (sched.is_idle() and sched.input_queue.empty()):
+        sched.run_step(block_when_idle=False)
+        conserve(sched)
+        step += 1
+    assert len(outputs) == 12 and matches
+    assert len(matches) == len(set(matches)), "a request was matched twice in one step"

