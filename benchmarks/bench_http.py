@@ -134,7 +134,8 @@ def main() -> None:
         f"first text chunk on the client; {args.repeats} run(s) per cell, median wall kept.",
         f"Command: `{command.strip()}`",
         table,
-        "Acceptance targets of `radixserve bench`, measured through HTTP:\n" + (checks or "- (needs W1/W2)"),
+        "Acceptance targets of `radixserve bench`, measured through HTTP:\n"
+        + (checks or "- (needs W1/W2)"),
         "Against the in-process Engine bench (`radixserve bench`), the difference is the HTTP path: tokenizing the text "
         "prompt, one ZMQ round trip per scheduler step, per-token detokenization and SSE framing.",
         f"![HTTP bench]({Path(args.plot).name})",

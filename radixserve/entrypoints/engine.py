@@ -117,7 +117,8 @@ class Engine:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._states[rid] = state
         # NOTE: always streamed from the scheduler, so the time of the first token is known (TTFT).
-        self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True, logprob))
+        self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True,
+                                                                 logprob))
         return RequestHandle(state, self)
 
     def abort(self, rid: str) -> None:

@@ -59,11 +59,12 @@ class LaunchedBatch:
     host_output: Future  # StepOutput of host tensors, complete once copy_done has completed
     copy_done: Event
     read_done: Event
-    # NOTE: the forward's device StepOutput, held until copy_done has completed: freed earlier, the
-    # CUDA caching allocator could hand its memory to the next forward on the forward stream while
-    # the copy stream still reads it.
+    # NOTE: the forward's inputs and device StepOutput are held until the result is processed: freed
+    # earlier, the CUDA caching allocator could hand their memory to the next batch while the forward
+    # or copy stream still reads it.
+    forward_batch: ForwardBatch
+    sampling_info: Any
     device_output: Future
-    input_logprob_counts: list[int] | None  # per request: its rows of StepOutput.input_logprobs
     launched_at: float
     lag: int  # of the pipeline that launched it: 0 when it is processed right after its launch
 
@@ -110,7 +111,7 @@ class ForwardPipeline:
         copy_done = streams.copy.record_event()
         self.counters.launched += 1
         launched = LaunchedBatch(batch.empty_copy(reqs), rows, list(fb.seq_lens_cpu), host_output, copy_done,
-                                 read_done, forward_done, fb.input_logprob_counts, launched_at, self.lag)
+                                 read_done, fb, sampling_info, forward_done, launched_at, self.lag)
         if self.lag:
             # NOTE: every scheduler write from here on (processing batch k, building batch k+2) waits
             # until this forward has read the rows, input ids and future tokens it needs.

@@ -68,7 +68,8 @@ class SchedulerLoopMixin:
         """Normal steps (without blocking) until nothing is queued or running; returns the steps taken."""
         return self._run_until_idle(self.run_step, self.normal_pipeline(), max_steps, on_step)
 
-    def run_until_idle_overlap(self: Scheduler, max_steps: int = 100_000, on_step: Callable[[], None] | None = None) -> int:
+    def run_until_idle_overlap(self: Scheduler, max_steps: int = 100_000,
+                               on_step: Callable[[], None] | None = None) -> int:
         """Overlapped steps (without blocking) until nothing is queued, running or in flight."""
         return self._run_until_idle(self.run_step_overlap, self.init_overlap(), max_steps, on_step)
 

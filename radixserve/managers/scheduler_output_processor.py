@@ -65,8 +65,9 @@ class SchedulerOutputProcessorMixin:
         """Wait for a launched batch's tokens, then process them for the requests that still own their rows."""
         launched.copy_done.synchronize()
         output: StepOutput = launched.host_output.result()
+        counts = launched.forward_batch.input_logprob_counts
         result = GenerationBatchResult(output.next_token_ids.tolist(), *host_logprobs(output.logprobs),
-                                       host_input_logprobs(output.input_logprobs, launched.input_logprob_counts))
+                                       host_input_logprobs(output.input_logprobs, counts))
         is_extend = launched.batch.forward_mode.is_extend()
         if launched.lag == 0:
             # NOTE: the normal loop waits for each forward at once: its wall time (unknown under overlap)

@@ -77,7 +77,7 @@ class DirectDriver:
         self.release(list(self.live))
 
     def _assign(self, req: DirectRequest, start: int, tokens: list[int], slots: torch.Tensor) -> None:
-        self.runner.req_to_token_pool.req_to_token[req.row, start : start + len(tokens)] = slots.to(torch.int32)
+        self.runner.req_to_token_pool.req_to_token[req.row, start : start + len(tokens)] = slots
         req.token_ids.extend(tokens)
         req.owned.append(slots)
 
