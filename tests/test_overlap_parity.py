@@ -37,6 +37,12 @@ def _one_intra_op_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _no_starvation_promotion(monkeypatch):
+    # NOTE: a request waiting 30 s goes first; on a slow machine that would make the order depend on time
+    monkeypatch.setenv("RADIXSERVE_STARVATION_TIMEOUT_S", "1000000")
+
+
 @pytest.fixture(scope="module")
 def loaded():
     from radixserve.models.loader import load_model
