@@ -287,12 +287,12 @@ def test_bigram_tree_reuses_a_draft_slot_only_with_its_next_token(page_size, mon
     world.finish(first)
     second = _request(shared + [1, 9, 9], "lora_finance")  # the pair (1, 2) differs: slot of token 1 is not reused
     world.admit([second])
-    assert second.cache_protected_len == len(shared)  # a token tree would reuse one more
+    assert _kv(second).cache_protected_len == len(shared)  # a token tree would reuse one more
     world.prefill_done(second, 20)
     world.finish(second)
     other = _request(shared + [1, 2, 3], "lora_medical")
     world.admit([other])
-    assert other.cache_protected_len == 0
+    assert _kv(other).cache_protected_len == 0
     world.prefill_done(other, 30, finished=True)
     assert world.check()["protected"] == 0
     world.cache.evict(10 ** 9)
