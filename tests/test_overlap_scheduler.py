@@ -288,6 +288,38 @@ def test_event_loop_overlap_runs_until_stopped_then_cleans_up():
     conserve(sched)
 
 
+def test_a_failed_forward_that_was_the_last_in_flight_does_not_poison_later_requests():
+    # The poisoned batch is the only one in flight when its failure surfaces (its request was aborted,
+    # so no decode follows it): the contained failure must still rebuild the failed forward stream.
+    sched, outputs = make_scheduler()
+    runner, failures = sched.model_runner, ["device fault"]
+    real_forward = runner.forward
+
+    def flaky_forward(fb, read_done=None):
+        if failures:
+            raise RuntimeError(failures.pop())
+        return real_forward(fb, read_done)
+
+    runner.forward = flaky_forward
+    _, prompt, params = mixed_workload(1, seed=3)[0]
+
+    def step() -> None:
+        sched.run_step_contained(lambda: sched.run_step_overlap(block_when_idle=False))
+
+    sched.input_queue.put(TokenizedGenerateReqInput("poisoned", prompt, params))
+    step()  # launches its prefill, which fails on the forward stream
+    sched.input_queue.put(AbortReq("poisoned"))
+    step()  # no batch to launch: the failed one is taken, and its failure contained
+    assert sched.failed_steps == 1 and outputs["poisoned"]["finish"]["type"] == "abort"
+    sched.input_queue.put(TokenizedGenerateReqInput("late", prompt, params))
+    sched.run_until_idle_overlap(2_000, on_step=lambda: conserve(sched))
+    assert outputs["late"]["finish"]["type"] != "abort", outputs["late"]["finish"]
+    assert outputs["late"]["ids"] == reference(prompt, params)
+    assert sched.failed_steps == 1
+    sched.close_overlap()
+    conserve(sched)
+
+
 def test_a_failing_forward_reaches_the_scheduler_instead_of_hanging_it():
     # NOTE: the failure reaches the scheduler, which contains it (scheduler_failures.py): the requests of
     # the poisoned pipeline end with 500, the overlap state is rebuilt and later requests run.

@@ -81,8 +81,8 @@ class SchedulerFailuresMixin:
         reqs: list[Req] = []
         for name in ("overlap", "_normal_pipeline"):  # NOTE: the latter where the normal loop has a pipeline
             state = getattr(self, name, None)
-            if state is None or not state.pending:
-                continue  # NOTE: nothing launched: its streams and future-token map are still sound
+            if state is None or not (state.pending or _stream_failed(state)):
+                continue  # NOTE: nothing launched and no failed work: its streams and future map are sound
             for launched in state.pending:
                 reqs.extend(launched.batch.reqs)
                 try:
@@ -137,3 +137,10 @@ class SchedulerFailuresMixin:
 
         check_conservation(self.token_to_kv_pool_allocator, self.tree_cache, self.req_to_token_pool,
                            self.active_requests())
+
+
+def _stream_failed(pipeline: Any) -> bool:
+    """A CPU worker stream whose work raised skips everything after it: the pipeline must be rebuilt,
+    even when the failed batch was the last one in flight (already taken off `pending`)."""
+    streams = pipeline.streams
+    return any(getattr(s, "failed", None) is not None for s in (streams.forward, streams.copy))
