@@ -41,6 +41,10 @@ class ServerArgs:
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
     attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
+    linear_method: str = _opt("auto", "how linear layers keep and multiply weights: auto (measured per shape), "
+                                      "dense (F.linear), onednn (prepacked, CPU)")
+    disable_fused_ops: bool = _opt(False, "run RMSNorm+add, rotary+KV write and SiLU-and-mul as eager torch "
+                                          "instead of compiled CPU ops")
     torch_threads: int | None = _opt(None, "torch intra-op threads for the forward; default: torch's own choice")
     random_seed: int | None = _opt(None, "seed for sampling of requests without their own seed")
     host: str = _opt("127.0.0.1", "HTTP host")

@@ -11,10 +11,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused_add = None  # a compiled add + norm (layers/fused_ops.py), or None: eager
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x), or (norm(x + residual), x + residual) when a residual is given."""
         if residual is not None:
+            if self.fused_add is not None:
+                return self.fused_add(x.contiguous(), residual.contiguous(), self.weight)
             x = x + residual
             return self._norm(x), x
         return self._norm(x)

@@ -22,6 +22,8 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        """q: [T, heads, dim], k/v: [T, kv_heads, dim] -> [T, heads * dim]."""
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
+                save_kv_cache: bool = True) -> torch.Tensor:
+        """q: [T, heads, dim], k/v: [T, kv_heads, dim] -> [T, heads * dim]; `save_kv_cache=False` when
+        the caller already wrote k/v into the pool at `forward_batch.out_cache_loc`."""
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)

@@ -24,6 +24,10 @@ class RotaryEmbedding:
         cos, sin = self._table(positions.device)
         return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
 
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 cos and sin tables [max_position, head_dim // 2] on `device`."""
+        return self._table(device)
+
     def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tables:
             # NOTE: position * inv_freq in float32, then cos/sin, as transformers does, so bf16 matches it.

@@ -19,6 +19,7 @@ from radixserve.layers.sampler import (
 )
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.models.device_setup import setup_model_for_device
 from radixserve.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class ModelRunner:
             loaded = load_model(server_args.model_path, self.dtype, self.device, server_args.quantization)
         self.loaded = loaded
         self.model = loaded.model.to(device=self.device, dtype=self.dtype)
+        self.device_setup = setup_model_for_device(self.model, self.device, self.dtype, server_args.linear_method,
+                                                   fused_ops=not server_args.disable_fused_ops)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.context_len = self._context_len()
@@ -178,11 +181,11 @@ class ModelRunner:
         used = "torch only" if kernels is None else f"C {', '.join(kernels['used']) or 'none'} ({kernels['class']})"
         logger.info(
             "model %s | dtype %s (%s) | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
-            "max running requests %d | max context %d | attention %s, %s | quantization %s: %s | CPU: %s",
+            "max running requests %d | max context %d | attention %s, %s | quantization %s: %s | %s | CPU: %s",
             self.loaded.name, self.dtype_choice.dtype, self.dtype_choice.reason, self.device,
             self.max_total_num_tokens, gib, self.page_size, self.max_running_requests, self.context_len,
             self.server_args.attention_backend, used, self.server_args.quantization, weight_summary(self.model),
-            platform.summary_line())
+            self.device_setup.describe(), platform.summary_line())
         if self.max_total_num_tokens < self.context_len:
             logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): one request "
                            "can use at most the pool", self.max_total_num_tokens, self.context_len)

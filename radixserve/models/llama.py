@@ -1,7 +1,10 @@
 """The Llama family (Llama, Mistral, Qwen2 with QKV bias, Qwen3 with q/k RMSNorm) on the paged KV pool.
 
 Parameter names follow Hugging Face, except that q/k/v are fused into `qkv_proj` and gate/up into
-`gate_up_proj` (fewer, larger matrix products; see `load_weights`).
+`gate_up_proj` (fewer, larger matrix products; see `load_weights`). Linear layers run the method the
+runner chose for their shape (layers/linear.py). With fused ops (`set_fused_ops`, CPU), the passes
+between the matrix products run as compiled ops (layers/fused_ops.py): residual add + RMSNorm,
+rotary + KV write, SiLU-and-mul; without them, the same steps run as eager torch.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import torch
 from torch import nn
 
 from radixserve.layers.activation import silu_and_mul
+from radixserve.layers.fused_ops import FusedOps
 from radixserve.layers.layernorm import RMSNorm
+from radixserve.layers.linear import LinearBase
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixserve.model_executor.forward_batch import ForwardBatch
@@ -24,17 +29,23 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = LinearBase(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = LinearBase(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.rotary_kv = None  # the fused rotary + KV write (set_fused_ops), or None: eager
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.rotary_kv is not None:
+            # NOTE: with the fused op, cos and sin are the float32 tables, indexed by position inside the op.
+            k_cache, v_cache = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
+            q, k, v = self.rotary_kv(qkv, fb.positions, cos, sin, k_cache, v_cache, fb.out_cache_loc.long())
+            return self.o_proj(self.attn(q, k, v, fb, save_kv_cache=False))
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim))
@@ -51,11 +62,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = LinearBase(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = LinearBase(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = silu_and_mul  # or the fused op (set_fused_ops)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,8 +110,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LinearBase(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.context_len + 1)
+        self.fused_ops: FusedOps | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -107,10 +120,25 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def set_fused_ops(self, ops: FusedOps | None) -> None:
+        """Runs the passes between matrix products as these compiled ops (None: eager torch)."""
+        if ops is not None and ops.dtype != self.model.embed_tokens.weight.dtype:
+            raise ValueError(f"fused ops built for {ops.dtype}, model in {self.model.embed_tokens.weight.dtype}")
+        self.fused_ops = ops
+        for layer in self.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.fused_add = ops.add_rmsnorm if ops else None
+            layer.self_attn.rotary_kv = ops.rotary_kv if ops else None
+            layer.mlp.act = ops.silu_and_mul if ops else silu_and_mul
+        self.model.norm.fused_add = ops.add_rmsnorm if ops else None
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if self.fused_ops is not None and self.fused_ops.rotary_kv is not None:
+            cos, sin = self.rotary.tables(hidden.device)  # the rotary op looks positions up itself
+        else:
+            cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, cos, sin, fb)

@@ -127,9 +127,10 @@ class TorchAttnBackend(AttentionBackend):
         return kernel if self.extend_kernel_fits and kernel.extend_supports(q, k_all) else None
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-                       fb: ForwardBatch) -> torch.Tensor:
+                       fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         kernel = self._kernel_for(q, layer)
         if self.cascade_decode_meta is not None:
@@ -145,9 +146,10 @@ class TorchAttnBackend(AttentionBackend):
         return decode_head_major(q, k_all, v_all, meta, layer.scaling)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
-                       fb: ForwardBatch) -> torch.Tensor:
+                       fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         pool = fb.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         extend_kernel = self._extend_kernel_for(q, k_all)
         if self.cascade_extend_meta is not None:

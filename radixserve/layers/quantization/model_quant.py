@@ -92,8 +92,7 @@ def weight_summary(model: nn.Module) -> str:
                 total += m.packed.nbytes
         elif isinstance(m, (nn.Linear, nn.Embedding)):
             formats[f"{kind} {str(m.weight.dtype).removeprefix('torch.')}"] += 1
-    for p in _unique_params(model):
-        total += p.numel() * p.element_size()
+    total += sum(p.numel() * p.element_size() for p in _unique_params(model)) + _prepacked_bytes(model)
     parts = [f"{fmt} x{count}" if count > 1 else fmt for fmt, count in formats.items()]
     return f"{', '.join(parts)}; weights {total / 2**20:.1f} MiB"
 
@@ -101,7 +100,15 @@ def weight_summary(model: nn.Module) -> str:
 def weight_bytes(model: nn.Module) -> int:
     packed = {id(m.packed): m.packed.nbytes for m in model.modules()
               if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and m.packed is not None}
-    return sum(packed.values()) + sum(p.numel() * p.element_size() for p in _unique_params(model))
+    return (sum(packed.values()) + sum(p.numel() * p.element_size() for p in _unique_params(model))
+            + _prepacked_bytes(model))
+
+
+def _prepacked_bytes(model: nn.Module) -> int:
+    """Weights a float linear method keeps in its own layout (layers/linear.py), beside the parameters."""
+    from radixserve.layers.linear import LinearBase
+
+    return sum(m.weight_nbytes() for m in model.modules() if isinstance(m, LinearBase) and m.packed_weight is not None)
 
 
 def _unique_params(model: nn.Module) -> list[torch.Tensor]:

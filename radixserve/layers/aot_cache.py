@@ -1,0 +1,101 @@
+"""Small torch functions compiled ahead of time by inductor's C++ backend (AOTInductor), cached on disk.
+
+`compile_aot_op` exports a module with torch.export (the dimensions named in `dynamic` stay symbolic),
+compiles it with `torch._inductor.aoti_compile_and_package` into
+$RADIXSERVE_CACHE_DIR/aoti/<name>-<key>.pt2 and loads it. The key covers the module's source, the
+example inputs' static shapes and dtypes, torch's version and the CPU's capability, so a change to any
+of them compiles anew; a later start only loads the file (milliseconds). Compiling takes seconds per
+op and is logged, since the first start waits for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from radixserve import envs
+
+logger = logging.getLogger(__name__)
+
+DynamicDims = dict[int, tuple[str, int]]  # input index -> (dimension name, axis)
+MAX_DYNAMIC = 1 << 30
+_lock = threading.Lock()
+_loaded: dict[str, AotOp] = {}  # key -> op: one load per process however many runners ask
+
+
+class AotOp:
+    """A compiled op: `op(*tensors)` returns its output tensor, or a tuple of them."""
+
+    def __init__(self, name: str, path: Path, package) -> None:
+        self.name, self.path = name, path
+        self._run = package.loader.run  # NOTE: straight into the compiled code, no pytree handling
+
+    def __call__(self, *args: torch.Tensor):
+        out = self._run(list(args))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def __repr__(self) -> str:
+        return f"AotOp({self.name}, {self.path.name})"
+
+
+def compile_aot_op(name: str, module: nn.Module, example_inputs: tuple[torch.Tensor, ...],
+                   dynamic: DynamicDims) -> AotOp:
+    """The module compiled for inputs like `example_inputs` (the `dynamic` dimensions may vary)."""
+    import torch._inductor  # noqa: F401 (heavy; only when fused ops are wanted)
+
+    key = cache_key(module, example_inputs, dynamic)
+    with _lock:
+        if key not in _loaded:
+            path = envs.CACHE_DIR.get() / "aoti" / f"{name}-{key}.pt2"
+            if not path.exists():
+                _compile(name, module, example_inputs, dynamic, path)
+            _loaded[key] = AotOp(name, path, torch._inductor.aoti_load_package(str(path)))
+        return _loaded[key]
+
+
+def cache_key(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], dynamic: DynamicDims) -> str:
+    settings = sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str)))
+    parts = [inspect.getsource(type(module)), repr(settings), torch.__version__, torch.backends.cpu.get_cpu_capability()]
+    for i, t in enumerate(example_inputs):
+        dims = [("*" if i in dynamic and dynamic[i][1] == axis else str(n)) for axis, n in enumerate(t.shape)]
+        parts.append(f"{i}:{t.dtype}:{'x'.join(dims)}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _compile(name: str, module: nn.Module, example_inputs: tuple[torch.Tensor, ...], dynamic: DynamicDims,
+             path: Path) -> None:
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in example_inputs if t.is_floating_point()})
+    logger.info("compiling fused op %s (%s) with inductor's C++ backend; first start only, cached in %s",
+                name, "/".join(dtypes), path.parent)
+    import torch.export
+
+    start = time.perf_counter()
+    dims: dict[str, torch.export.Dim] = {}
+    shapes = []
+    for i in range(len(example_inputs)):
+        if i in dynamic:
+            dim_name, axis = dynamic[i]
+            dims.setdefault(dim_name, torch.export.Dim(dim_name, min=1, max=MAX_DYNAMIC))
+            shapes.append({axis: dims[dim_name]})
+        else:
+            shapes.append(None)
+    with torch.no_grad():
+        exported = torch.export.export(module, example_inputs, dynamic_shapes=tuple(shapes))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        # NOTE: emulate_precision_casts rounds every intermediate to the model dtype as eager torch does,
+        # so the compiled op follows the eager layers' bf16 rounding instead of keeping float32 in between.
+        with torch._inductor.config.patch(emulate_precision_casts=True):
+            torch._inductor.aoti_compile_and_package(exported, package_path=str(built))
+        os.replace(built, path)  # NOTE: atomic: a concurrent starter never loads a half-written package
+    logger.info("compiled %s in %.1f s", name, time.perf_counter() - start)

@@ -1,0 +1,172 @@
+"""Choosing a linear method per weight shape by measuring the candidates here, once per machine.
+
+For each weight shape of the model, every method that supports the device and dtype is timed at a
+few token counts (one decode row, a decode batch, a prefill chunk) on a random weight of that shape;
+the method with the lowest summed time relative to the best at each count wins. Results (with the
+achieved GFLOP/s) are kept in $RADIXSERVE_CACHE_DIR/linear_methods.json, keyed by torch's version, the
+CPU's capability, the dtype, the thread count and the shape, so later starts only read the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from radixserve import envs
+from radixserve.layers.linear import (
+    AUTO,
+    LINEAR_METHODS,
+    DenseLinearMethod,
+    LinearBase,
+    linear_layers,
+    process_weights_after_loading,
+)
+
+logger = logging.getLogger(__name__)
+
+TOKEN_COUNTS = (1, 32, 512)  # batch-1 decode, batch-32 decode, a prefill chunk
+CALLS_PER_POINT = 9
+CACHE_FILE = "linear_methods.json"
+Shape = tuple[int, int]  # (out_features, in_features)
+
+
+@dataclass(frozen=True)
+class Timing:
+    method: str
+    tokens: int
+    seconds: float  # fastest of CALLS_PER_POINT calls
+
+    def gflops(self, shape: Shape) -> float:
+        return 2 * self.tokens * shape[0] * shape[1] / self.seconds / 1e9
+
+
+def configure_linear_methods(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                             requested: str = AUTO) -> dict[str, int]:
+    """Gives every linear layer of `model` its method (`requested`, or by measurement) and packs weights.
+
+    Returns how many layers each method got."""
+    shapes = sorted({layer.shape for _, layer in linear_layers(model)})
+    if requested == AUTO:
+        methods = choose_methods(shapes, device, dtype)
+    else:
+        if requested not in LINEAR_METHODS:
+            raise ValueError(f"unknown linear method {requested!r}; available: {', '.join(sorted(LINEAR_METHODS))}")
+        if not LINEAR_METHODS[requested].supports(device, dtype):
+            raise ValueError(f"linear method {requested!r} does not run on {device.type} in {dtype}")
+        methods = dict.fromkeys(shapes, requested)
+    return process_weights_after_loading(model, methods)
+
+
+def candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
+    return [name for name, cls in LINEAR_METHODS.items() if cls.supports(device, dtype)]
+
+
+def choose_methods(shapes: list[Shape], device: torch.device, dtype: torch.dtype) -> dict[Shape, str]:
+    names = candidates(device, dtype)
+    if len(names) <= 1 or device.type != "cpu":
+        return dict.fromkeys(shapes, names[0] if names else DenseLinearMethod.name)
+    cache = TimingCache(envs.CACHE_DIR.get() / CACHE_FILE)
+    chosen = {}
+    for shape in shapes:
+        key = cache_key(shape, dtype)
+        timings = cache.get(key)
+        if timings is None or {t.method for t in timings} != set(names):
+            logger.info("measuring linear methods %s for weight %dx%d (%s; first start only)",
+                        "/".join(names), shape[0], shape[1], str(dtype).removeprefix("torch."))
+            timings = measure(shape, names, dtype)
+            cache.put(key, timings)
+        chosen[shape] = best_method(timings)
+    return chosen
+
+
+def best_method(timings: list[Timing]) -> str:
+    """The method with the lowest sum of (its time / the best time) over the token counts."""
+    best_at = {n: min(t.seconds for t in timings if t.tokens == n) for n in {t.tokens for t in timings}}
+    score: dict[str, float] = {}
+    for t in timings:
+        score[t.method] = score.get(t.method, 0.0) + t.seconds / best_at[t.tokens]
+    return min(score, key=score.__getitem__)
+
+
+def measure(shape: Shape, names: list[str], dtype: torch.dtype,
+            token_counts: tuple[int, ...] = TOKEN_COUNTS) -> list[Timing]:
+    """The fastest of CALLS_PER_POINT calls of each method at each token count, the methods' calls
+    interleaved so that load from other processes hits them alike."""
+    out_features, in_features = shape
+    weight = (torch.randn(out_features, in_features) * 0.02).to(dtype)
+    layers = {name: _layer_with(name, weight) for name in names}
+    timings = []
+    with torch.inference_mode():
+        for tokens in token_counts:
+            x = torch.randn(tokens, in_features).to(dtype)
+            best = dict.fromkeys(names, float("inf"))
+            for round_ in range(CALLS_PER_POINT + 1):
+                for name, layer in layers.items():
+                    start = time.perf_counter()
+                    layer(x)
+                    if round_:  # NOTE: round 0 warms up (first-call setup, caches)
+                        best[name] = min(best[name], time.perf_counter() - start)
+            timings += [Timing(name, tokens, best[name]) for name in names]
+    return timings
+
+
+def _layer_with(name: str, weight: torch.Tensor) -> LinearBase:
+    layer = LinearBase(weight.shape[1], weight.shape[0])
+    layer.weight.data = weight.clone()
+    layer.method = LINEAR_METHODS[name]()
+    layer.method.process_weights_after_loading(layer)
+    return layer
+
+
+def cache_key(shape: Shape, dtype: torch.dtype) -> str:
+    cpu = torch.backends.cpu.get_cpu_capability()
+    return (f"torch {torch.__version__} | cpu {cpu} | {str(dtype).removeprefix('torch.')} | "
+            f"threads {torch.get_num_threads()} | {shape[0]}x{shape[1]}")
+
+
+class TimingCache:
+    """A JSON file of key -> timings; written whole and atomically (several processes may start at once)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _read(self) -> dict[str, list[dict]]:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str) -> list[Timing] | None:
+        rows = self._read().get(key)
+        try:
+            return None if rows is None else [Timing(**row) for row in rows]
+        except TypeError:
+            return None
+
+    def put(self, key: str, timings: list[Timing]) -> None:
+        data = self._read()
+        data[key] = [asdict(t) for t in timings]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+
+    def report(self, dtype: torch.dtype) -> list[tuple[Shape, list[Timing]]]:
+        """The cached timings of this machine, torch, dtype and thread count, by shape (for benchmarks)."""
+        prefix = cache_key((0, 0), dtype).rsplit("|", 1)[0]
+        rows = []
+        for key, timings in sorted(self._read().items()):
+            if key.startswith(prefix):
+                out_features, in_features = (int(v) for v in key.rsplit("|", 1)[1].strip().split("x"))
+                rows.append(((out_features, in_features), [Timing(**t) for t in timings]))
+        return rows
+
+

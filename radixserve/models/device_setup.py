@@ -1,0 +1,37 @@
+"""What a loaded model needs once it is on its device and dtype: linear methods, then fused ops."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.layers.fused_ops import load_fused_ops
+from radixserve.layers.linear_tuning import configure_linear_methods
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceSetup:
+    linear_methods: dict[str, int]  # method name -> number of linear layers running it
+    fused_ops: tuple[str, ...]  # the compiled ops in use (empty: eager passes)
+    seconds: float
+
+    def describe(self) -> str:
+        linear = ", ".join(f"{name} x{n}" for name, n in sorted(self.linear_methods.items()))
+        return f"linear {linear} | fused ops {', '.join(self.fused_ops) or 'off'}"
+
+
+def setup_model_for_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                           linear_method: str = "auto", fused_ops: bool = True) -> DeviceSetup:
+    """Chooses and prepares every linear layer's method, and attaches the fused ops (CPU) or clears them."""
+    start = time.perf_counter()
+    counts = configure_linear_methods(model, device, dtype, linear_method)
+    ops = load_fused_ops(model.config, dtype, device) if fused_ops else None
+    model.set_fused_ops(ops)
+    names = () if ops is None else tuple(
+        op.name for op in (ops.add_rmsnorm, ops.rotary_kv, ops.silu_and_mul) if op is not None)
+    return DeviceSetup(counts, names, time.perf_counter() - start)
