@@ -40,7 +40,11 @@ class AotOp:
         self._run = package.loader.run  # NOTE: straight into the compiled code, no pytree handling
 
     def __call__(self, *args: torch.Tensor):
-        out = self._run(list(args))
+        if torch.autograd._profiler_enabled():  # NOTE: compiled code is invisible to torch.profiler otherwise
+            with torch.profiler.record_function(f"radixserve::fused::{self.name}"):
+                out = self._run(list(args))
+        else:
+            out = self._run(list(args))
         return out[0] if len(out) == 1 else tuple(out)
 
     def __repr__(self) -> str:
