@@ -125,3 +125,21 @@ def build_workloads(tokenizer: Any, names: list[str] | tuple[str, ...] = ("w1", 
         else:
             out.append(build_w3(tokenizer, shrink(8), 4, shrink(100), shrink(32)))
     return out
+
+
+@dataclass(frozen=True)
+class Probes:
+    """Single-purpose probes of the peer benchmark (benchmarks/bench_peers.py), beside W1/W2/W3."""
+
+    cold: Prompt  # a prompt sharing nothing with anything cached: cold prefill speed
+    warm: tuple[Prompt, Prompt]  # two prompts sharing a long prefix: the second one's TTFT is a cache hit
+    decode: tuple[Prompt, ...]  # short unique prompts for decode speed (alone: batch 1; all: batch N)
+
+
+def build_probes(tokenizer: Any, cold_len: int = 1024, prefix_len: int = 1000, question_len: int = 40,
+                 decode_prompts: int = 32, decode_prompt_len: int = 100, seed: int = 4) -> Probes:
+    make = PromptFactory(tokenizer, seed).make
+    cold = make(cold_len)
+    prefix = make(prefix_len)
+    warm = (prefix + make(question_len), prefix + make(question_len))
+    return Probes(cold, warm, tuple(make(decode_prompt_len) for _ in range(decode_prompts)))

@@ -17,6 +17,7 @@ import os
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,10 +55,12 @@ class AotOp:
 def compile_aot_op(name: str, module: nn.Module, example_inputs: tuple[torch.Tensor, ...],
                    dynamic: DynamicDims) -> AotOp:
     """The module compiled for inputs like `example_inputs` (the `dynamic` dimensions may vary)."""
-    import torch._inductor  # noqa: F401 (heavy; only when fused ops are wanted)
-
     key = cache_key(module, example_inputs, dynamic)
-    with _lock:
+    # NOTE: torch.export and inductor warn about their own internals (deprecations) on first use
+    with _lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
+        import torch._inductor  # noqa: F401 (heavy; only when fused ops are wanted)
+
         if key not in _loaded:
             path = envs.CACHE_DIR.get() / "aoti" / f"{name}-{key}.pt2"
             if not path.exists():

@@ -2,9 +2,12 @@
 
 For each weight shape of the model, every method that supports the device and dtype is timed at a
 few token counts (one decode row, a decode batch, a prefill chunk) on a random weight of that shape;
-the method with the lowest summed time relative to the best at each count wins. Results (with the
-achieved GFLOP/s) are kept in $RADIXSERVE_CACHE_DIR/linear_methods.json, keyed by torch's version, the
-CPU's capability, the dtype, the thread count and the shape, so later starts only read the file.
+the method with the lowest summed time relative to the best at each count wins. Timing runs on one
+thread: which method is faster is a property of the kernels, and on a machine shared with other work
+a second OpenMP thread waits for a core whenever another process holds it (milliseconds per call),
+which would decide the choice by the load of the moment. Results are kept in
+$RADIXSERVE_CACHE_DIR/linear_methods.json, keyed by torch's version, the CPU's capability, the dtype
+and the shape, so later starts only read the file.
 """
 
 from __future__ import annotations
@@ -102,6 +105,16 @@ def measure(shape: Shape, names: list[str], dtype: torch.dtype,
     out_features, in_features = shape
     weight = (torch.randn(out_features, in_features) * 0.02).to(dtype)
     layers = {name: _layer_with(name, weight) for name in names}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _interleaved(layers, names, in_features, dtype, token_counts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _interleaved(layers: dict[str, LinearBase], names: list[str], in_features: int, dtype: torch.dtype,
+                 token_counts: tuple[int, ...]) -> list[Timing]:
     timings = []
     with torch.inference_mode():
         for tokens in token_counts:
@@ -127,8 +140,7 @@ def _layer_with(name: str, weight: torch.Tensor) -> LinearBase:
 
 def cache_key(shape: Shape, dtype: torch.dtype) -> str:
     cpu = torch.backends.cpu.get_cpu_capability()
-    return (f"torch {torch.__version__} | cpu {cpu} | {str(dtype).removeprefix('torch.')} | "
-            f"threads {torch.get_num_threads()} | {shape[0]}x{shape[1]}")
+    return f"torch {torch.__version__} | cpu {cpu} | {str(dtype).removeprefix('torch.')} | {shape[0]}x{shape[1]}"
 
 
 class TimingCache:
@@ -160,7 +172,7 @@ class TimingCache:
         os.replace(tmp, self.path)
 
     def report(self, dtype: torch.dtype) -> list[tuple[Shape, list[Timing]]]:
-        """The cached timings of this machine, torch, dtype and thread count, by shape (for benchmarks)."""
+        """The cached timings of this machine, torch and dtype, by shape (for benchmarks)."""
         prefix = cache_key((0, 0), dtype).rsplit("|", 1)[0]
         rows = []
         for key, timings in sorted(self._read().items()):

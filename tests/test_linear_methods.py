@@ -1,0 +1,155 @@
+"""Linear methods: oneDNN's prepacked weight against F.linear, weight release and re-packing, the
+per-shape choice by measurement (scored, cached), forcing a method, and registering a new one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from radixserve.layers import linear_tuning
+from radixserve.layers.linear import (
+    LINEAR_METHODS,
+    LinearBase,
+    LinearMethod,
+    OneDNNLinearMethod,
+    process_weights_after_loading,
+    register_linear_method,
+)
+from radixserve.layers.linear_tuning import Timing, best_method, choose_methods, configure_linear_methods
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not OneDNNLinearMethod.supports(CPU, torch.float32),
+                                  reason="torch was built without oneDNN (mkldnn)")
+
+
+def _layer(in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False, seed: int = 0) -> LinearBase:
+    g = torch.Generator().manual_seed(seed)
+    layer = LinearBase(in_features, out_features, bias=bias)
+    layer.weight.data = torch.randn(out_features, in_features, generator=g).to(dtype)
+    if bias:
+        layer.bias.data = torch.randn(out_features, generator=g).to(dtype)
+    return layer
+
+
+class TiedModel(nn.Module):
+    """An embedding whose weight the head shares, and two untied layers of different shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        self.up = _layer(16, 24, torch.float32, bias=True, seed=1)
+        self.down = _layer(24, 16, torch.float32, seed=2)
+        self.head = LinearBase(16, 40)
+        self.head.weight = self.embed.weight
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_onednn_matches_dense(dtype, tokens):
+    if not OneDNNLinearMethod.supports(CPU, dtype):
+        pytest.skip(f"oneDNN has no {dtype} path on this CPU")
+    layer = _layer(96, 160, dtype, bias=True)
+    x = torch.randn(tokens, 96).to(dtype)
+    want = layer(x)  # dense until a method is chosen
+    process_weights_after_loading(layer, {(160, 96): "onednn"})
+    assert layer.method.name == "onednn" and layer.weight.numel() == 0  # the dense copy was freed
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (tokens, 160)
+    torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 1.6e-2,
+                               atol=1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@needs_onednn
+def test_tied_weight_kept_and_repacking_restores():
+    model = TiedModel()
+    originals = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x = torch.randn(3, 16)
+    before = model.head(model.down(model.up(x)))
+    counts = process_weights_after_loading(model, dict.fromkeys([(24, 16), (16, 24), (40, 16)], "onednn"))
+    assert counts == {"onednn": 3}
+    assert model.up.weight.numel() == 0 and model.down.weight.numel() == 0
+    assert torch.equal(model.embed.weight, originals["embed.weight"])  # shared with the head: never freed
+    torch.testing.assert_close(model.head(model.down(model.up(x))), before)
+    # a second runner on the same loaded model: nothing to redo; asking for dense unpacks the weights
+    assert process_weights_after_loading(model, dict.fromkeys([(24, 16), (16, 24), (40, 16)], "onednn")) == counts
+    process_weights_after_loading(model, {})
+    assert model.up.method.name == "dense" and model.up.packed_weight is None
+    assert torch.equal(model.up.weight, originals["up.weight"]) and torch.equal(model.down.weight, originals["down.weight"])
+
+
+@needs_onednn
+def test_dtype_change_repacks():
+    layer = _layer(32, 48, torch.float32)
+    process_weights_after_loading(layer, {(48, 32): "onednn"})
+    layer.to(torch.bfloat16)  # the runner casts a loaded model in place; the packed copy is still float32
+    if not OneDNNLinearMethod.supports(CPU, torch.bfloat16):
+        pytest.skip("oneDNN has no bf16 path on this CPU")
+    process_weights_after_loading(layer, {(48, 32): "onednn"})
+    assert layer.packed_weight.dtype == torch.bfloat16
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
+
+
+def test_best_method_is_lowest_relative_sum():
+    timings = [Timing("a", 1, 1.0), Timing("b", 1, 2.0),  # a twice as fast at 1 token
+               Timing("a", 32, 3.0), Timing("b", 32, 1.0)]  # b three times as fast at 32
+    assert best_method(timings) == "b"  # a: 1 + 3 = 4, b: 2 + 1 = 3
+    assert best_method([Timing("a", 1, 1.0), Timing("b", 1, 1.5)]) == "a"
+
+
+def test_choice_measured_once_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    measured = []
+
+    def fake_measure(shape, names, dtype, token_counts=linear_tuning.TOKEN_COUNTS):
+        measured.append(shape)
+        fast = "dense" if shape[0] < 100 else names[-1]
+        return [Timing(n, t, 1.0 if n == fast else 2.0) for n in names for t in token_counts]
+
+    monkeypatch.setattr(linear_tuning, "measure", fake_measure)
+    monkeypatch.setattr(linear_tuning, "candidates", lambda device, dtype: ["dense", "onednn"])
+    shapes = [(64, 32), (512, 32)]
+    first = choose_methods(shapes, CPU, torch.float32)
+    assert first == {(64, 32): "dense", (512, 32): "onednn"} and measured == shapes
+    assert choose_methods(shapes, CPU, torch.float32) == first and measured == shapes  # read from the file
+    keys = json.loads((tmp_path / linear_tuning.CACHE_FILE).read_text())
+    assert len(keys) == 2 and all("float32" in k and torch.__version__ in k for k in keys)
+    choose_methods(shapes, CPU, torch.bfloat16)  # another dtype is another measurement
+    assert len(measured) == 4
+
+
+def test_forced_and_unknown_methods():
+    model = TiedModel()
+    assert configure_linear_methods(model, CPU, torch.float32, "dense") == {"dense": 3}
+    with pytest.raises(ValueError, match="unknown linear method 'nope'"):
+        configure_linear_methods(model, CPU, torch.float32, "nope")
+    with pytest.raises(ValueError, match="does not run on meta"):
+        configure_linear_methods(model, torch.device("meta"), torch.float32, "onednn")
+
+
+def test_registered_method_is_selectable(monkeypatch):
+    class Float64Method(LinearMethod):
+        """A stand-in for a quantized method: keeps its own copy of the weight, multiplies in float64."""
+
+        name = "float64-test"
+
+        def process_weights_after_loading(self, layer: LinearBase) -> None:
+            layer.packed_weight = layer.dense_weight().double()
+
+        def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+            return (x.double() @ layer.packed_weight.T).to(x.dtype)
+
+    register_linear_method(Float64Method)
+    try:
+        layer = _layer(8, 4, torch.float32)
+        x = torch.randn(5, 8)
+        want = layer(x)
+        process_weights_after_loading(layer, {(4, 8): "float64-test"})
+        assert layer.weight.numel() == 0 and layer.packed_weight.dtype == torch.float64
+        torch.testing.assert_close(layer(x), want)
+    finally:
+        LINEAR_METHODS.pop("float64-test")
