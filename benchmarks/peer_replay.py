@@ -9,8 +9,9 @@ A spec is JSON: {"workloads": [...]}, each entry {"name", "kind", "new_tokens", 
 - kind "cold": one prompt after the cache was emptied, one new token: prefill tokens/s.
 - kind "warm": two prompts sharing a prefix, one new token each, one after the other: the second's
   time (a radix / prefix-cache hit) is the warm TTFT.
-- kind "decode" (D1, D32): "prompts" sent at once, many new tokens: tokens/s after the last first
-  token, i.e. decode speed at the batch size len(prompts).
+- kind "decode" (D1, D32): "prompts" sent at once with one new token, then (cache emptied) with many:
+  the difference of the two walls is the decode steps alone, i.e. decode speed at the batch size
+  len(prompts), taken the same way in every engine (no engine-reported TTFT needed).
 
 An engine is two functions: generate(list of prompt ids, new_tokens) -> list of (output ids, TTFT
 seconds), greedy with ignore_eos, and flush() (empty the prefix cache; called before every workload).
@@ -29,7 +30,8 @@ def replay(spec: dict, generate: Generate, flush: Callable[[], None], reps: int,
     for rep in range(reps):
         for workload in spec["workloads"]:
             flush()
-            row = RUNNERS[workload["kind"]](workload, generate)
+            runner = RUNNERS[workload["kind"]]
+            row = runner(workload, generate, flush) if runner is run_decode else runner(workload, generate)
             rows.append({"engine": engine, "workload": workload["name"], "kind": workload["kind"], "rep": rep, **row})
             print("ROW", rows[-1], flush=True)
     return rows
@@ -52,7 +54,7 @@ def run_batch(workload: dict, generate: Generate) -> dict:
     outs, wall = _timed(generate, prompts, n)
     _check(outs, n)
     return {"wall_s": wall, "prompt_tokens": sum(map(len, prompts)), "output_tokens": n * len(prompts),
-            "ttft_mean_s": sum(t for _, t in outs) / len(outs)}
+            "ttft_mean_s": _mean_ttft(outs)}
 
 
 def run_turns(workload: dict, generate: Generate) -> dict:
@@ -67,11 +69,16 @@ def run_turns(workload: dict, generate: Generate) -> dict:
         outs, seconds = _timed(generate, prompts, n)
         _check(outs, n)
         wall += seconds
-        ttft += sum(t for _, t in outs)
+        ttft += _mean_ttft(outs) * len(outs)
         prompt_tokens += sum(map(len, prompts))
         requests += len(prompts)
     return {"wall_s": wall, "prompt_tokens": prompt_tokens, "output_tokens": n * requests,
             "ttft_mean_s": ttft / requests}
+
+
+def _mean_ttft(outs: list[tuple[list[int], float]]) -> float:
+    """Mean engine-reported TTFT; NaN where an engine does not report it."""
+    return sum(t for _, t in outs) / len(outs)
 
 
 def run_cold(workload: dict, generate: Generate) -> dict:
@@ -87,13 +94,14 @@ def run_warm(workload: dict, generate: Generate) -> dict:
     return {"wall_s": warm, "first_s": cold, "prompt_tokens": len(second)}
 
 
-def run_decode(workload: dict, generate: Generate) -> dict:
+def run_decode(workload: dict, generate: Generate, flush: Callable[[], None]) -> dict:
     prompts, n = workload["prompts"], workload["new_tokens"]
+    _, prefill = _timed(generate, prompts, 1)
+    flush()
     outs, wall = _timed(generate, prompts, n)
     _check(outs, n)
-    last_first_token = max(t for _, t in outs)
-    return {"wall_s": wall, "batch": len(prompts), "output_tokens": n * len(prompts),
-            "decode_tok_s": (n - 1) * len(prompts) / (wall - last_first_token)}
+    return {"wall_s": wall, "prefill_s": prefill, "batch": len(prompts), "output_tokens": n * len(prompts),
+            "decode_tok_s": (n - 1) * len(prompts) / (wall - prefill)}
 
 
 RUNNERS = {"batch": run_batch, "turns": run_turns, "cold": run_cold, "warm": run_warm, "decode": run_decode}

@@ -25,6 +25,13 @@ from peer_replay import replay  # noqa: E402
 WARMUP = [[100 + i for i in range(40)], [300 + i for i in range(24)]]
 
 
+def _ttft(output) -> float:
+    """vLLM's own first-token latency where this version reports it, NaN elsewhere."""
+    metrics = getattr(output, "metrics", None)
+    value = getattr(metrics, "first_token_latency", None)
+    return float("nan") if value is None else float(value)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--spec", required=True)
@@ -40,14 +47,13 @@ def main() -> None:
 
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True, max_model_len=4096,
-              max_num_seqs=args.max_num_seqs, seed=0)
+              max_num_seqs=args.max_num_seqs, seed=0, disable_log_stats=False)
     startup = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], float]]:
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-        return [(list(o.outputs[0].token_ids), o.metrics.first_token_latency if o.metrics else float("nan"))
-                for o in outs]
+        return [(list(o.outputs[0].token_ids), _ttft(o)) for o in outs]
 
     generate(WARMUP, 8)  # NOTE: first-call costs (compiled graphs for new shapes) stay out of the figures
     with open(args.spec) as f:
