@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 DynamicDims = dict[int, tuple[str, int]]  # input index -> (dimension name, axis)
 MAX_DYNAMIC = 1 << 30
+# NOTE: emulate_precision_casts rounds every intermediate to the model dtype as eager torch does, so a
+# compiled op follows the eager layers' bf16 rounding; dynamic_threads reads OpenMP's thread count at
+# run time (the default bakes in torch's count at compile time, and the file outlives that setting).
+COMPILE_OPTIONS = {"emulate_precision_casts": True, "cpp.dynamic_threads": True}
 _lock = threading.Lock()
 _loaded: dict[str, AotOp] = {}  # key -> op: one load per process however many runners ask
 
@@ -71,7 +75,8 @@ def compile_aot_op(name: str, module: nn.Module, example_inputs: tuple[torch.Ten
 
 def cache_key(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], dynamic: DynamicDims) -> str:
     settings = sorted((k, v) for k, v in vars(module).items() if isinstance(v, (bool, int, float, str)))
-    parts = [inspect.getsource(type(module)), repr(settings), torch.__version__, torch.backends.cpu.get_cpu_capability()]
+    parts = [inspect.getsource(type(module)), repr(settings), repr(sorted(COMPILE_OPTIONS.items())), torch.__version__,
+             torch.backends.cpu.get_cpu_capability()]
     for i, t in enumerate(example_inputs):
         dims = [("*" if i in dynamic and dynamic[i][1] == axis else str(n)) for axis, n in enumerate(t.shape)]
         parts.append(f"{i}:{t.dtype}:{'x'.join(dims)}")
@@ -100,9 +105,7 @@ def _compile(name: str, module: nn.Module, example_inputs: tuple[torch.Tensor, .
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         built = Path(tmp) / path.name
-        # NOTE: emulate_precision_casts rounds every intermediate to the model dtype as eager torch does,
-        # so the compiled op follows the eager layers' bf16 rounding instead of keeping float32 in between.
-        with torch._inductor.config.patch(emulate_precision_casts=True):
+        with torch._inductor.config.patch(COMPILE_OPTIONS):
             torch._inductor.aoti_compile_and_package(exported, package_path=str(built))
         os.replace(built, path)  # NOTE: atomic: a concurrent starter never loads a half-written package
     logger.info("compiled %s in %.1f s", name, time.perf_counter() - start)
