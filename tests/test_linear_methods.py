@@ -73,7 +73,8 @@ def test_tied_weight_kept_and_repacking_restores():
     assert counts == {"onednn": 3}
     assert model.up.weight.numel() == 0 and model.down.weight.numel() == 0
     assert torch.equal(model.embed.weight, originals["embed.weight"])  # shared with the head: never freed
-    torch.testing.assert_close(model.head(model.down(model.up(x))), before)
+    # NOTE: oneDNN sums in another order than MKL's sgemm: close, not equal
+    torch.testing.assert_close(model.head(model.down(model.up(x))), before, rtol=1e-4, atol=1e-4)
     # a second runner on the same loaded model: nothing to redo; asking for dense unpacks the weights
     assert process_weights_after_loading(model, dict.fromkeys([(24, 16), (16, 24), (40, 16)], "onednn")) == counts
     process_weights_after_loading(model, {})
