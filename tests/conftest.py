@@ -9,6 +9,20 @@ def _debug_alloc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RADIXSERVE_DEBUG_ALLOC", "1")
 
 
+@pytest.fixture(autouse=True)
+def _openmp_threads_restored():
+    """A test that starts an overlap pipeline on this thread and never closes it leaves the thread serial
+    (cpu_threads.py); give the next test the count it had."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        from radixserve.model_executor.cpu_threads import limit_openmp_threads
+
+        limit_openmp_threads(before)
+
+
 @pytest.fixture(scope="module")
 def loaded():
     """The embedded SmolLM2 in float32 on the CPU, with one intra-op thread while the module runs."""

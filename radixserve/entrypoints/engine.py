@@ -49,11 +49,12 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, *, loaded_model: Any = None, **kwargs: Any) -> None:
         from radixserve.managers.scheduler import Scheduler
+        from radixserve.model_executor.cpu_threads import build_on_short_lived_thread
         from radixserve.model_executor.model_runner import ModelRunner
 
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         _configure_logging(self.server_args.log_level)
-        self.model_runner = ModelRunner(self.server_args, loaded_model)
+        self.model_runner = build_on_short_lived_thread(ModelRunner, self.server_args, loaded_model)
         self.tokenizer = self.model_runner.tokenizer
         self._states: dict[str, RequestState] = {}
         self._lock = threading.Lock()
@@ -61,7 +62,8 @@ class Engine:
         self._control_reply: list[Any] = []
         self._control_event = threading.Event()
         self._error: BaseException | None = None
-        self.scheduler = Scheduler(self.server_args, self.model_runner, output_sink=self._on_output)
+        self.scheduler = build_on_short_lived_thread(Scheduler, self.server_args, self.model_runner,
+                                                     output_sink=self._on_output)
         self._thread = threading.Thread(target=self._run_scheduler, name="radixserve-scheduler", daemon=True)
         self._thread.start()
 

@@ -93,6 +93,7 @@ class Scheduler(SchedulerLoopMixin, SchedulerInputProcessorMixin, SchedulerOutpu
         # The forward pipelines (forward_pipeline.py): the normal loop's, made on first use, and the
         # overlap loop's, from init_overlap until close_overlap.
         self.overlap: ForwardPipeline | None = None
+        self._openmp_threads: int | None = None  # the scheduler thread's OpenMP count before the overlap loop
         self.overlap_debug: OverlapDebug | None = None
         self.pipeline_counters = PipelineCounters()
         self._normal_pipeline: ForwardPipeline | None = None

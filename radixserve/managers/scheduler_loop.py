@@ -12,8 +12,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from radixserve.managers.forward_pipeline import ForwardPipeline, LaunchedBatch
+from radixserve.managers.overlap_streams import WorkerStream
 from radixserve.managers.overlap_utils import OverlapDebug, create_device_streams
 from radixserve.managers.scheduler_output_processor import logprob_top_k
+from radixserve.model_executor.cpu_threads import limit_openmp_threads
 
 if TYPE_CHECKING:
     from radixserve.managers.schedule_batch import ScheduleBatch
@@ -94,6 +96,9 @@ class SchedulerLoopMixin:
         if self.overlap is None:
             self.overlap_debug = debug or self.overlap_debug
             self.overlap = self._make_pipeline(lag=1)
+            if isinstance(self.overlap.streams.forward, WorkerStream):
+                # NOTE: the forward runs on the stream's thread; this thread stays serial (cpu_threads.py)
+                self._openmp_threads = limit_openmp_threads(1)
         return self.overlap
 
     def _make_pipeline(self: Scheduler, lag: int) -> ForwardPipeline:
@@ -113,6 +118,9 @@ class SchedulerLoopMixin:
         finally:
             pipeline.close()
             self.overlap = None
+            if self._openmp_threads is not None:
+                limit_openmp_threads(self._openmp_threads)
+                self._openmp_threads = None
 
     def run_batch(self: Scheduler, batch: ScheduleBatch, pipeline: ForwardPipeline | None = None) -> LaunchedBatch:
         """The one forward path of both loops: launch `batch`'s forward, sampling and copy to the host."""

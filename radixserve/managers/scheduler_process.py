@@ -128,10 +128,11 @@ def _exit_with_parent(parent_pid: int) -> None:
 def build_scheduler(server_args: ServerArgs, output_sink: Any) -> tuple[Any, SchedulerInfo]:
     """Loads the model and builds C's Scheduler around it (runs in the child)."""
     from radixserve.managers.scheduler import Scheduler
+    from radixserve.model_executor.cpu_threads import build_on_short_lived_thread
     from radixserve.model_executor.model_runner import ModelRunner
 
-    runner = ModelRunner(server_args)
-    scheduler = Scheduler(server_args, model_runner=runner, output_sink=output_sink)
+    runner = build_on_short_lived_thread(ModelRunner, server_args)
+    scheduler = build_on_short_lived_thread(Scheduler, server_args, model_runner=runner, output_sink=output_sink)
     _report_kv_accounting(scheduler)
     return scheduler, _info_from_runner(server_args, runner)
 
