@@ -74,7 +74,7 @@ def compare(ref_logits: torch.Tensor, logits: torch.Tensor, logprobs: torch.Tens
     ref_lp, lp = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)
     kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1)
     return {"agree": float((ref_logits.argmax(-1) == logits.argmax(-1)).float().mean()),
-            "kl": float(kl.mean()), "ppl": float(torch.exp(-logprobs.mean()))}
+            "kl": max(float(kl.mean()), 0.0), "ppl": float(torch.exp(-logprobs.mean()))}
 
 
 def llama_cpp_figures(python: str, prompts: list[list[int]], text: list[int]) -> tuple[np.ndarray, np.ndarray]:
