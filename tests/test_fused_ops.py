@@ -12,6 +12,7 @@ from test_model_support import make_tiny_model, one_torch_thread, rel_err
 
 from radixserve.layers import aot_cache
 from radixserve.layers.fused_ops import AddRMSNorm, RotaryKV, SiluAndMul, load_fused_ops
+from radixserve.mem_cache.memory_pool import SLOT_DTYPE
 from radixserve.model_executor.direct_driver import DirectDriver
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
@@ -58,7 +59,7 @@ def test_rotary_kv_equals_eager_and_writes_only_its_slots(ops, tokens):
     positions = torch.randint(0, 500, (tokens,), generator=g)
     angles = torch.outer(torch.arange(512.0), 1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))
     cos, sin = angles.cos(), angles.sin()
-    loc = torch.randperm(99, generator=g)[:tokens] + 1
+    loc = (torch.randperm(99, generator=g)[:tokens] + 1).to(SLOT_DTYPE)  # as the allocator hands slots out
     k_cache, v_cache = (torch.randn(100, kv_heads, dim, generator=g).to(ops.dtype) for _ in range(2))
     k_want, v_want = k_cache.clone(), v_cache.clone()
     got = ops.rotary_kv(qkv, positions, cos, sin, k_cache, v_cache, loc)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.aot_cache import AotOp, compile_aot_op
+from radixserve.mem_cache.memory_pool import SLOT_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _load(config, dtype: torch.dtype) -> FusedOps:
         rotary_kv = compile_aot_op(
             f"rotary_kv-h{heads}-kv{kv_heads}-d{dim}", RotaryKV(heads, kv_heads, dim),
             (rand(tokens, (heads + 2 * kv_heads) * dim), torch.arange(tokens), table, table.clone(),
-             rand(slots, kv_heads, dim), rand(slots, kv_heads, dim), torch.arange(1, tokens + 1)),
+             rand(slots, kv_heads, dim), rand(slots, kv_heads, dim), torch.arange(1, tokens + 1, dtype=SLOT_DTYPE)),
             dynamic={0: ("tokens", 0), 1: ("tokens", 0), 2: ("positions", 0), 3: ("positions", 0),
                      4: ("slots", 0), 5: ("slots", 0), 6: ("tokens", 0)})
     return FusedOps(dtype, add_rmsnorm, silu_and_mul, rotary_kv)

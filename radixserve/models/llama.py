@@ -44,7 +44,7 @@ class LlamaAttention(nn.Module):
         if self.rotary_kv is not None:
             # NOTE: with the fused op, cos and sin are the float32 tables, indexed by position inside the op.
             k_cache, v_cache = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
-            q, k, v = self.rotary_kv(qkv, fb.positions, cos, sin, k_cache, v_cache, fb.out_cache_loc.long())
+            q, k, v = self.rotary_kv(qkv, fb.positions, cos, sin, k_cache, v_cache, fb.out_cache_loc)
             return self.o_proj(self.attn(q, k, v, fb, save_kv_cache=False))
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
