@@ -100,6 +100,7 @@ class LinearBase(nn.Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.method: LinearMethod = DenseLinearMethod()
         self.packed_weight: torch.Tensor | None = None  # set by a method that keeps its own form
+        self.gemv_weight: torch.Tensor | None = None  # a second form for few rows (layers/gemv.py)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -115,11 +116,13 @@ class LinearBase(nn.Linear):
         return self.weight.detach()
 
     def weight_nbytes(self) -> int:
-        """Bytes of the weight as kept: the packed form when a method keeps one, else the parameter."""
+        """Bytes of the weight as kept: the packed forms when a method keeps them, else the parameter."""
+        extra = 0 if self.gemv_weight is None else self.gemv_weight.numel() * self.gemv_weight.element_size()
         if self.packed_weight is not None:
             packed = self.packed_weight
-            return torch.ops.mkldnn._nbytes(packed) if packed.is_mkldnn else packed.numel() * packed.element_size()
-        return self.weight.numel() * self.weight.element_size()
+            nbytes = torch.ops.mkldnn._nbytes(packed) if packed.is_mkldnn else packed.numel() * packed.element_size()
+            return nbytes + extra
+        return self.weight.numel() * self.weight.element_size() + extra
 
     def release_dense_weight(self) -> None:
         """Frees the loaded weight once a method keeps its own copy (`dense_weight` can rebuild it)."""
@@ -149,7 +152,7 @@ def process_weights_after_loading(model: nn.Module, methods: dict[tuple[int, int
         packed = layer.packed_weight
         if layer.method.name != name or (packed is not None and packed.dtype != layer.weight.dtype):
             dense = layer.dense_weight()
-            layer.packed_weight = None
+            layer.packed_weight = layer.gemv_weight = None
             layer.weight.data = dense
             layer.method = LINEAR_METHODS[name]()
             layer.method.process_weights_after_loading(layer)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from radixserve import envs
+from radixserve.layers import gemv  # noqa: F401 (registers the GEMV linear method)
 from radixserve.layers.linear import (
     AUTO,
     LINEAR_METHODS,

@@ -11,18 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from radixserve import envs
+from radixserve.layers.native_build import BUILD_ERRORS, build_library, is_x86
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +48,7 @@ def cpu_flags() -> frozenset[str]:
 def best_quant_isa(flags: frozenset[str] | None = None) -> str:
     """The best level this CPU runs (x86 levels only on x86)."""
     flags = cpu_flags() if flags is None else flags
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not is_x86():
         return "portable"
     return next(isa for isa in QUANT_ISAS if ISA_REQUIRES[isa] <= flags)
 
@@ -117,26 +111,11 @@ def load_quant_kernel(isa: str | None = None) -> QuantKernel | None:
         raise ValueError(f"unknown quantized-kernel level {isa!r}; known: {', '.join(QUANT_ISAS)}")
     try:
         return QuantKernel(ctypes.CDLL(str(_build(isa))), isa)
-    except (OSError, subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired) as e:
+    except BUILD_ERRORS as e:
         logger.warning("quantized matmul kernel (%s) unavailable (%s); packed layers use torch", isa, e)
         return None
 
 
 def _build(isa: str) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    flags = ISA_FLAGS[isa] if platform.machine().lower() in ("x86_64", "amd64") else ()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
-    target = envs.CACHE_DIR.get() / "kernels" / f"quant-{isa}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        cmd = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c11", str(SOURCE), "-o", str(built),
-               "-lm"]
-        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-        os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
-    logger.info("built %s", target)
-    return target
+    flags = ISA_FLAGS[isa] if is_x86() else ()
+    return build_library(SOURCE, f"quant-{isa}", flags)

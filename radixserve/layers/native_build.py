@@ -1,0 +1,47 @@
+"""Compiling one C source into a shared library, cached by source, flags and compiler.
+
+The library lands in $RADIXSERVE_CACHE_DIR/kernels under a name keyed by all three, so a changed
+source or flag builds a new file and concurrent builders never load a half-written one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from radixserve import envs
+
+logger = logging.getLogger(__name__)
+
+BUILD_ERRORS = (OSError, subprocess.CalledProcessError, FileNotFoundError, subprocess.TimeoutExpired)
+
+
+def is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def build_library(source: Path, stem: str, flags: Sequence[str]) -> Path:
+    """The path of `source` built with `flags` (-O3 -fopenmp -fPIC added); raises one of BUILD_ERRORS."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
+    target = envs.CACHE_DIR.get() / "kernels" / f"{stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        cmd = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c11", str(source), "-o", str(built),
+               "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
+    logger.info("built %s", target)
+    return target

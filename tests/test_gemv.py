@@ -1,0 +1,85 @@
+"""The bf16 GEMV linear method: the tile-interleaved layout, the kernel against a float32 product at
+every row count and ragged shapes, the hand-off to oneDNN above GEMV_MAX_ROWS, and where it must not run
+(float32, a CPU or forced kernel level without AVX512-BF16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixserve import platform as rs_platform
+from radixserve.layers import gemv
+from radixserve.layers.linear import LinearBase, process_weights_after_loading
+from radixserve.layers.linear_tuning import candidates
+
+CPU = torch.device("cpu")
+HAS_KERNEL = gemv.load_gemv_kernel() is not None
+
+
+def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> LinearBase:
+    g = torch.Generator().manual_seed(seed)
+    layer = LinearBase(in_features, out_features, bias=bias)
+    layer.weight.data = torch.randn(out_features, in_features, generator=g).bfloat16()
+    if bias:
+        layer.bias.data = torch.randn(out_features, generator=g).bfloat16()
+    return layer
+
+
+def test_pack_layout_puts_pairs_of_64_rows_side_by_side():
+    w = torch.arange(70 * 6, dtype=torch.float32).view(70, 6).bfloat16()
+    packed = gemv.pack_gemv_weight(w)
+    assert packed.shape == (2, 3, gemv.TILE, 2)  # 70 rows -> two tiles, the second padded with zeros
+    for row, pair in ((0, 0), (5, 2), (63, 1), (64, 0), (69, 2)):
+        assert torch.equal(packed[row // 64, pair, row % 64], w[row, 2 * pair : 2 * pair + 2])
+    assert not packed[1, :, 6:].any()
+    with pytest.raises(ValueError, match="even number"):
+        gemv.pack_gemv_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level (the other CPUs: test below)")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (100, 78, True), (960, 576, False), (17, 2, True)])
+def test_kernel_matches_float32_product(rows, n, k, bias):
+    layer = _layer(k, n, bias)
+    x = torch.randn(rows, k).bfloat16()
+    want = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    got = gemv.load_gemv_kernel()(gemv.pack_gemv_weight(layer.weight), x, layer.bias, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # NOTE: bf16 products summed in float32, then one rounding to bf16 (relative 2^-8) of each output
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
+@pytest.mark.parametrize("tokens", [1, 4, 5, 64])
+def test_method_uses_the_kernel_for_few_rows_and_onednn_above(tokens, monkeypatch):
+    layer = _layer(96, 160, bias=True)
+    x = torch.randn(tokens, 96).bfloat16()
+    want = layer(x).float()  # dense
+    process_weights_after_loading(layer, {(160, 96): "onednn_gemv"})
+    assert layer.method.name == "onednn_gemv" and layer.weight.numel() == 0
+    assert layer.weight_nbytes() >= 2 * 160 * 96 * 2  # both forms are kept
+    calls = []
+    kernel = layer.method.kernel
+    monkeypatch.setattr(layer.method, "kernel", lambda *a: calls.append(1) or kernel(*a))
+    got = layer(x).float()
+    assert bool(calls) == (tokens <= gemv.GEMV_MAX_ROWS)
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    process_weights_after_loading(layer, {(160, 96): "dense"})  # back to one dense copy
+    assert layer.gemv_weight is None and layer.method.name == "dense"
+    assert torch.allclose(layer(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_offered_only_for_bf16_on_avx512_bf16(monkeypatch):
+    assert "onednn_gemv" not in candidates(CPU, torch.float32)
+    bf16_level = rs_platform.kernel_isa() == "avx512_bf16"
+    assert ("onednn_gemv" in candidates(CPU, torch.bfloat16)) == (HAS_KERNEL and bf16_level)
+    assert not gemv.GemvLinearMethod.supports(torch.device("cuda"), torch.bfloat16)
+    if "avx512" in rs_platform.runnable_isas():  # a forced lower level hides the method
+        monkeypatch.setenv("RADIXSERVE_CPU_ISA", "avx512")
+        gemv.load_gemv_kernel.cache_clear()
+        try:
+            assert gemv.load_gemv_kernel() is None
+            assert "onednn_gemv" not in candidates(CPU, torch.bfloat16)
+        finally:
+            monkeypatch.delenv("RADIXSERVE_CPU_ISA")
+            gemv.load_gemv_kernel.cache_clear()
