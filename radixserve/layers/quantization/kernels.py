@@ -88,6 +88,10 @@ class QuantKernel:
         _check(status, packed)
         return y
 
+    def bind(self, packed) -> BoundMatmul:
+        """`matmul` with the weight's arguments converted once (decode calls it per layer per step)."""
+        return BoundMatmul(self, packed)
+
     def dequant(self, packed, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         """Rows [start, stop) of the weight into out [stop - start, K] (float32 or bfloat16, contiguous)."""
         status = self._dequant(packed.bits, packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.mins),
@@ -95,6 +99,25 @@ class QuantKernel:
                                int(out.dtype == torch.bfloat16), torch.get_num_threads())
         _check(status, packed)
         return out
+
+
+class BoundMatmul:
+    """kernel.matmul(packed, x, dtype) for one packed weight, as `bound(x, dtype)`."""
+
+    def __init__(self, kernel: QuantKernel, packed) -> None:
+        self.packed, self._fn = packed, kernel._matmul
+        self.n, self.k = packed.shape
+        # NOTE: holds raw pointers; valid while `packed` keeps these tensors (the owner rebinds on a new weight)
+        self._weight_args = (packed.bits, packed.qweight.data_ptr(), packed.scales.data_ptr(), _ptr(packed.mins),
+                             packed.scales.shape[1])
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=out_dtype)
+        status = self._fn(*self._weight_args, x.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(),
+                          out_dtype == torch.bfloat16, m, self.n, self.k, torch.get_num_threads())
+        _check(status, self.packed)
+        return y
 
 
 def _check(status: int, packed) -> None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.quantization.formats import PackedWeight
-from radixserve.layers.quantization.kernels import QuantKernel, load_quant_kernel
+from radixserve.layers.quantization.kernels import BoundMatmul, QuantKernel, load_quant_kernel
 
 SMALL_M = 4
 DEQUANT_CHUNK = 1 << 21  # values per expanded piece (4 MiB in bfloat16)
@@ -33,25 +33,38 @@ class QuantizedLinear(nn.Module):
         self.packed: PackedWeight | None = None
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
         self.kernel: QuantKernel | None = None
+        self._bound: BoundMatmul | None = None  # the kernel bound to `packed` (decode's fast path)
 
     def load_rows(self, tensor: torch.Tensor, start: int, length: int) -> None:
         """Quantizes float rows [start, start + length) of the weight (a fused layer's shard); -1: all rows."""
         if self.packed is None:
             self.packed = PackedWeight.empty(self.bits, self.out_features, self.in_features, self.per_channel)
+        self._bound = None
         _load_rows(self.packed, tensor, start, length)
 
     def set_packed(self, packed: PackedWeight) -> None:
         if packed.shape != (self.out_features, self.in_features):
             raise ValueError(f"packed weight {packed.shape} does not fit [{self.out_features}, {self.in_features}]")
-        self.packed = packed
+        self.packed, self._bound = packed, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= SMALL_M and self.bias is None and x.dtype in _KERNEL_DTYPES:
+            bound = self._bound
+            if bound is None or bound.packed is not self.packed:  # NOTE: `packed` may be assigned directly
+                bound = self._bind()
+            if bound is not None:
+                return bound(x.contiguous(), x.dtype)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         y = packed_linear(self.packed, x2, self._kernel())
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+    def _bind(self) -> BoundMatmul | None:
+        kernel = self._kernel()
+        self._bound = None if kernel is None else kernel.bind(self.packed)
+        return self._bound
 
     def _kernel(self) -> QuantKernel | None:
         if self.kernel is None:
