@@ -10,6 +10,7 @@ import torch
 
 from radixserve.layers.fused_ops import load_fused_ops
 from radixserve.layers.linear_tuning import configure_linear_methods
+from radixserve.layers.quantization.model_quant import tile_packed_weights
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, dtype: 
     """Chooses and prepares every linear layer's method, and attaches the fused ops (CPU) or clears them."""
     start = time.perf_counter()
     counts = configure_linear_methods(model, device, dtype, linear_method)
+    if device.type == "cpu":
+        tile_packed_weights(model)
     ops = load_fused_ops(model.config, dtype, device) if fused_ops else None
     model.set_fused_ops(ops)
     names = () if ops is None else tuple(

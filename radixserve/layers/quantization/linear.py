@@ -15,8 +15,10 @@ from torch import nn
 
 from radixserve.layers.quantization.formats import PackedWeight
 from radixserve.layers.quantization.kernels import BoundMatmul, QuantKernel, load_quant_kernel
+from radixserve.layers.quantization.tiled import TILE, TiledWeight, load_tiled_kernel
 
 SMALL_M = 4
+TILED_MAX_M = 16  # the tiled kernel up to here, then expansion + dense GEMM (docs/quantization.md)
 DEQUANT_CHUNK = 1 << 21  # values per expanded piece (4 MiB in bfloat16)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,6 +50,8 @@ class QuantizedLinear(nn.Module):
         self.packed, self._bound = packed, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.packed, TiledWeight) and x.dim() == 2 and self.bias is None and x.dtype in _KERNEL_DTYPES:
+            return tiled_linear(self.packed, x.contiguous())
         if x.dim() == 2 and x.shape[0] <= SMALL_M and self.bias is None and x.dtype in _KERNEL_DTYPES:
             bound = self._bound
             if bound is None or bound.packed is not self.packed:  # NOTE: `packed` may be assigned directly
@@ -114,6 +118,10 @@ def _load_rows(packed: PackedWeight, tensor: torch.Tensor | PackedWeight, start:
 def packed_linear(packed: PackedWeight, x: torch.Tensor, kernel: QuantKernel | None) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype."""
     dtype = x.dtype
+    if isinstance(packed, TiledWeight):
+        if dtype not in _KERNEL_DTYPES:
+            return F.linear(x, packed.dequantize(torch.float32).to(dtype))
+        return tiled_linear(packed, x.contiguous())
     if kernel is None or dtype not in _KERNEL_DTYPES:
         return F.linear(x, packed.dequantize(dtype))
     x = x.contiguous()
@@ -143,4 +151,22 @@ def _dequant_gemm(packed: PackedWeight, x: torch.Tensor, kernel: QuantKernel) ->
         stop = min(n, start + rows)
         w = kernel.dequant(packed, start, stop, _scratch(x.dtype, (stop - start) * k).view(stop - start, k))
         out[:, start:stop] = F.linear(x, w)
+    return out
+
+
+def tiled_linear(packed: TiledWeight, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] contiguous, float32 or bfloat16 -> [M, N]: the tiled kernel for few rows, else the weight
+    expanded (transposed, in pieces of at most DEQUANT_CHUNK values) and torch's dense GEMM."""
+    kernel = load_tiled_kernel()
+    if x.shape[0] <= TILED_MAX_M:
+        return kernel.matmul(packed, x, x.dtype)
+    n, k = packed.shape
+    cols = max(TILE, DEQUANT_CHUNK // k // TILE * TILE)
+    if cols >= n:
+        return x @ kernel.expand_t(packed, 0, n, x.dtype, _scratch(x.dtype, n * k).view(k, n))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for start in range(0, n, cols):
+        stop = min(n, start + cols)
+        out[:, start:stop] = x @ kernel.expand_t(packed, start, stop, x.dtype,
+                                                 _scratch(x.dtype, (stop - start) * k).view(k, stop - start))
     return out

@@ -71,6 +71,26 @@ def quantize_model(model: nn.Module, plan: dict[str, PackSpec], dtype: torch.dty
     return model
 
 
+def tile_packed_weights(model: nn.Module) -> int:
+    """Re-lays every packed weight in the tiled layout where its kernels run here (tiled.py); a table
+    shared by a tied embedding and LM head is tiled once. Returns how many weights were tiled."""
+    from radixserve.layers.quantization.tiled import TiledWeight, load_tiled_kernel, tile_weight
+
+    if load_tiled_kernel() is None:
+        return 0
+    tiled: dict[int, TiledWeight] = {}
+    for module in model.modules():
+        packed = getattr(module, "packed", None) if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) else None
+        if isinstance(packed, PackedWeight):
+            if id(packed) not in tiled:
+                try:
+                    tiled[id(packed)] = tile_weight(packed)
+                except ValueError:  # NOTE: a scale float16 cannot hold in the tiled form keeps the row layout
+                    continue
+            module.packed = tiled[id(packed)]
+    return len(tiled)
+
+
 def packed_weight_slots(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
     """'<module>.weight' -> the packed module that loads it (`load_rows`), for `load_weights`."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

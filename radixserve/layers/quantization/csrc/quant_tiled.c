@@ -1,0 +1,247 @@
+// The tiled layout of packed weights, for AVX-512 VNNI: y[M, N] = x[M, K] @ W[N, K]^T with integer dot
+// products that need no horizontal sums, and the expansion of the weight for larger products.
+//
+// Layout (built in torch by tiled.py): tiles of 64 output rows; for each tile t and block b of 32 input
+// positions, one record of RECORD(bits) bytes:
+//     scale f16[64] | min f16[64] | weights
+// with w = scale * u + min for an unsigned value u (int4: 0..15; int8: q + 128, and min = -128 * scale).
+// Rows of a tile are four sub-tiles of 16; a 64-byte weight vector holds one sub-tile's 16 rows x 4
+// consecutive inputs (a "quad"), row-major: byte 4 * row + i is input 4 * quad + i.
+//   int8: vector (quad j, sub-tile s) at (j * 4 + s) * 64, j = 0..7;
+//   int4: vector (j, s) at (j * 4 + s) * 64, j = 0..3: low nibbles hold quad j, high nibbles quad j + 4.
+// vpdpbusd multiplies a weight vector (unsigned) by the broadcast quad of int8 activations (signed) and
+// sums each row's four products into its own lane: 16 rows' partial sums per instruction.
+//
+// Activations are rounded to int8 per block of 32 (scale d, s = d * sum q), as in quant_matmul.c; per
+// block and row: y += scale * d * dot(u, q) + min * s.
+//
+// Every entry returns 0, or a negative code for shapes it does not take.
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <immintrin.h>
+
+#define QK 32
+#define TILE 64
+#define MAX_ROWS 4  // activation rows per pass over a record (more rows: further passes, record in L1)
+#define PREFETCH 4096
+#define RECORD(bits) (4 * TILE + ((bits) == 4 ? 16 : 32) * TILE)
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static void quantize_row(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        float v[QK], amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            v[j] = bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j]) : ((const float *)x)[b * QK + j];
+            amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+        }
+        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int qi = (int)lrintf(v[j] * inv);
+            qi = qi > 127 ? 127 : (qi < -127 ? -127 : qi);
+            q[b * QK + j] = (int8_t)qi;
+            sum += qi;
+        }
+        d[b] = amax / 127.0f;
+        s[b] = d[b] * (float)sum;
+    }
+}
+
+static inline __m512i quad(const int8_t *xq, int64_t i) {  // 4 activations, broadcast to 16 lanes
+    int32_t v;
+    memcpy(&v, xq + i, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline void store16(void *y, int bf16, int64_t i, __m512 v, __mmask16 k) {
+    if (!bf16) {
+        _mm512_mask_storeu_ps((float *)y + i, k, v);
+        return;
+    }
+    // round to nearest even (AVX-512 F/BW only: VNNI CPUs without the BF16 instructions run this too)
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_mask_storeu_epi16((uint16_t *)y + i, k, _mm512_cvtepi32_epi16(bits));
+}
+
+// One tile against R activation rows: acc[r][s] sums sub-tile s's 16 rows.
+static inline __attribute__((always_inline)) void tile_product(
+    int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs, int64_t K,
+    int R, __m512 acc[MAX_ROWS][4]) {
+    const int64_t record = RECORD(bits);
+    for (int r = 0; r < R; r++)
+        for (int s = 0; s < 4; s++) acc[r][s] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rec = tile + b * record;
+        for (int64_t i = 0; i < record; i += 64) _mm_prefetch((const char *)rec + PREFETCH + i, _MM_HINT_T0);
+        const uint8_t *w = rec + 4 * TILE;
+        for (int s = 0; s < 4; s++) {
+            // NOTE: two sums per row (even and odd quads), so that the dependent vpdpbusd chain is half as long
+            __m512i dot[MAX_ROWS], odd[MAX_ROWS];
+            for (int r = 0; r < R; r++) dot[r] = odd[r] = _mm512_setzero_si512();
+            if (bits == 4) {
+                for (int j = 0; j < 4; j++) {
+                    __m512i v = _mm512_loadu_si512(w + (j * 4 + s) * 64);
+                    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *xb = xq + r * K + b * QK;
+                        dot[r] = _mm512_dpbusd_epi32(dot[r], lo, quad(xb, 4 * j));
+                        odd[r] = _mm512_dpbusd_epi32(odd[r], hi, quad(xb, 4 * j + 16));
+                    }
+                }
+            } else {
+                for (int j = 0; j < 8; j += 2) {
+                    __m512i v0 = _mm512_loadu_si512(w + (j * 4 + s) * 64), v1 = _mm512_loadu_si512(w + (j * 4 + 4 + s) * 64);
+                    for (int r = 0; r < R; r++) {
+                        dot[r] = _mm512_dpbusd_epi32(dot[r], v0, quad(xq + r * K + b * QK, 4 * j));
+                        odd[r] = _mm512_dpbusd_epi32(odd[r], v1, quad(xq + r * K + b * QK, 4 * j + 4));
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
+            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 32 * s)));
+            __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 2 * TILE + 32 * s)));
+            for (int r = 0; r < R; r++) {
+                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(xd[r * nb + b]));
+                acc[r][s] = _mm512_fmadd_ps(min, _mm512_set1_ps(xs[r * nb + b]), _mm512_fmadd_ps(t, scale, acc[r][s]));
+            }
+        }
+    }
+}
+
+// y[M, N] = x[M, K] @ W^T; data: the tiled weight of N (padded to 64) rows.
+int tiled_matmul(int bits, const uint8_t *data, const void *x, int x_bf16, void *y, int y_bf16, int64_t M,
+                 int64_t N, int64_t K, int nthreads) {
+    if (K % QK || M < 1 || N < 1 || (bits != 4 && bits != 8)) return -1;
+    const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE, tile_bytes = nb * RECORD(bits);
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
+    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -4; }
+    for (int64_t r = 0; r < M; r++)
+        quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + r * K, xd + r * nb, xs + r * nb);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile = data + t * tile_bytes;
+        __m512 acc[MAX_ROWS][4];
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
+            const int R = M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS;
+            const int8_t *xr = xq + r0 * K;
+            const float *dr = xd + r0 * nb, *sr = xs + r0 * nb;
+            switch (R) {
+                case 1: tile_product(bits, tile, nb, xr, dr, sr, K, 1, acc); break;
+                case 2: tile_product(bits, tile, nb, xr, dr, sr, K, 2, acc); break;
+                case 3: tile_product(bits, tile, nb, xr, dr, sr, K, 3, acc); break;
+                default: tile_product(bits, tile, nb, xr, dr, sr, K, 4, acc); break;
+            }
+            for (int s = 0; s < 4; s++) {
+                const int64_t n = t * TILE + 16 * s;
+                if (n >= N) break;
+                const __mmask16 k = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+                for (int r = 0; r < R; r++) store16(y, y_bf16, (r0 + r) * N + n, acc[r][s], k);
+            }
+        }
+    }
+    free(xq); free(xd); free(xs);
+    return 0;
+}
+
+// The weight's rows [n0, n1) expanded and transposed: out[K, n1 - n0] (n0 a multiple of 64), so that
+// x @ out is the product; float32 or bfloat16. Each 64-byte vector (16 rows x 4 inputs) is transposed
+// to 4 x 16 by one byte shuffle and one dword permute, and each input's 16 rows stored side by side.
+int tiled_expand_t(int bits, const uint8_t *data, int64_t n0, int64_t n1, int64_t K, void *out, int out_bf16,
+                   int nthreads) {
+    if (K % QK || n0 % TILE || n1 < n0 || (bits != 4 && bits != 8)) return -1;
+    const int64_t nb = K / QK, width = n1 - n0, record = RECORD(bits);
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i dwords = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
+    for (int64_t t = n0 / TILE; t < (n1 + TILE - 1) / TILE; t++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *rec = data + (t * nb + b) * record, *w = rec + 4 * TILE;
+            for (int s = 0; s < 4; s++) {
+                const int64_t n = t * TILE + 16 * s;
+                if (n >= n1) break;
+                const __mmask16 k = n1 - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n)) - 1);
+                __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 32 * s)));
+                __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 2 * TILE + 32 * s)));
+                for (int j = 0; j < 8; j++) {
+                    __m512i v;
+                    if (bits == 4) {
+                        __m512i packed = _mm512_loadu_si512(w + ((j & 3) * 4 + s) * 64);
+                        v = j < 4 ? _mm512_and_si512(packed, low) : _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                    } else {
+                        v = _mm512_loadu_si512(w + (j * 4 + s) * 64);
+                    }
+                    uint8_t inputs[64];  // [input i: 16 rows]
+                    _mm512_storeu_si512(inputs, _mm512_permutexvar_epi32(dwords, _mm512_shuffle_epi8(v, bytes)));
+                    for (int i = 0; i < 4; i++) {
+                        __m128i u = _mm_loadu_si128((const __m128i *)(inputs + 16 * i));
+                        __m512 value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u)), scale, min);
+                        store16(out, out_bf16, (b * QK + 4 * j + i) * width + (n - n0), value, k);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+// Rows `rows[0..count)` expanded: out[count, K] (an embedding lookup); float32 or bfloat16.
+int tiled_rows(int bits, const uint8_t *data, const int64_t *rows, int64_t count, int64_t N, int64_t K, void *out,
+               int out_bf16, int nthreads) {
+    if (K % QK || (bits != 4 && bits != 8)) return -1;
+    const int64_t nb = K / QK, record = RECORD(bits);
+    int status = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < count; c++) {
+        const int64_t n = rows[c];
+        if (n < 0 || n >= N) {
+#pragma omp atomic write
+            status = -2;
+            continue;
+        }
+        const int64_t t = n / TILE, s = (n % TILE) / 16, row = n % 16, lane = n % TILE;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *rec = data + (t * nb + b) * record, *w = rec + 4 * TILE;
+            uint16_t sh, mh;
+            memcpy(&sh, rec + 2 * lane, 2);
+            memcpy(&mh, rec + 2 * TILE + 2 * lane, 2);
+            const float scale = _cvtsh_ss(sh), min = _cvtsh_ss(mh);
+            float v[QK];
+            for (int i = 0; i < QK; i++) {
+                const int q = i / 4;
+                int u;
+                if (bits == 4) {
+                    const uint8_t byte = w[((q & 3) * 4 + s) * 64 + 4 * row + i % 4];
+                    u = q < 4 ? byte & 0x0F : byte >> 4;
+                } else {
+                    u = w[(q * 4 + s) * 64 + 4 * row + i % 4];
+                }
+                v[i] = scale * (float)u + min;
+            }
+            for (int i = 0; i < QK; i++) {
+                const int64_t at = c * K + b * QK + i;
+                if (out_bf16) {
+                    uint32_t bits32;
+                    memcpy(&bits32, &v[i], 4);
+                    ((uint16_t *)out)[at] = (uint16_t)((bits32 + 0x7FFF + ((bits32 >> 16) & 1)) >> 16);
+                } else {
+                    ((float *)out)[at] = v[i];
+                }
+            }
+        }
+    }
+    return status;
+}

@@ -1,0 +1,142 @@
+"""The tiled layout of a packed weight, and its kernels (csrc/quant_tiled.c), on CPUs with AVX-512 VNNI.
+
+The row layout of formats.py (GGUF's blocks, one output row after another) is what loading fills; its
+decode kernel dots one weight row at a time and pays a horizontal sum and the block scales per row,
+which at K = 576 costs more than reading the row. `TiledWeight` re-lays the same values once after
+loading: tiles of 64 output rows, one record per tile and block of 32 inputs holding the 64 scales, the
+64 mins and the weights with 16 rows side by side, so that one vpdpbusd gives 16 rows' partial sums
+and the weight is one sequential stream. It replaces the row layout (no second copy): the embedding
+reads its rows from it, and products with many rows expand it (transposed) for torch's dense GEMM.
+The values are the same: int4 stays scale * u + min; int8 becomes u = q + 128 with min = -128 * scale.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from radixserve.layers.native_build import BUILD_ERRORS, build_library
+from radixserve.layers.quantization.formats import QK, PackedWeight
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "quant_tiled.c"
+FLAGS = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
+TILE = 64  # output rows per tile
+SUB = 16  # rows per 64-byte weight vector
+
+
+@dataclass
+class TiledWeight:
+    """A packed weight [N, K] in the tiled layout: data uint8 [ceil(N / 64), K / 32, record bytes]."""
+
+    bits: int
+    data: torch.Tensor
+    shape: tuple[int, int]
+    format_name: str  # the format it was tiled from (same values)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float weight, or only `rows` of it (the embedding's lookup)."""
+        kernel = load_tiled_kernel()
+        if rows is None:
+            return kernel.expand_t(self, 0, self.shape[0], dtype).T
+        return kernel.rows(self, rows, dtype)
+
+
+def tile_weight(packed: PackedWeight) -> TiledWeight:
+    """The tiled layout of `packed` (see csrc/quant_tiled.c); raises if an int8 scale is too large for it."""
+    n, k = packed.shape
+    nb, tiles = k // QK, -(-n // TILE)
+    scales = packed.scales.float().expand(n, nb) if packed.scales.shape[1] == 1 else packed.scales.float()
+    if packed.bits == 8:
+        values = (packed.qweight.to(torch.int16) + 128).to(torch.uint8)
+        mins = -128 * scales
+    else:
+        nibbles = packed.qweight.view(n, nb, QK // 2)
+        values = torch.cat((nibbles & 0x0F, nibbles >> 4), dim=-1).view(n, k)
+        mins = packed.mins.float()
+    scales16, mins16 = scales.to(torch.float16), mins.to(torch.float16)
+    if not torch.isfinite(mins16).all():
+        raise ValueError("an int8 scale is too large for the tiled layout's float16 min (-128 * scale)")
+    pad = tiles * TILE - n
+    values = torch.nn.functional.pad(values, (0, 0, 0, pad))
+    scales16, mins16 = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (scales16, mins16))
+    quads = values.view(tiles, TILE // SUB, SUB, nb, QK // 4, 4)  # [tile, sub-tile, row, block, quad, input]
+    if packed.bits == 4:
+        quads = quads[:, :, :, :, :4] | (quads[:, :, :, :, 4:] << 4)  # quad j low, quad j + 4 high
+    weights = quads.permute(0, 3, 4, 1, 2, 5).reshape(tiles, nb, -1)  # [tile, block, quad, sub-tile, row, input]
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, nb] float16 -> [tile, block, 64 * 2 bytes]
+        return t.view(tiles, TILE, nb).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    data = torch.cat((per_block(scales16), per_block(mins16), weights), dim=-1).contiguous()
+    return TiledWeight(packed.bits, data, packed.shape, packed.format_name)
+
+
+class TiledKernel:
+    """ctypes bindings of csrc/quant_tiled.c (ctypes releases the GIL; the kernels run on torch's OpenMP pool)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self._matmul, self._expand, self._rows = lib.tiled_matmul, lib.tiled_expand_t, lib.tiled_rows
+        self._matmul.argtypes = [i32, ptr, ptr, i32, ptr, i32, i64, i64, i64, i32]
+        self._expand.argtypes = [i32, ptr, i64, i64, i64, ptr, i32, i32]
+        self._rows.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, i32, i32]
+        for fn in (self._matmul, self._expand, self._rows):
+            fn.restype = i32
+
+    def matmul(self, w: TiledWeight, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x [M, K] float32/bfloat16 contiguous -> [M, N] (activations rounded to int8 per block of 32)."""
+        m, (n, k) = x.shape[0], w.shape
+        y = torch.empty(m, n, dtype=out_dtype)
+        _check(self._matmul(w.bits, w.data.data_ptr(), x.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(),
+                            out_dtype == torch.bfloat16, m, n, k, torch.get_num_threads()), w)
+        return y
+
+    def expand_t(self, w: TiledWeight, start: int, stop: int, dtype: torch.dtype,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of the weight, transposed: [K, stop - start] (start a multiple of 64)."""
+        k = w.shape[1]
+        out = torch.empty(k, stop - start, dtype=dtype) if out is None else out
+        _check(self._expand(w.bits, w.data.data_ptr(), start, stop, k, out.data_ptr(), dtype == torch.bfloat16,
+                            torch.get_num_threads()), w)
+        return out
+
+    def rows(self, w: TiledWeight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ids = rows.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), w.shape[1], dtype=dtype)
+        status = self._rows(w.bits, w.data.data_ptr(), ids.data_ptr(), ids.numel(), w.shape[0], w.shape[1],
+                            out.data_ptr(), dtype == torch.bfloat16, torch.get_num_threads())
+        if status == -2:
+            raise IndexError(f"row id out of range for a weight of {w.shape[0]} rows")
+        _check(status, w)
+        return out
+
+
+def _check(status: int, w: TiledWeight) -> None:
+    if status != 0:
+        raise ValueError(f"tiled kernel rejected a {w.format_name} weight of shape {w.shape} (status {status})")
+
+
+@functools.cache
+def load_tiled_kernel() -> TiledKernel | None:
+    """The kernels, where the quantized kernels run at the avx512_vnni level; else None."""
+    from radixserve import platform as rs_platform
+    from radixserve.layers.quantization.kernels import best_quant_isa
+
+    if best_quant_isa(rs_platform.visible_features()) != "avx512_vnni":
+        return None
+    try:
+        return TiledKernel(ctypes.CDLL(str(build_library(SOURCE, "quant-tiled", FLAGS))))
+    except BUILD_ERRORS as e:
+        logger.warning("tiled quantized kernels unavailable (%s); packed layers keep the row layout", e)
+        return None

@@ -1,0 +1,124 @@
+"""The tiled layout of packed weights (layers/quantization/tiled.py): the same values as the row layout,
+the kernel against the row kernel and the float product, the expansion path for many rows, the model-level
+re-lay (a tied table tiled once), and where it must not run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from radixserve.layers.quantization import linear as qlinear
+from radixserve.layers.quantization import tiled
+from radixserve.layers.quantization.formats import PackedWeight, quantize
+from radixserve.layers.quantization.kernels import load_quant_kernel
+from radixserve.layers.quantization.linear import QuantizedEmbedding, QuantizedLinear
+from radixserve.layers.quantization.model_quant import tile_packed_weights
+
+HAS_TILED = tiled.load_tiled_kernel() is not None
+needs_tiled = pytest.mark.skipif(not HAS_TILED, reason="needs AVX-512 VNNI (other CPUs: test_not_offered_below_vnni)")
+FORMATS = [(4, False), (8, False), (8, True)]  # int4 g32, int8 g32, int8 per-channel
+
+
+def _packed(bits: int, per_channel: bool, n: int, k: int, seed: int = 0) -> PackedWeight:
+    return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), bits, per_channel)
+
+
+@needs_tiled
+@pytest.mark.parametrize(("bits", "per_channel"), FORMATS)
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (100, 96), (130, 576)])
+def test_tiled_holds_the_same_values(bits, per_channel, n, k):
+    packed = _packed(bits, per_channel, n, k)
+    t = tiled.tile_weight(packed)
+    ref = packed.dequantize()
+    assert t.shape == (n, k) and t.format_name == packed.format_name
+    assert torch.equal(t.dequantize(), ref)
+    ids = torch.tensor([[n - 1, 0], [n // 2, 63]])
+    assert torch.equal(t.dequantize(torch.bfloat16, rows=ids), ref[ids.reshape(-1)].bfloat16())
+    with pytest.raises(IndexError):
+        t.dequantize(rows=torch.tensor([n]))
+
+
+@needs_tiled
+@pytest.mark.parametrize(("bits", "per_channel"), FORMATS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+def test_tiled_kernel_matches_the_row_kernel(bits, per_channel, m):
+    packed = _packed(bits, per_channel, 100, 96, seed=m)
+    t = tiled.tile_weight(packed)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(1))
+    got = tiled.load_tiled_kernel().matmul(t, x, torch.float32)
+    rows = load_quant_kernel().matmul(packed, x, torch.float32)  # same arithmetic, other summation order
+    assert torch.linalg.norm(got - rows) / torch.linalg.norm(rows) < 1e-5
+    want = x @ packed.dequantize().T  # activations rounded to int8 per block: ~1% of the norm
+    assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 2e-2
+    got16 = tiled.load_tiled_kernel().matmul(t, x.bfloat16(), torch.bfloat16)
+    assert got16.dtype == torch.bfloat16 and torch.linalg.norm(got16.float() - want) / torch.linalg.norm(want) < 3e-2
+
+
+@needs_tiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_expand_in_pieces(dtype, monkeypatch):
+    packed = _packed(4, False, 300, 128)
+    t = tiled.tile_weight(packed)
+    x = torch.randn(40, 128).to(dtype)
+    want = x.float() @ packed.dequantize().T
+    whole = qlinear.tiled_linear(t, x)
+    monkeypatch.setattr(qlinear, "DEQUANT_CHUNK", 64 * 128)  # pieces of 64 rows: 5 pieces, the last of 44
+    pieces = qlinear.tiled_linear(t, x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for got in (whole, pieces):
+        assert got.shape == (40, 300) and got.dtype == dtype
+        assert torch.linalg.norm(got.float() - want) / torch.linalg.norm(want) < tol
+
+
+class TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = QuantizedEmbedding(200, 64, torch.float32)
+        self.embed.packed = _packed(8, False, 200, 64, seed=3)
+        self.head = QuantizedLinear(64, 200, 8)
+        self.head.packed = self.embed.packed
+        self.up = QuantizedLinear(64, 96, 4)
+        self.up.packed = _packed(4, False, 96, 64, seed=4)
+
+
+@needs_tiled
+def test_model_weights_are_tiled_once_and_compute_the_same():
+    model = TiedHead()
+    ids, x = torch.tensor([5, 199, 0]), torch.randn(3, 64)
+    before = (model.embed(ids), model.head(x), model.up(x), model.up(torch.randn(30, 64, generator=torch.Generator().manual_seed(0))))
+    assert tile_packed_weights(model) == 2  # the tied table once, and `up`
+    assert isinstance(model.embed.packed, tiled.TiledWeight) and model.head.packed is model.embed.packed
+    after = (model.embed(ids), model.head(x), model.up(x), model.up(torch.randn(30, 64, generator=torch.Generator().manual_seed(0))))
+    assert torch.equal(before[0], after[0])
+    for a, b in zip(before[1:], after[1:], strict=True):
+        assert torch.linalg.norm(a - b) / torch.linalg.norm(a) < 1e-5
+    assert tile_packed_weights(model) == 0  # already tiled
+
+
+@needs_tiled
+def test_a_scale_too_large_for_float16_keeps_the_row_layout():
+    packed = _packed(8, True, 64, 32)
+    packed.scales.fill_(1000.0)  # -128 * 1000 overflows float16
+    with pytest.raises(ValueError, match="too large"):
+        tiled.tile_weight(packed)
+    layer = QuantizedLinear(32, 64, 8)
+    layer.packed = packed
+    holder = nn.Sequential(layer)
+    assert tile_packed_weights(holder) == 0 and layer.packed is packed
+
+
+def test_not_offered_below_vnni(monkeypatch):
+    from radixserve import platform as rs_platform
+
+    lower = [isa for isa in rs_platform.runnable_isas() if isa in ("avx2", "portable")]
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", lower[0])
+    tiled.load_tiled_kernel.cache_clear()
+    try:
+        assert tiled.load_tiled_kernel() is None
+        layer = QuantizedLinear(32, 64, 4)
+        layer.packed = _packed(4, False, 64, 32)
+        assert tile_packed_weights(nn.Sequential(layer)) == 0
+    finally:
+        monkeypatch.delenv("RADIXSERVE_CPU_ISA")
+        tiled.load_tiled_kernel.cache_clear()
