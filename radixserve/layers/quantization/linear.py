@@ -18,7 +18,7 @@ from radixserve.layers.quantization.kernels import BoundMatmul, QuantKernel, loa
 from radixserve.layers.quantization.tiled import TILE, TiledWeight, load_tiled_kernel
 
 SMALL_M = 4
-TILED_MAX_M = 16  # the tiled kernel up to here, then expansion + dense GEMM (docs/quantization.md)
+TILED_MAX_M = 32  # the tiled kernel up to here, then expansion + dense GEMM (docs/quantization.md)
 DEQUANT_CHUNK = 1 << 21  # values per expanded piece (4 MiB in bfloat16)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -36,23 +36,27 @@ static inline float bf16_to_f32(uint16_t b) {
     return f;
 }
 
+static inline __m512 load16(const void *x, int bf16, int64_t i) {
+    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
+// The same arithmetic as quant_matmul.c's scalar quantize_row (v * (127 / amax), rounded to nearest even).
 static void quantize_row(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s) {
+    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t b = 0; b < K / QK; b++) {
-        float v[QK], amax = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            v[j] = bf16 ? bf16_to_f32(((const uint16_t *)x)[b * QK + j]) : ((const float *)x)[b * QK + j];
-            amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
-        }
-        float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            int qi = (int)lrintf(v[j] * inv);
-            qi = qi > 127 ? 127 : (qi < -127 ? -127 : qi);
-            q[b * QK + j] = (int8_t)qi;
-            sum += qi;
-        }
+        __m512 v0 = load16(x, bf16, b * QK), v1 = load16(x, bf16, b * QK + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
+        __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i lo = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)),
+                                                       _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        __m512i hi = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)),
+                                                       _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(lo));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(hi));
         d[b] = amax / 127.0f;
-        s[b] = d[b] * (float)sum;
+        s[b] = d[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
     }
 }
 
@@ -128,6 +132,7 @@ int tiled_matmul(int bits, const uint8_t *data, const void *x, int x_bf16, void 
     int8_t *xq = malloc((size_t)(M * K));
     float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
     if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -4; }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8)
     for (int64_t r = 0; r < M; r++)
         quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + r * K, xd + r * nb, xs + r * nb);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
