@@ -116,7 +116,7 @@ def main() -> None:
         f"200 prompts ([tests/data/quantization_prompts.txt](../tests/data/quantization_prompts.txt)), the "
         f"next-token distribution after each; perplexity over the {len(tokens[1])} tokens of "
         "[tests/data/perplexity_text.txt](../tests/data/perplexity_text.txt). Float32, int8 and int4 rows compute "
-        "in float32 activations (the packed kernels round them to int8 per block of 32 at batch 1-4).",
+        "in float32 activations (the packed kernels round them to int8 per block of 32 for up to 4 rows, or up to 32 rows in the tiled layout of AVX-512 VNNI CPUs).",
         "",
         f"Command: `python benchmarks/eval_quantization.py{' --llama-python ' + args.llama_python if args.llama_python else ''}`",
         "",

@@ -50,21 +50,22 @@ def test_kernel_matches_float32_product(rows, n, k, bias):
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
-@pytest.mark.parametrize("tokens", [1, 4, 5, 64])
-def test_method_uses_the_kernel_for_few_rows_and_onednn_above(tokens, monkeypatch):
-    layer = _layer(96, 160, bias=True)
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 64])
+@pytest.mark.parametrize("out_features", [160, 1100])
+def test_method_uses_the_kernel_for_few_rows_and_onednn_above(tokens, out_features, monkeypatch):
+    layer = _layer(96, out_features, bias=True)
     x = torch.randn(tokens, 96).bfloat16()
     want = layer(x).float()  # dense
-    process_weights_after_loading(layer, {(160, 96): "onednn_gemv"})
+    process_weights_after_loading(layer, {(out_features, 96): "onednn_gemv"})
     assert layer.method.name == "onednn_gemv" and layer.weight.numel() == 0
-    assert layer.weight_nbytes() >= 2 * 160 * 96 * 2  # both forms are kept
+    assert layer.weight_nbytes() >= 2 * out_features * 96 * 2  # both forms are kept
     calls = []
     kernel = layer.method.kernel
     monkeypatch.setattr(layer.method, "kernel", lambda *a: calls.append(1) or kernel(*a))
     got = layer(x).float()
-    assert bool(calls) == (tokens <= gemv.GEMV_MAX_ROWS)
+    assert bool(calls) == (tokens <= (gemv.GEMV_MAX_ROWS if out_features <= gemv.SMALL_OUT else 1))
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    process_weights_after_loading(layer, {(160, 96): "dense"})  # back to one dense copy
+    process_weights_after_loading(layer, {(out_features, 96): "dense"})  # back to one dense copy
     assert layer.gemv_weight is None and layer.method.name == "dense"
     assert torch.allclose(layer(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
