@@ -2,7 +2,8 @@
 
 Paths (--paths): `before` is the old code path, through its switches (`--linear-method dense
 --disable-fused-ops`: F.linear and eager elementwise torch); `after` is the default (linear methods
-chosen per shape, fused compiled ops). Both runners and transformers load the same weights.
+chosen per shape, fused compiled ops); `onednn` is `after` with oneDNN for every linear layer (no
+GEMV kernel for decode's few rows). The runners and transformers load the same weights.
 Prefill: one prompt of --prefill-len tokens (logits of the last token only, as generate does).
 Decode: batches of --batches requests, each with --context tokens of context, --steps steps per
 round. The decode context is filled with random K/V (decode cost does not depend on the values),
@@ -35,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_forward.png"
 BEGIN, END = "<!-- bench_forward:begin -->", "<!-- bench_forward:end -->"
-PATHS = {"before": {"linear_method": "dense", "disable_fused_ops": True}, "after": {}}
+PATHS = {"before": {"linear_method": "dense", "disable_fused_ops": True}, "after": {},
+         "onednn": {"linear_method": "onednn"}}  # `after` without the GEMV (layers/gemv.py)
 HF = "transformers"
 
 
@@ -49,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", default="1,32")
     p.add_argument("--steps", type=int, default=8, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--paths", default="before,after", help="our code paths to measure: before, after")
+    p.add_argument("--paths", default="before,after", help="our code paths to measure: before, onednn, after")
     p.add_argument("--backend", default="cpu", help="our attention backend (cpu: C kernels; torch)")
     p.add_argument("--only-ours", action="store_true", help="skip transformers (no comparison columns)")
     p.add_argument("--threads", default="", help="torch thread counts to run, e.g. 1,2 (default: torch's)")

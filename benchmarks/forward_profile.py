@@ -50,7 +50,7 @@ def machine_limits(size: int = 2048, seconds: float = 1.0) -> Limits:
 
 
 def categorize(name: str) -> str:
-    if name in GEMM_OPS:
+    if name in GEMM_OPS or name.startswith("radixserve::linear::"):
         return "GEMM"
     if name.startswith("radixserve::fused::"):
         return "fused ops"

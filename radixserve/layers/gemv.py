@@ -18,7 +18,7 @@ import torch
 
 from radixserve import platform as rs_platform
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
-from radixserve.layers.native_build import BUILD_ERRORS, build_library, is_x86
+from radixserve.layers.native_build import BUILD_ERRORS, build_library, call_profiled, is_x86
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,9 @@ class Bf16Gemv:
         """x [M, K] bfloat16 contiguous, packed from `pack_gemv_weight` -> y [M, N] bfloat16."""
         m, k = x.shape
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        status = self._fn(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                          m, n, k, torch.get_num_threads())
+        args = (packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                torch.get_num_threads())
+        status = call_profiled("radixserve::linear::bf16_gemv", self._fn, *args)
         if status != 0:
             raise ValueError(f"bf16 GEMV rejected x {tuple(x.shape)} for a weight with {n} rows (status {status})")
         return y

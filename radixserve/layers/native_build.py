@@ -1,4 +1,4 @@
-"""Compiling one C source into a shared library, cached by source, flags and compiler.
+"""Compiling one C source into a shared library, cached by source, flags and compiler; calling into it.
 
 The library lands in $RADIXSERVE_CACHE_DIR/kernels under a name keyed by all three, so a changed
 source or flag builds a new file and concurrent builders never load a half-written one.
@@ -13,8 +13,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import torch
 
 from radixserve import envs
 
@@ -45,3 +47,12 @@ def build_library(source: Path, stem: str, flags: Sequence[str]) -> Path:
         os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
     logger.info("built %s", target)
     return target
+
+
+def call_profiled(name: str, fn: Callable[..., int], *args) -> int:
+    """fn(*args) (a ctypes function); named `name` for torch.profiler while one records (a ctypes call is
+    invisible to it otherwise). NOTE: record_function costs ~5 us even with no profiler, hence the check."""
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(name):
+            return fn(*args)
+    return fn(*args)

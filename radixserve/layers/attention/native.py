@@ -31,6 +31,7 @@ import torch
 
 from radixserve import envs
 from radixserve import platform as rs_platform
+from radixserve.layers.native_build import call_profiled
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +126,11 @@ class DecodeKernel:
         seed_out, seed_lse = _seed(seed, q)
         out = torch.empty_like(q)
         bs, heads, dim = q.shape
-        with torch.profiler.record_function("radixserve::decode_attention_cpu"):
-            status = self._fns[q.dtype](
-                q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr(),
-                _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), bs, max_len, heads, k_buf.shape[1], dim, scale,
-                torch.get_num_threads())
+        status = call_profiled(
+            "radixserve::decode_attention_cpu", self._fns[q.dtype],
+            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr(),
+            _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), bs, max_len, heads, k_buf.shape[1], dim, scale,
+            torch.get_num_threads())
         _check_status(status, q, k_buf)
         return out
 
@@ -142,10 +143,10 @@ class DecodeKernel:
         _check_buffers(q, k_buf, v_buf)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32)
         n, heads, dim = q.shape
-        with torch.profiler.record_function("radixserve::prefix_attention_cpu"):
-            status = self._prefix_fns[q.dtype](
-                q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                n, slots.shape[0], heads, k_buf.shape[1], dim, scale, torch.get_num_threads())
+        status = call_profiled(
+            "radixserve::prefix_attention_cpu", self._prefix_fns[q.dtype],
+            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            n, slots.shape[0], heads, k_buf.shape[1], dim, scale, torch.get_num_threads())
         _check_status(status, q, k_buf)
         return out, lse
 
@@ -165,11 +166,11 @@ class DecodeKernel:
         seed_out, seed_lse = _seed(seed, q)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
-        with torch.profiler.record_function("radixserve::extend_attention_cpu"):
-            status = self._extend_fns[q.dtype](
-                q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), reqs.data_ptr(),
-                _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), _ptr(lse), reqs.shape[0], q.shape[1], k_buf.shape[1],
-                q.shape[2], scale, torch.get_num_threads())
+        status = call_profiled(
+            "radixserve::extend_attention_cpu", self._extend_fns[q.dtype],
+            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), reqs.data_ptr(),
+            _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), _ptr(lse), reqs.shape[0], q.shape[1], k_buf.shape[1],
+            q.shape[2], scale, torch.get_num_threads())
         _check_status(status, q, k_buf)
         return out, lse
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.layers.native_build import BUILD_ERRORS, build_library, is_x86
+from radixserve.layers.native_build import BUILD_ERRORS, build_library, call_profiled, is_x86
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +114,9 @@ class BoundMatmul:
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         m = x.shape[0]
         y = torch.empty(m, self.n, dtype=out_dtype)
-        status = self._fn(*self._weight_args, x.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(),
-                          out_dtype == torch.bfloat16, m, self.n, self.k, torch.get_num_threads())
+        status = call_profiled("radixserve::linear::quant_matmul", self._fn, *self._weight_args, x.data_ptr(),
+                               x.dtype == torch.bfloat16, y.data_ptr(), out_dtype == torch.bfloat16, m, self.n, self.k,
+                               torch.get_num_threads())
         _check(status, self.packed)
         return y
 

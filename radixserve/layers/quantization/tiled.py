@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.layers.native_build import BUILD_ERRORS, build_library
+from radixserve.layers.native_build import BUILD_ERRORS, build_library, call_profiled
 from radixserve.layers.quantization.formats import QK, PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -98,8 +98,9 @@ class TiledKernel:
         """x [M, K] float32/bfloat16 contiguous -> [M, N] (activations rounded to int8 per block of 32)."""
         m, (n, k) = x.shape[0], w.shape
         y = torch.empty(m, n, dtype=out_dtype)
-        _check(self._matmul(w.bits, w.data.data_ptr(), x.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(),
-                            out_dtype == torch.bfloat16, m, n, k, torch.get_num_threads()), w)
+        args = (w.bits, w.data.data_ptr(), x.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(),
+                out_dtype == torch.bfloat16, m, n, k, torch.get_num_threads())
+        _check(call_profiled("radixserve::linear::tiled_matmul", self._matmul, *args), w)
         return y
 
     def expand_t(self, w: TiledWeight, start: int, stop: int, dtype: torch.dtype,
