@@ -63,7 +63,7 @@ def test_method_uses_the_kernel_for_few_rows_and_onednn_above(tokens, out_featur
     kernel = layer.method.kernel
     monkeypatch.setattr(layer.method, "kernel", lambda *a: calls.append(1) or kernel(*a))
     got = layer(x).float()
-    assert bool(calls) == (tokens <= (gemv.GEMV_MAX_ROWS if out_features <= gemv.SMALL_OUT else 1))
+    assert bool(calls) == (tokens <= gemv.GEMV_MAX_ROWS)
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     process_weights_after_loading(layer, {(out_features, 96): "dense"})  # back to one dense copy
     assert layer.gemv_weight is None and layer.method.name == "dense"

@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.c"
 FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
 TILE = 64  # output rows per tile of the packed layout (csrc/bf16_gemv.c)
-# Rows up to which the kernel beats oneDNN (benchmarks/bench_decode_linear.py): 4 for weights of at most
-# SMALL_OUT output rows, 1 for wider ones (at 2-4 rows oneDNN's blocking wins there).
-GEMV_MAX_ROWS, SMALL_OUT = 4, 1024
+# Rows up to which the kernel beats oneDNN at every shape of the default model (at 8 rows it ties at the
+# narrow shapes and loses at the wide ones; benchmarks/bench_decode_linear.py).
+GEMV_MAX_ROWS = 4
 
 
 class Bf16Gemv:
@@ -73,7 +73,7 @@ def load_gemv_kernel() -> Bf16Gemv | None:
 
 
 class GemvLinearMethod(OneDNNLinearMethod):
-    """Our bf16 GEMV kernel up to `max_gemv_rows` rows, oneDNN's prepacked product above."""
+    """Our bf16 GEMV kernel up to GEMV_MAX_ROWS rows, oneDNN's prepacked product above."""
 
     name = "onednn_gemv"
 
@@ -86,16 +86,11 @@ class GemvLinearMethod(OneDNNLinearMethod):
         super().process_weights_after_loading(layer)
         layer.gemv_weight = pack_gemv_weight(layer.dense_weight())
         self.kernel = load_gemv_kernel()
-        self.max_rows = max_gemv_rows(layer.out_features)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.is_contiguous():
+        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.is_contiguous():
             return self.kernel(layer.gemv_weight, x, layer.bias, layer.out_features)
         return super().apply(layer, x)
-
-
-def max_gemv_rows(out_features: int) -> int:
-    return GEMV_MAX_ROWS if out_features <= SMALL_OUT else 1
 
 
 register_linear_method(GemvLinearMethod)

@@ -1,16 +1,20 @@
 // Matrix-vector products for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bfloat16 in and out,
-// float32 accumulation with AVX512-BF16's vdpbf16ps. Meant for a few rows (M <= 4 per pass): the time is
-// reading W once, so the layout makes that one sequential stream.
+// float32 accumulation. Meant for a few rows (M <= 4 per pass): the time is reading W once, so the
+// layout makes that one sequential stream.
 //
 // Packed layout: tiles of TILE = 64 output rows (the last tile padded with zero rows). Within a tile,
 // for each pair p of input positions (2p, 2p + 1), the 64 rows' two values lie side by side:
 //     packed[t][p][r][j] = W[TILE * t + r][2 * p + j]
-// so one 64-byte load holds 16 rows x one pair, which vdpbf16ps multiplies by the broadcast pair of x
-// and adds into 16 float32 sums: no horizontal reductions, and each thread reads its tiles front to back.
+// so one 64-byte load holds 16 rows x one pair: a shift and a mask widen it to the 16 rows' W[., 2p] and
+// W[., 2p + 1] in float32, and two FMAs with the broadcast x[2p], x[2p + 1] add into 16 sums; no
+// horizontal reductions, and each thread reads its tiles front to back. NOTE: FMAs, not vdpbf16ps: on the
+// AVX512-BF16 Xeon measured, vdpbf16ps issues about once per two cycles, and at 2-4 rows the widen + FMA
+// form ran 1.4-1.5x faster on a cached weight (the widening is shared by the rows).
 //
 // Returns 0, or -1 for shapes it does not take (K odd, M < 1).
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <immintrin.h>
 
@@ -21,24 +25,24 @@
 #define PREFETCH 4096
 
 static inline __attribute__((always_inline)) void tile_product(
-    const uint16_t *wt, const uint16_t *x, int64_t K, int R, const uint16_t *bias, uint16_t *y, int64_t N,
+    const uint16_t *wt, const float *x, int64_t K, int R, const uint16_t *bias, uint16_t *y, int64_t N,
     int64_t n0) {
     __m512 acc[MAX_ROWS][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
     const __m512i *w = (const __m512i *)wt;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
     for (int64_t p = 0; p < K / 2; p++, w += 4) {
-        for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(w + j) + PREFETCH, _MM_HINT_T0);
-        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 1);
-        __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 2), w3 = (__m512bh)_mm512_loadu_si512(w + 3);
+        __m512 even[4], odd[4];  // 16 rows' W[row][2p] and W[row][2p + 1] as float32
+        for (int j = 0; j < 4; j++) {
+            _mm_prefetch((const char *)(w + j) + PREFETCH, _MM_HINT_T0);
+            __m512i v = _mm512_loadu_si512(w + j);
+            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        }
         for (int r = 0; r < R; r++) {
-            int32_t pair;
-            memcpy(&pair, x + r * K + 2 * p, sizeof(pair));
-            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xb);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xb);
-            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], w2, xb);
-            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], w3, xb);
+            const __m512 xe = _mm512_set1_ps(x[r * K + 2 * p]), xo = _mm512_set1_ps(x[r * K + 2 * p + 1]);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(odd[j], xo, _mm512_fmadd_ps(even[j], xe, acc[r][j]));
         }
     }
     for (int j = 0; j < 4; j++) {
@@ -58,11 +62,17 @@ int bf16_gemv(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, u
               int64_t K, int nthreads) {
     if (K % 2 || M < 1 || N < 1) return -1;
     int64_t tiles = (N + TILE - 1) / TILE;
+    float *xf = malloc(sizeof(float) * M * K);  // x widened once (exact), broadcast per input below
+    if (!xf) return -4;
+    for (int64_t i = 0; i < M * K; i++) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        memcpy(xf + i, &bits, 4);
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const uint16_t *wt = packed + t * TILE * K;
         for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            const uint16_t *xr = x + m0 * K;
+            const float *xr = xf + m0 * K;
             uint16_t *yr = y + m0 * N;
             switch (M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS) {
                 case 1: tile_product(wt, xr, K, 1, bias, yr, N, t * TILE); break;
@@ -72,5 +82,6 @@ int bf16_gemv(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, u
             }
         }
     }
+    free(xf);
     return 0;
 }
