@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from radixserve import platform as rs_platform
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
-from radixserve.layers.native_build import BUILD_ERRORS, build_library, call_profiled, is_x86
-
-logger = logging.getLogger(__name__)
+from radixserve.layers.native_build import call_profiled, is_x86, load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.c"
 FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
@@ -65,11 +62,8 @@ def load_gemv_kernel() -> Bf16Gemv | None:
     """The kernel, or None (logged once) where the CPU or the kernel level lacks AVX512-BF16 or no compiler."""
     if not is_x86() or rs_platform.kernel_isa() != "avx512_bf16":
         return None
-    try:
-        return Bf16Gemv(ctypes.CDLL(str(build_library(SOURCE, "bf16-gemv", FLAGS))))
-    except BUILD_ERRORS as e:
-        logger.warning("bf16 GEMV kernel unavailable (%s); linear layers use oneDNN alone", e)
-        return None
+    lib = load_library(SOURCE, "bf16-gemv", FLAGS, "bf16 GEMV kernel", "linear layers use oneDNN alone")
+    return None if lib is None else Bf16Gemv(lib)
 
 
 class GemvLinearMethod(OneDNNLinearMethod):

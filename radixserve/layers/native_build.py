@@ -6,6 +6,7 @@ source or flag builds a new file and concurrent builders never load a half-writt
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -29,11 +30,17 @@ def is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def build_library(source: Path, stem: str, flags: Sequence[str]) -> Path:
-    """The path of `source` built with `flags` (-O3 -fopenmp -fPIC added); raises one of BUILD_ERRORS."""
+def c_compiler() -> str:
+    """$CC, else cc or gcc on PATH; raises FileNotFoundError without one."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    return compiler
+
+
+def build_library(source: Path, stem: str, flags: Sequence[str]) -> Path:
+    """The path of `source` built with `flags` (-O3 -fopenmp -fPIC added); raises one of BUILD_ERRORS."""
+    compiler = c_compiler()
     key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
     target = envs.CACHE_DIR.get() / "kernels" / f"{stem}-{key}.so"
     if target.exists():
@@ -47,6 +54,15 @@ def build_library(source: Path, stem: str, flags: Sequence[str]) -> Path:
         os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
     logger.info("built %s", target)
     return target
+
+
+def load_library(source: Path, stem: str, flags: Sequence[str], what: str, fallback: str) -> ctypes.CDLL | None:
+    """`source` built (build_library) and loaded, or None with a warning naming `what` and the `fallback`."""
+    try:
+        return ctypes.CDLL(str(build_library(source, stem, flags)))
+    except BUILD_ERRORS as e:
+        logger.warning("%s unavailable (%s); %s", what, e, fallback)
+        return None
 
 
 def call_profiled(name: str, fn: Callable[..., int], *args) -> int:

@@ -22,7 +22,6 @@ import hashlib
 import logging
 import os
 import platform as _stdlib_platform
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 from radixserve import envs
 from radixserve import platform as rs_platform
-from radixserve.layers.native_build import call_profiled
+from radixserve.layers.native_build import BUILD_ERRORS, c_compiler, call_profiled
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +218,7 @@ def load_decode_kernel(isa: str | None = None) -> DecodeKernel | None:
 def _load(isa: str, kernel_class: str | None) -> DecodeKernel | None:
     try:
         lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired, FileNotFoundError) as e:
+    except BUILD_ERRORS as e:
         logger.warning("native CPU attention kernels unavailable (%s); using the torch attention paths", e)
         return None
     levels = rs_platform.KERNEL_ISAS
@@ -235,15 +234,13 @@ def built_isas() -> list[str]:
     """The kernel levels the library holds here (empty without a compiler)."""
     try:
         lib = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired, FileNotFoundError):
+    except BUILD_ERRORS:
         return []
     return [isa for isa in rs_platform.KERNEL_ISAS if hasattr(lib, f"decode_attention_f32_{isa}")]
 
 
 def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    compiler = c_compiler()
     levels = _levels_for(_stdlib_platform.machine())
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     recipe = repr([(level, ISA_FLAGS[level]) for level in levels]).encode()

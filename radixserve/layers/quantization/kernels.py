@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-from radixserve.layers.native_build import BUILD_ERRORS, build_library, call_profiled, is_x86
-
-logger = logging.getLogger(__name__)
+from radixserve.layers.native_build import call_profiled, is_x86, load_library
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
 QUANT_ISAS = ("avx512_vnni", "avx_vnni", "avx2", "portable")
@@ -133,13 +130,6 @@ def load_quant_kernel(isa: str | None = None) -> QuantKernel | None:
     isa = best_quant_isa() if isa is None else isa
     if isa not in QUANT_ISAS:
         raise ValueError(f"unknown quantized-kernel level {isa!r}; known: {', '.join(QUANT_ISAS)}")
-    try:
-        return QuantKernel(ctypes.CDLL(str(_build(isa))), isa)
-    except BUILD_ERRORS as e:
-        logger.warning("quantized matmul kernel (%s) unavailable (%s); packed layers use torch", isa, e)
-        return None
-
-
-def _build(isa: str) -> Path:
-    flags = ISA_FLAGS[isa] if is_x86() else ()
-    return build_library(SOURCE, f"quant-{isa}", flags)
+    lib = load_library(SOURCE, f"quant-{isa}", ISA_FLAGS[isa] if is_x86() else (),
+                       f"quantized matmul kernel ({isa})", "packed layers use torch")
+    return None if lib is None else QuantKernel(lib, isa)

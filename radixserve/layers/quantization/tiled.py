@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from radixserve.layers.native_build import BUILD_ERRORS, build_library, call_profiled
+from radixserve.layers.native_build import call_profiled, load_library
 from radixserve.layers.quantization.formats import QK, PackedWeight
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "quant_tiled.c"
 FLAGS = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
@@ -136,8 +133,5 @@ def load_tiled_kernel() -> TiledKernel | None:
 
     if best_quant_isa(rs_platform.visible_features()) != "avx512_vnni":
         return None
-    try:
-        return TiledKernel(ctypes.CDLL(str(build_library(SOURCE, "quant-tiled", FLAGS))))
-    except BUILD_ERRORS as e:
-        logger.warning("tiled quantized kernels unavailable (%s); packed layers keep the row layout", e)
-        return None
+    lib = load_library(SOURCE, "quant-tiled", FLAGS, "tiled quantized kernels", "packed layers keep the row layout")
+    return None if lib is None else TiledKernel(lib)

@@ -29,13 +29,6 @@
 #define PREFETCH 4096
 #define RECORD(bits) (4 * TILE + ((bits) == 4 ? 16 : 32) * TILE)
 
-static inline float bf16_to_f32(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 static inline __m512 load16(const void *x, int bf16, int64_t i) {
     if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
