@@ -2,8 +2,9 @@
 
 For each weight shape (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, LM head 49152x576) and
 row count (--rows), the time per product of:
-* bfloat16: oneDNN's prepacked product (`onednn`) and our GEMV kernel (`gemv`, layers/gemv.py; up to 4
-  rows in the model);
+* bfloat16: oneDNN's prepacked product (`onednn`), our GEMV kernel (`gemv`, layers/gemv.py; one row in
+  the model, up to 4 without AMX) and our AMX kernel on the same layout (`amx`, where the CPU has AMX-BF16;
+  2-32 rows in the model);
 * int4 g32 (decoder shapes) / int8 g32 (LM head): the row-layout kernel of quant_matmul.c (`rows`: integer
   dot products up to 4 rows, weight expansion + dense GEMM above) and the tiled kernel
   (`tiled`, layers/quantization/tiled.py; up to 32 rows in the model).
@@ -39,7 +40,7 @@ START, END = "<!-- bench_decode_linear:start -->", "<!-- bench_decode_linear:end
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,4,16,32")
+    p.add_argument("--rows", default="1,4,8,16,32")
     p.add_argument("--copies", type=int, default=30, help="weights per shape cycled through (LM head: 3)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=2)
@@ -58,6 +59,9 @@ def kernels_for(name: str, shape: tuple[int, int], copies: int) -> dict[str, Cal
     if kernel is not None:
         packed = [gemv.pack_gemv_weight(w.bfloat16()) for w in weights]
         fns["bf16 gemv"] = lambda x: [kernel(w, x, None, n) for w in packed]
+        amx = gemv.load_amx_kernel()
+        if amx is not None:
+            fns["bf16 amx"] = lambda x: [amx(w, x, None, n) for w in packed]
     bits = 8 if name == "lm_head" else 4
     rows = [quantize(w, bits, per_channel=False) for w in weights]
     quant = load_quant_kernel()

@@ -1,6 +1,6 @@
-"""The bf16 GEMV linear method: the tile-interleaved layout, the kernel against a float32 product at
-every row count and ragged shapes, the hand-off to oneDNN above GEMV_MAX_ROWS, and where it must not run
-(float32, a CPU or forced kernel level without AVX512-BF16)."""
+"""The bf16 GEMV linear method: the tile-interleaved layout, the GEMV and AMX kernels against a float32
+product at every row count and ragged shapes, which kernel takes which row count (and oneDNN above), and
+where it must not run (float32, a CPU or forced kernel level without AVX512-BF16, no AMX)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from radixserve.layers.linear_tuning import candidates
 
 CPU = torch.device("cpu")
 HAS_KERNEL = gemv.load_gemv_kernel() is not None
+HAS_AMX = gemv.load_amx_kernel() is not None
 
 
 def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> LinearBase:
@@ -49,23 +50,54 @@ def test_kernel_matches_float32_product(rows, n, k, bias):
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16 (and the OS's permission to use it)")
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32])
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (100, 96, True), (960, 576, False), (70, 64, True)])
+def test_amx_kernel_matches_float32_product(rows, n, k, bias):
+    layer = _layer(k, n, bias)
+    x = torch.randn(rows, k).bfloat16()
+    want = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    got = gemv.load_amx_kernel()(gemv.pack_gemv_weight(layer.weight), x, layer.bias, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")
+def test_amx_kernel_rejects_what_it_cannot_take():
+    amx, packed = gemv.load_amx_kernel(), gemv.pack_gemv_weight(torch.zeros(64, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):  # 48 inputs: not whole 32-input steps
+        amx(packed, torch.zeros(2, 48, dtype=torch.bfloat16), None, 64)
+    packed = gemv.pack_gemv_weight(torch.zeros(64, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):  # more rows than its two A tiles
+        amx(packed, torch.zeros(33, 32, dtype=torch.bfloat16), None, 64)
+
+
+def _expected_kernel(tokens: int, in_features: int) -> str:
+    if HAS_AMX and in_features % 32 == 0 and tokens <= gemv.AMX_MAX_ROWS:
+        return "amx"
+    return "gemv" if tokens <= gemv.GEMV_MAX_ROWS else "onednn"
+
+
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
-@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 64])
-@pytest.mark.parametrize("out_features", [160, 1100])
-def test_method_uses_the_kernel_for_few_rows_and_onednn_above(tokens, out_features, monkeypatch):
-    layer = _layer(96, out_features, bias=True)
-    x = torch.randn(tokens, 96).bfloat16()
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 32, 64])
+@pytest.mark.parametrize(("in_features", "out_features"), [(96, 160), (96, 1100), (80, 160)])
+def test_method_routes_rows_to_gemv_amx_and_onednn(tokens, in_features, out_features, monkeypatch):
+    layer = _layer(in_features, out_features, bias=True)
+    x = torch.randn(tokens, in_features).bfloat16()
     want = layer(x).float()  # dense
-    process_weights_after_loading(layer, {(out_features, 96): "onednn_gemv"})
+    shape = (out_features, in_features)
+    process_weights_after_loading(layer, {shape: "onednn_gemv"})
     assert layer.method.name == "onednn_gemv" and layer.weight.numel() == 0
-    assert layer.weight_nbytes() >= 2 * out_features * 96 * 2  # both forms are kept
+    assert layer.weight_nbytes() >= 2 * out_features * in_features * 2  # both forms are kept
     calls = []
-    kernel = layer.method.kernel
-    monkeypatch.setattr(layer.method, "kernel", lambda *a: calls.append(1) or kernel(*a))
+    for attr, name in (("kernel", "gemv"), ("amx", "amx")):
+        fn = getattr(layer.method, attr)
+        if fn is not None:
+            monkeypatch.setattr(layer.method, attr, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
     got = layer(x).float()
-    assert bool(calls) == (tokens <= gemv.GEMV_MAX_ROWS)
+    assert calls == ([] if _expected_kernel(tokens, in_features) == "onednn" else [_expected_kernel(tokens, in_features)])
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    process_weights_after_loading(layer, {(out_features, 96): "dense"})  # back to one dense copy
+    process_weights_after_loading(layer, {shape: "dense"})  # back to one dense copy
     assert layer.gemv_weight is None and layer.method.name == "dense"
     assert torch.allclose(layer(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
@@ -78,9 +110,11 @@ def test_offered_only_for_bf16_on_avx512_bf16(monkeypatch):
     if "avx512" in rs_platform.runnable_isas():  # a forced lower level hides the method
         monkeypatch.setenv("RADIXSERVE_CPU_ISA", "avx512")
         gemv.load_gemv_kernel.cache_clear()
+        gemv.load_amx_kernel.cache_clear()
         try:
-            assert gemv.load_gemv_kernel() is None
+            assert gemv.load_gemv_kernel() is None and gemv.load_amx_kernel() is None
             assert "onednn_gemv" not in candidates(CPU, torch.bfloat16)
         finally:
             monkeypatch.delenv("RADIXSERVE_CPU_ISA")
             gemv.load_gemv_kernel.cache_clear()
+            gemv.load_amx_kernel.cache_clear()

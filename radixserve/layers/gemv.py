@@ -1,16 +1,20 @@
-"""The decode linear method on CPUs with AVX512-BF16: our GEMV kernel for a few rows, oneDNN above.
+"""The decode linear method on CPUs with AVX512-BF16: our kernels for decode batches, oneDNN above.
 
-At a few rows a linear layer's cost is reading its weight once. oneDNN's bf16 product reads it at
-about half the memory bandwidth at those sizes; csrc/bf16_gemv.c reads a tile-interleaved copy of the
-weight as one sequential stream with software prefetch (measured ~2x faster per call on the model's
-shapes, weights from memory). Larger batches and prefill keep oneDNN's prepacked weight, so the layer
-keeps two copies of its weight: `--linear-method onednn` keeps one.
+At decode batch sizes a linear layer's cost is reading its weight once. oneDNN's bf16 product reads it
+at about half the memory bandwidth at those sizes; our kernels read a tile-interleaved copy of the
+weight as one sequential stream with software prefetch:
+* csrc/bf16_amx.c (AMX tiles) for 1 to AMX_MAX_ROWS rows where the CPU has AMX-BF16: 1.3-2.6x faster
+  than oneDNN at 8-32 rows, and 1.1-1.3x faster than the GEMV at 1-4 (benchmarks/bench_decode_linear.py);
+* csrc/bf16_gemv.c (AVX-512 FMAs) for up to GEMV_MAX_ROWS rows without AMX (or in_features % 32 != 0).
+Larger batches and prefill keep oneDNN's prepacked weight, so the layer keeps two copies of its weight:
+`--linear-method onednn` keeps one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -19,12 +23,16 @@ from radixserve import platform as rs_platform
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
 from radixserve.layers.native_build import call_profiled, is_x86, load_library
 
+logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.c"
 FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
 TILE = 64  # output rows per tile of the packed layout (csrc/bf16_gemv.c)
 # Rows up to which the kernel beats oneDNN at every shape of the default model (at 8 rows it ties at the
 # narrow shapes and loses at the wide ones; benchmarks/bench_decode_linear.py).
 GEMV_MAX_ROWS = 4
+AMX_MAX_ROWS = 32  # the AMX kernel's two 16-row A tiles
+AMX_FLAGS = (*FLAGS, "-mamx-tile", "-mamx-bf16")
+AMX_SOURCE = Path(__file__).parent / "csrc" / "bf16_amx.c"
 
 
 class Bf16Gemv:
@@ -34,6 +42,7 @@ class Bf16Gemv:
         self._fn = lib.bf16_gemv
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self.profile_name = "radixserve::linear::bf16_gemv"
 
     def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """x [M, K] bfloat16 contiguous, packed from `pack_gemv_weight` -> y [M, N] bfloat16."""
@@ -41,7 +50,7 @@ class Bf16Gemv:
         y = torch.empty(m, n, dtype=torch.bfloat16)
         args = (packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
                 torch.get_num_threads())
-        status = call_profiled("radixserve::linear::bf16_gemv", self._fn, *args)
+        status = call_profiled(self.profile_name, self._fn, *args)
         if status != 0:
             raise ValueError(f"bf16 GEMV rejected x {tuple(x.shape)} for a weight with {n} rows (status {status})")
         return y
@@ -57,6 +66,33 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+class Bf16AmxGemm(Bf16Gemv):
+    """ctypes binding of `bf16_amx_gemm`: the GEMV's packed weight and call, 1 to AMX_MAX_ROWS rows,
+    in_features a multiple of 32."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.bf16_amx_gemm
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self.profile_name = "radixserve::linear::bf16_amx"
+
+
+@functools.cache
+def load_amx_kernel() -> Bf16AmxGemm | None:
+    """The AMX kernel where AMX-BF16 is visible (not hidden by RADIXSERVE_CPU_ISA) and the kernel builds
+    and the OS grants this process AMX state; else None."""
+    if not is_x86() or rs_platform.kernel_class() != "amx":
+        return None
+    lib = load_library(AMX_SOURCE, "bf16-amx", AMX_FLAGS, "bf16 AMX kernel", "decode batches use oneDNN")
+    if lib is None:
+        return None
+    lib.amx_request.restype = ctypes.c_int
+    if lib.amx_request() != 0:
+        logger.warning("the OS refused this process AMX state (arch_prctl); decode batches use oneDNN")
+        return None
+    return Bf16AmxGemm(lib)
+
+
 @functools.cache
 def load_gemv_kernel() -> Bf16Gemv | None:
     """The kernel, or None (logged once) where the CPU or the kernel level lacks AVX512-BF16 or no compiler."""
@@ -67,7 +103,8 @@ def load_gemv_kernel() -> Bf16Gemv | None:
 
 
 class GemvLinearMethod(OneDNNLinearMethod):
-    """Our bf16 GEMV kernel up to GEMV_MAX_ROWS rows, oneDNN's prepacked product above."""
+    """Our AMX kernel up to AMX_MAX_ROWS rows (the GEMV up to GEMV_MAX_ROWS without AMX), oneDNN's
+    prepacked product above."""
 
     name = "onednn_gemv"
 
@@ -80,9 +117,14 @@ class GemvLinearMethod(OneDNNLinearMethod):
         super().process_weights_after_loading(layer)
         layer.gemv_weight = pack_gemv_weight(layer.dense_weight())
         self.kernel = load_gemv_kernel()
+        amx = load_amx_kernel() if layer.in_features % 32 == 0 else None
+        self.amx, self.amx_max_rows = amx, AMX_MAX_ROWS if amx is not None else 0
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and x.is_contiguous():
+        rows = x.shape[0] if x.dim() == 2 and x.is_contiguous() else 0
+        if 0 < rows <= self.amx_max_rows:
+            return self.amx(layer.gemv_weight, x, layer.bias, layer.out_features)
+        if 0 < rows <= GEMV_MAX_ROWS:
             return self.kernel(layer.gemv_weight, x, layer.bias, layer.out_features)
         return super().apply(layer, x)
 

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_attention.c", CSRC / "prefix_attention.c", CSRC / "extend_attention.c")
-HEADERS = (CSRC / "attention_common.h", CSRC / "simd.h", CSRC / "attention_lanes.h")
+HEADERS = (CSRC / "attention_common.h", CSRC / "simd.h", CSRC / "attention_lanes.h", CSRC / "decode_avx512.h")
 MAX_DIM, MAX_GROUP = 256, 16
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _AVX512_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")

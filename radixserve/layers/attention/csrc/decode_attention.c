@@ -8,9 +8,10 @@
  * prefix (prefix_attention.c); every row then starts from it, so the slots given here are only the
  * request's own and the output is the exact merge of both. Built and loaded by native.py.
  *
- * Paths, best first: bf16 with AVX-512 BF16 (vdpbf16ps scores, a whole request per thread); with a
- * vector level (AVX2 or AVX-512, dim % SIMD_WIDTH == 0) the head dim runs across the lanes, bf16
- * widened to float32 as it is loaded; otherwise the portable loop of attention_common.h.
+ * Paths, best first: with AVX-512, decode_avx512.h (sixteen tokens scored at once; bf16 scores by
+ * vdpbf16ps where AVX-512 BF16 is present, else bf16 widened to float32); with AVX2 (dim % 8 == 0) the
+ * head dim runs across the lanes, bf16 widened to float32 as it is loaded; otherwise the portable loop
+ * of attention_common.h.
  */
 #include "simd.h"
 
@@ -133,68 +134,25 @@ DEFINE_DECODE_UNITS(decode_dim_f32, float, decode_request_dim_f32)
 DEFINE_DECODE_UNITS(decode_dim_bf16, uint16_t, decode_request_dim_bf16)
 #endif
 
+#if SIMD_WIDTH == 16
+#include "decode_avx512.h"
+
+#define DEFINE_REQUEST_512(NAME, T, UNIT)                                                                \
+    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, int64_t len,      \
+                     int64_t kv_heads, int64_t h0, int64_t h1, int64_t dim, int64_t group, float scale,  \
+                     const T *seed_out, const float *seed_lse, T *out) {                                 \
+        DECODE_SHAPES(UNIT, group, dim / 16, q, k_buf, v_buf, slots, len, kv_heads, h0, h1, scale,      \
+                      seed_out, seed_lse, out)                                                           \
+    }
+
+DEFINE_REQUEST_512(decode_request_512_f32, float, decode_unit_f32)
+DEFINE_REQUEST_512(decode_request_512_bf16w, uint16_t, decode_unit_bf16w)
+DEFINE_DECODE_UNITS(decode_512_f32, float, decode_request_512_f32)
+DEFINE_DECODE_UNITS(decode_512_bf16w, uint16_t, decode_request_512_bf16w)
 #ifdef HAVE_AVX512_BF16
-
-/* One request's kv heads [h0, h1) in bf16 with AVX-512. Each token's K (then V) rows of all those
- * heads are adjacent in the pool, so the request's slots are streamed through once. Scores come from
- * vdpbf16ps on the pool's bf16 values (exact products, float32 sums); V is widened to float32. */
-static void decode_request_bf16_dp(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,
-                                   const int32_t *slots, int64_t len, int64_t kv_heads, int64_t h0, int64_t h1,
-                                   int64_t dim, int64_t group, float scale, const uint16_t *seed_out,
-                                   const float *seed_lse, uint16_t *out) {
-    const int64_t pairs = dim / 32, lanes = dim / 16, rows = (h1 - h0) * group;
-    __m512bh qv[MAX_HEADS][MAX_DIM / 32];
-    float acc[MAX_HEADS][MAX_DIM], score[MAX_HEADS][CHUNK], run_max[MAX_HEADS], run_sum[MAX_HEADS];
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t j = 0; j < pairs; j++) qv[r][j] = (__m512bh)_mm512_loadu_si512(q + r * dim + 32 * j);
-        for (int64_t d = 0; d < dim; d++) acc[r][d] = seed_lse != NULL ? bf16_to_f32(seed_out[r * dim + d]) : 0.0f;
-        run_max[r] = seed_lse != NULL ? seed_lse[r] : -INFINITY;
-        run_sum[r] = seed_lse != NULL ? 1.0f : 0.0f;
-    }
-    for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {
-        const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;
-        for (int64_t t = 0; t < n; t++) {
-            const uint16_t *krow = k_buf + ((int64_t)slots[t0 + t] * kv_heads + h0) * dim;
-            if (t0 + t + 16 < len) { /* all of the unit's heads of the token 16 ahead */
-                const int64_t ahead = ((int64_t)slots[t0 + t + 16] * kv_heads + h0) * dim;
-                prefetch_row(k_buf + ahead, (h1 - h0) * dim * 2);
-                prefetch_row(v_buf + ahead, (h1 - h0) * dim * 2);
-            }
-            for (int64_t h = 0; h < h1 - h0; h++) {
-                __m512bh kv[MAX_DIM / 32];
-                for (int64_t j = 0; j < pairs; j++) kv[j] = (__m512bh)_mm512_loadu_si512(krow + h * dim + 32 * j);
-                for (int64_t g = 0; g < group; g++) {
-                    __m512 sum = _mm512_setzero_ps();
-                    for (int64_t j = 0; j < pairs; j++) sum = _mm512_dpbf16_ps(sum, qv[h * group + g][j], kv[j]);
-                    score[h * group + g][t] = _mm512_reduce_add_ps(sum) * scale;
-                }
-            }
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            const float rescale = softmax_chunk(score[r], n, &run_max[r], &run_sum[r]);
-            for (int64_t d = 0; d < dim; d++) acc[r][d] *= rescale;
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const uint16_t *vrow = v_buf + ((int64_t)slots[t0 + t] * kv_heads + h0) * dim;
-            for (int64_t h = 0; h < h1 - h0; h++) {
-                for (int64_t j = 0; j < lanes; j++) {
-                    const __m512 v = vf_load_bf16(vrow + h * dim + 16 * j);
-                    for (int64_t g = 0; g < group; g++) {
-                        float *a = acc[h * group + g] + 16 * j;
-                        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(score[h * group + g][t]), v,
-                                                            _mm512_loadu_ps(a)));
-                    }
-                }
-            }
-        }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-        const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;
-        for (int64_t d = 0; d < dim; d++) out[r * dim + d] = f32_to_bf16(acc[r][d] * inv);
-    }
-}
-
-DEFINE_DECODE_UNITS(decode_bf16_dp, uint16_t, decode_request_bf16_dp)
+DEFINE_REQUEST_512(decode_request_512_bf16dp, uint16_t, decode_unit_bf16dp)
+DEFINE_DECODE_UNITS(decode_512_bf16dp, uint16_t, decode_request_512_bf16dp)
+#endif
 #endif
 
 static int bad_shape(int64_t heads, int64_t kv_heads, int64_t dim) {
@@ -206,6 +164,11 @@ int EXPORT(decode_attention_f32)(const float *q, const float *k_buf, const float
                                  int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                                  int num_threads) {
     if (bad_shape(heads, kv_heads, dim)) return 1;
+#if SIMD_WIDTH == 16
+    if (dim % 16 == 0)
+        return decode_512_f32(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                              kv_heads, dim, scale, num_threads);
+#endif
 #ifdef SIMD_WIDTH
     if (dim % SIMD_WIDTH == 0)
         return decode_dim_f32(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
@@ -221,9 +184,14 @@ int EXPORT(decode_attention_bf16)(const uint16_t *q, const uint16_t *k_buf, cons
                                   int64_t kv_heads, int64_t dim, float scale, int num_threads) {
     if (bad_shape(heads, kv_heads, dim)) return 1;
 #ifdef HAVE_AVX512_BF16
-    if (dim % 32 == 0 && heads <= MAX_HEADS)
-        return decode_bf16_dp(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
-                              kv_heads, dim, scale, num_threads);
+    if (dim % 32 == 0)
+        return decode_512_bf16dp(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                                 kv_heads, dim, scale, num_threads);
+#endif
+#if SIMD_WIDTH == 16
+    if (dim % 16 == 0)
+        return decode_512_bf16w(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                                kv_heads, dim, scale, num_threads);
 #endif
 #ifdef SIMD_WIDTH
     if (dim % SIMD_WIDTH == 0)

@@ -1,0 +1,143 @@
+// Matrix products of 5-32 rows on AMX tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bfloat16 in and
+// out, float32 accumulation; W in the GEMV's packed layout (bf16_gemv.c).
+//
+// That layout is already what a B tile wants. For a 64-row tile of W and an input pair p, the 64 rows'
+// (W[., 2p], W[., 2p + 1]) lie side by side in 256 bytes, so 16 consecutive pairs of 16 consecutive rows
+// are 16 rows of 64 bytes at a stride of 256: one tile load, B[pair][2 * row + j] as tdpbf16ps expects.
+// A tiles are 16 rows of x, 32 inputs each, read in place. Each thread takes whole 64-row tiles of W,
+// in two halves of 32 output rows: per half and per 32 inputs, two A tiles (rows 0-15, 16-31 of x), two
+// B tiles and four C tiles (float32 sums). At these row counts the time is reading W, which tdpbf16ps
+// leaves idle most of the time; a software prefetch runs one 32-input step ahead.
+//
+// Linux gives a process AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM): amx_request() does it
+// once. Returns 0, -1 for shapes it does not take (K % 32, M outside 1..32), -2 without AMX permission.
+
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TILE 64        // W rows per packed tile (bf16_gemv.c)
+#define PAIR_BYTES 256 // one input pair of a packed tile: 64 rows x 2 bf16
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+int amx_request(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -2; }
+
+// Up to 16 rows of x: tmm0-3 C (W rows +0, +16, +32, +48 of the tile), tmm4 A, tmm6/7 B, one pass
+// over the tile. 17-32 rows: two passes of 32 W rows, tmm0-3 C (x rows 0-15 | 16-31) x (W rows +0 | +16),
+// tmm4/5 A (x rows 0-15 | 16-31), tmm6/7 B.
+static void configure(int64_t m) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    const int low = m < 16 ? (int)m : 16, high = m > 16 ? (int)m - 16 : (int)m;
+    const int rows[8] = {low, low, m > 16 ? high : low, m > 16 ? high : low, low, high, 16, 16};
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = (uint8_t)rows[i];
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+static inline void prefetch_pairs(const char *p, int lines_per_row) { // 16 pair rows
+    for (int row = 0; row < 16; row++)
+        for (int l = 0; l < lines_per_row; l++) _mm_prefetch(p + row * PAIR_BYTES + 64 * l, _MM_HINT_T0);
+}
+
+// 32 output rows n0.. of one half: sums[32 x rows][32 columns] -> y, with bias, rounded to bf16.
+static void store_half(const float *sums, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n, int64_t n0) {
+    for (int64_t j = 0; j < 32; j += 16) {
+        if (n0 + j >= n) break;
+        const int64_t left = n - n0 - j;
+        const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (bias)
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, bias + n0 + j)), 16));
+        for (int64_t r = 0; r < m; r++) {
+            const __m512 s = _mm512_add_ps(_mm512_loadu_ps(sums + r * 32 + j), b);
+            _mm256_mask_storeu_epi16(y + r * n + n0 + j, k, (__m256i)_mm512_cvtneps_pbh(s));
+        }
+    }
+}
+
+int bf16_amx_gemm(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
+                  int64_t n, int64_t k, int nthreads) {
+    if (k % 32 || m < 1 || m > 32 || n < 1) return -1;
+    const int64_t tiles = (n + TILE - 1) / TILE, steps = k / 32, x_stride = k * 2;
+#pragma omp parallel num_threads(nthreads)
+    {
+        configure(m);
+        float sums[32 * 32];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const char *wt = (const char *)(packed + t * TILE * k);
+            if (m <= 16) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < steps; s++) {
+                    const char *ws = wt + s * 16 * PAIR_BYTES;
+                    prefetch_pairs(ws + 16 * PAIR_BYTES, 4); // the next step (past the tile: the next tile)
+                    _tile_loadd(4, x + s * 32, x_stride);
+                    _tile_loadd(6, ws, PAIR_BYTES);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(7, ws + 64, PAIR_BYTES);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(6, ws + 128, PAIR_BYTES);
+                    _tile_dpbf16ps(2, 4, 6);
+                    _tile_loadd(7, ws + 192, PAIR_BYTES);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+                _tile_stored(0, sums, 32 * 4);
+                _tile_stored(1, sums + 16, 32 * 4);
+                store_half(sums, bias, y, m, n, t * TILE);
+                if (t * TILE + 32 < n) {
+                    _tile_stored(2, sums, 32 * 4);
+                    _tile_stored(3, sums + 16, 32 * 4);
+                    store_half(sums, bias, y, m, n, t * TILE + 32);
+                }
+                continue;
+            }
+            for (int half = 0; half < 2; half++) {
+                if (t * TILE + half * 32 >= n) break;
+                const char *w = wt + half * 32 * 4; // 32 rows x one pair = 128 bytes into each pair row
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < steps; s++) {
+                    const char *ws = w + s * 16 * PAIR_BYTES;
+                    // NOTE: the first pass brings whole pair rows in, so the second reads them from L2
+                    prefetch_pairs(wt + (s + 1) * 16 * PAIR_BYTES, half ? 0 : 4);
+                    _tile_loadd(4, x + s * 32, x_stride);
+                    _tile_loadd(6, ws, PAIR_BYTES);
+                    _tile_loadd(7, ws + 64, PAIR_BYTES);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(5, x + 16 * k + s * 32, x_stride);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, sums, 32 * 4);
+                _tile_stored(1, sums + 16, 32 * 4);
+                _tile_stored(2, sums + 16 * 32, 32 * 4);
+                _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+                store_half(sums, bias, y, m, n, t * TILE + half * 32);
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
