@@ -258,3 +258,85 @@ def test_end_to_end_greedy_kernel_on_vs_off(loaded, monkeypatch):
             calls_on = len(calls)
     assert len(calls) == calls_on  # none with the switch off
     assert outputs[0] == outputs[1]
+
+
+# ---- the AMX extend kernel (amx_extend.py): bf16 on CPUs with AMX-BF16 ----------------------------------
+
+def _amx_kernel():
+    from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
+
+    kernel = load_amx_extend_kernel()
+    if kernel is None:
+        pytest.skip("needs AMX-BF16 visible (not hidden by RADIXSERVE_CPU_ISA), a C compiler and the OS's permission")
+    return kernel
+
+
+def _check_amx(q_lens, prefix_lens, kv_heads, heads, dim, threads: int = 1) -> None:
+    q, k_buf, v_buf, indices, reqs = _problem(q_lens, prefix_lens, kv_heads, heads, dim, torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = _amx_kernel().extend(q, k_buf, v_buf, indices, reqs, dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    want, _ = _sdpa(q, k_buf, v_buf, indices, reqs, dim**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse is None
+    err = (out.float() - want).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16], (q_lens, prefix_lens, err)
+
+
+@pytest.mark.parametrize("kv_heads, heads, dim", [(3, 9, 64), (2, 2, 64), (1, 3, 128), (4, 4, 32), (1, 8, 256)])
+def test_amx_kernel_matches_sdpa(kv_heads, heads, dim):
+    for n in LENGTHS:  # across the 16-query and 32-key blocks
+        _check_amx([n], [0], kv_heads, heads, dim)
+    _check_amx(LENGTHS, [0] * len(LENGTHS), kv_heads, heads, dim)
+
+
+def test_amx_kernel_shifted_diagonal_and_two_threads():
+    _check_amx([1, 17, 100, 16, 5], [40, 3, 130, 0, 64], 3, 9, 64)
+    _check_amx([513, 3, 64, 1], [0, 70, 1, 31], 3, 9, 64, threads=2)
+
+
+def test_amx_kernel_takes_only_what_it_computes():
+    kernel = _amx_kernel()
+    q, k_buf, v_buf, indices, reqs = _problem([5], [0], 1, 2, 64, torch.bfloat16)
+    assert kernel.extend_supports(q, k_buf)
+    assert not kernel.extend_supports(q.float(), k_buf.float())  # bf16 only
+    assert not kernel.extend_supports(q[..., :48].contiguous(), k_buf[..., :48].contiguous())  # dim % 32
+    with pytest.raises(ValueError, match="no seed"):
+        kernel.extend(q, k_buf, v_buf, indices, reqs, 0.125, with_lse=True)
+
+
+def test_cpu_backend_runs_bf16_extend_on_amx(monkeypatch):
+    """Auto level on an AMX CPU: bf16 extends (any length, with or without cached prefixes) go to the AMX
+    kernel and equal the torch backend; float32 and cascade extends do not; the switch turns it off."""
+    from radixserve.layers.attention.amx_extend import AmxExtendKernel
+
+    _amx_kernel()
+    calls = []
+    extend = AmxExtendKernel.extend
+    monkeypatch.setattr(AmxExtendKernel, "extend", lambda self, *a, **k: calls.append(1) or extend(self, *a, **k))
+    runner = SimpleNamespace(device=torch.device("cpu"))
+    layer = RadixAttention(0, 9, 3, 64, 64**-0.5)
+    for dtype, prefix_lens, extend_lens, want in ((torch.bfloat16, [0, 30, 5], [600, 2, 16], 1),
+                                                  (torch.float32, [0, 0], [17, 40], 0)):
+        q, k, v, fb = _extend_batch(prefix_lens, extend_lens, 3, 9, 64, dtype)
+        outs = []
+        for backend in (create_attention_backend("cpu", runner), TorchAttnBackend(runner)):
+            backend.init_forward_metadata(fb)
+            outs.append(backend.forward(q, k, v, layer, fb))
+        assert len(calls) == want, dtype
+        assert torch.allclose(outs[0].float(), outs[1].float(), atol=TOLERANCE[dtype])
+        calls.clear()
+    q, k, v, fb = _extend_batch([300, 300], [20, 20], 3, 9, 64, torch.bfloat16)
+    table, rows = fb.req_to_token_pool.req_to_token, fb.req_pool_indices
+    table[rows[1], :300] = table[rows[0], :300]  # both requests now share a cached 300-token prefix
+    outs = []
+    for backend in (create_attention_backend("cpu", runner), TorchAttnBackend(runner)):
+        backend.init_forward_metadata(fb)
+        assert backend.cascade_extend_meta is not None
+        outs.append(backend.forward(q, k, v, layer, fb))
+    assert not calls  # NOTE: cascade extend needs seeds and log-sum-exps, which this kernel does not take
+    assert torch.allclose(outs[0].float(), outs[1].float(), atol=TOLERANCE[torch.bfloat16])
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, "0")
+    assert create_attention_backend("cpu", runner).amx_extend is None

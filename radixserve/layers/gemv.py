@@ -77,12 +77,16 @@ class Bf16AmxGemm(Bf16Gemv):
         self.profile_name = "radixserve::linear::bf16_amx"
 
 
-@functools.cache
 def load_amx_kernel() -> Bf16AmxGemm | None:
-    """The AMX kernel where AMX-BF16 is visible (not hidden by RADIXSERVE_CPU_ISA) and the kernel builds
-    and the OS grants this process AMX state; else None."""
+    """The AMX kernel where AMX-BF16 is visible (read at each call: a forced lower RADIXSERVE_CPU_ISA hides
+    it), the kernel builds and the OS grants this process AMX state; else None."""
     if not is_x86() or rs_platform.kernel_class() != "amx":
         return None
+    return _built_amx_kernel()
+
+
+@functools.cache
+def _built_amx_kernel() -> Bf16AmxGemm | None:
     lib = load_library(AMX_SOURCE, "bf16-amx", AMX_FLAGS, "bf16 AMX kernel", "decode batches use oneDNN")
     if lib is None:
         return None

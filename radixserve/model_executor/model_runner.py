@@ -166,8 +166,10 @@ class ModelRunner:
     def platform_info(self) -> dict:
         """The dtype and why, the C attention kernels in use and the CPU (start-up line, /get_server_info)."""
         kernel = getattr(self.attn_backend, "decode_kernel", None)
+        amx = getattr(self.attn_backend, "amx_extend", None) is not None and self.dtype_choice.dtype == "bfloat16"
         kernels = None if kernel is None else {"level": kernel.isa, "class": kernel.kernel_class,
-                                               "used": kernel.selected_kernels().get(self.dtype_choice.dtype, [])}
+                                               "used": kernel.selected_kernels().get(self.dtype_choice.dtype, [])
+                                               + (["extend_amx"] if amx else [])}
         return {"dtype": self.dtype_choice.dtype, "dtype_reason": self.dtype_choice.reason,
                 "attention_kernels": kernels, "cpu": platform.describe()}
 

@@ -10,8 +10,8 @@ Extend: requests without a cached prefix attend over their own new K/V directly 
 when some request has a cached prefix, the contexts of all requests are gathered in one
 `index_select` and each request runs causal SDPA over its slice, with the causal diagonal
 shifted by its prefix length. CpuAttnBackend instead runs one C kernel call for the whole batch
-that reads every request's context in place (extend_attention.c; off with
-RADIXSERVE_CPU_PREFILL_KERNEL=0). Which C kernels run depends on the CPU's kernel level and the dtype
+that reads every request's context in place (extend_attention.c; in bf16 on CPUs with AMX-BF16,
+extend_amx.c on the tiles, amx_extend.py; off with RADIXSERVE_CPU_PREFILL_KERNEL=0). Which C kernels run depends on the CPU's kernel level and the dtype
 (native.SELECTED, measured against the torch paths here).
 Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
 `cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
@@ -31,6 +31,7 @@ from radixserve.layers.attention import cascade
 from radixserve.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
+    from radixserve.layers.attention.amx_extend import AmxExtendKernel
     from radixserve.layers.attention.native import DecodeKernel
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -87,6 +88,7 @@ class TorchAttnBackend(AttentionBackend):
         self.cascade_extend_meta: cascade.CascadeExtendMetadata | None = None
         self.decode_kernel = None  # set by CpuAttnBackend
         self.extend_kernel: DecodeKernel | None = None  # set by CpuAttnBackend unless switched off
+        self.amx_extend: AmxExtendKernel | None = None  # bf16 extend on AMX tiles (CpuAttnBackend, AMX CPUs)
         args = getattr(runner, "server_args", None)
         # None: cascade attention off (--disable-cascade-attention)
         self.cascade: cascade.CascadePolicy | None = (
@@ -104,7 +106,8 @@ class TorchAttnBackend(AttentionBackend):
             self.cascade_extend_meta = self._plan(cascade.plan_extend, fb, "extend")
             self.extend_meta = None
             if self.cascade_extend_meta is None:
-                self.extend_meta = _extend_metadata(fb, with_kernel=self.extend_kernel_fits)
+                with_kernel = self.extend_kernel_fits or self.amx_extend is not None
+                self.extend_meta = _extend_metadata(fb, with_kernel=with_kernel)
 
     def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy], Plan | None], fb: ForwardBatch,
               mode: str) -> Plan | None:
@@ -125,6 +128,11 @@ class TorchAttnBackend(AttentionBackend):
     def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | None:
         kernel = self.extend_kernel
         return kernel if self.extend_kernel_fits and kernel.extend_supports(q, k_all) else None
+
+    def _plain_extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | AmxExtendKernel | None:
+        """For extend without cascade: the AMX kernel where it takes q (bf16), else the C kernel."""
+        amx = self.amx_extend
+        return amx if amx is not None and amx.extend_supports(q, k_all) else self._extend_kernel_for(q, k_all)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -151,11 +159,11 @@ class TorchAttnBackend(AttentionBackend):
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
-        extend_kernel = self._extend_kernel_for(q, k_all)
         if self.cascade_extend_meta is not None:
             out = cascade.cascade_extend(q, k_all, v_all, self.cascade_extend_meta, layer.scaling,
-                                         self._prefix_kernel_for(q, layer), extend_kernel)
+                                         self._prefix_kernel_for(q, layer), self._extend_kernel_for(q, k_all))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+        extend_kernel = self._plain_extend_kernel_for(q, k_all)
         meta = self.extend_meta
         if extend_kernel is not None and meta.kernel_reqs is not None:
             out, _ = extend_kernel.extend(q, k_all, v_all, meta.kernel_indices, meta.kernel_reqs, layer.scaling)
@@ -179,11 +187,13 @@ class CpuAttnBackend(TorchAttnBackend):
     says it beat torch's op on that level (else that part stays on torch)."""
 
     def __init__(self, runner: object) -> None:
+        from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
         from radixserve.layers.attention.native import load_decode_kernel
 
         super().__init__(runner)
         self.decode_kernel = load_decode_kernel()
         self.extend_kernel = self.decode_kernel if prefill_kernel_enabled() else None
+        self.amx_extend = load_amx_extend_kernel() if prefill_kernel_enabled() else None
 
 
 def prefill_kernel_enabled() -> bool:

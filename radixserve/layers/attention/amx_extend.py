@@ -1,0 +1,83 @@
+"""Causal extend (prefill) attention in bfloat16 on AMX tiles (csrc/extend_amx.c), for CPUs with AMX-BF16.
+
+On such a CPU torch's SDPA (its flash kernel) was the fastest extend path we had; this kernel computes
+the products on the tiles and the softmax in AVX-512, and measured 2-4x faster than SDPA at 500-2,048
+tokens (benchmarks/bench_prefill_attention.py). It reads K/V in place from the pool like the C extend
+kernel (same `reqs` rows), without seeds or log-sum-exps, so cascade attention keeps its own path.
+`RADIXSERVE_CPU_PREFILL_KERNEL=0` turns it off with the other extend kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from radixserve import platform as rs_platform
+from radixserve.layers.native_build import call_profiled, is_x86, load_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "extend_amx.c"
+FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
+         "-mamx-bf16")
+MAX_DIM = 256
+
+
+class AmxExtendKernel:
+    """`extend` with the C extend kernel's arguments, bf16 only; `max_new_tokens`: no limit."""
+
+    max_new_tokens = None
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.extend_attention_amx_bf16
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+
+    def extend_supports(self, q: torch.Tensor, k_buf: torch.Tensor) -> bool:
+        heads, dim = q.shape[1], q.shape[2]
+        return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and k_buf.dtype == torch.bfloat16
+                and dim % 32 == 0 and dim <= MAX_DIM and heads % k_buf.shape[1] == 0)
+
+    def extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+               reqs: torch.Tensor, scale: float, seed: tuple[torch.Tensor, torch.Tensor] | None = None,
+               with_lse: bool = False) -> tuple[torch.Tensor, None]:
+        """q [tokens, heads, dim]; kv_indices int32 context slots; reqs int64 [bs, 4] (q_start, q_len,
+        kv_start, kv_len) -> (out [tokens, heads, dim], None)."""
+        if seed is not None or with_lse:
+            raise ValueError("the AMX extend kernel takes no seed and returns no log-sum-exp")
+        if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+            raise ValueError("the AMX extend kernel needs contiguous K/V buffers")
+        q, kv_indices, reqs = q.contiguous(), kv_indices.to(torch.int32).contiguous(), reqs.contiguous()
+        out = torch.empty_like(q)
+        status = call_profiled(
+            "radixserve::extend_attention_amx", self._fn, q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+            kv_indices.data_ptr(), reqs.data_ptr(), out.data_ptr(), reqs.shape[0], q.shape[1], k_buf.shape[1],
+            q.shape[2], scale, torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"the AMX extend kernel rejected q {tuple(q.shape)} over K/V {tuple(k_buf.shape)} "
+                             f"(status {status})")
+        return out, None
+
+
+def load_amx_extend_kernel() -> AmxExtendKernel | None:
+    """The kernel where AMX-BF16 is visible (platform.kernel_class() == "amx", read at each call, so a
+    forced lower RADIXSERVE_CPU_ISA hides it), it builds, and the OS grants this process AMX state; else None."""
+    if not is_x86() or rs_platform.kernel_class() != "amx":
+        return None
+    return _built_kernel()
+
+
+@functools.cache
+def _built_kernel() -> AmxExtendKernel | None:
+    lib = load_library(SOURCE, "extend-amx", FLAGS, "AMX extend attention", "prefill attention uses SDPA")
+    if lib is None:
+        return None
+    lib.amx_request.restype = ctypes.c_int
+    if lib.amx_request() != 0:
+        logger.warning("the OS refused this process AMX state (arch_prctl); prefill attention uses SDPA")
+        return None
+    return AmxExtendKernel(lib)

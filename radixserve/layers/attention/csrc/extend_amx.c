@@ -1,0 +1,258 @@
+/* Causal extend (prefill) attention in bf16 on AMX tiles, K/V read from the pool through slot indices.
+ *
+ * Same contract as extend_attention.c (without seeds or log-sum-exps): request b's rows of `reqs` are
+ * (q_start, q_len, kv_start, kv_len); query i of the request sees its first kv_len - q_len + i + 1
+ * context slots kv_indices[kv_start ...]. q/out [tokens, heads, dim], k/v_buf [slots, kv_heads, dim].
+ *
+ * Phase 1 (parallel over requests, kv heads and 32-token blocks) packs each block's K and V into the
+ * layouts a B tile wants: K pair-transposed (16 dims' pairs x 16 tokens per tile, for S = Q K^T) and V
+ * token-pair interleaved (16 token pairs x 16 dims, for O = P V). Phase 2 (parallel over requests, query
+ * heads and 16-query blocks) runs flash attention per block: S of 16 queries x 32 keys on the tiles, an
+ * online softmax in float32 vectors (the scale applied in float32, P rounded to bf16 for the tiles, as
+ * a bf16 flash kernel does), P V on the tiles added into a float32 accumulator, and one division at the
+ * end. Tiles: tmm0/1 S (keys 0-15 | 16-31), then P V outputs with tmm5/6; tmm2 Q; tmm3 P; tmm4 K or V.
+ *
+ * Returns 0; 1 for a shape it does not take (dim % 32, dim > 256, heads % kv_heads); 2 without memory;
+ * -2 without the OS's AMX permission (amx_request, called once by the loader).
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define KB 32 /* keys per block */
+#define QB 16 /* queries per block */
+#define MAX_DIM 256
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+int amx_request(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -2; }
+
+static void configure(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int i = 0; i < 7; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* exp(x) for x <= 0 (Cephes expf's reduction and polynomial); below -87 it returns ~1e-38. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane i = OP over v[i]'s sixteen lanes, for sixteen vectors at once (a transposing tree, no
+ * horizontal reduction per vector). */
+#define DEFINE_FOLD16(NAME, OP)                                                                            \
+    static inline __m512 NAME(const __m512 *v) {                                                          \
+        __m512 r8[8], r4[4], r2[2];                                                                       \
+        for (int i = 0; i < 8; i++)                                                                       \
+            r8[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE)); \
+        for (int i = 0; i < 4; i++)                                                                       \
+            r4[i] = OP(_mm512_shuffle_f32x4(r8[2 * i], r8[2 * i + 1], 0x88), _mm512_shuffle_f32x4(r8[2 * i], r8[2 * i + 1], 0xDD)); \
+        for (int i = 0; i < 2; i++)                                                                       \
+            r2[i] = OP(_mm512_shuffle_ps(r4[2 * i], r4[2 * i + 1], 0x88), _mm512_shuffle_ps(r4[2 * i], r4[2 * i + 1], 0xDD)); \
+        const __m512 w = OP(_mm512_shuffle_ps(r2[0], r2[1], 0x88), _mm512_shuffle_ps(r2[0], r2[1], 0xDD)); \
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w); \
+    }
+DEFINE_FOLD16(max16, _mm512_max_ps)
+DEFINE_FOLD16(sum16, _mm512_add_ps)
+
+/* Packed block sizes in bf16 elements: one 16 x 32 tile is 512. */
+static inline int64_t block_elems(int64_t dim) { return (int64_t)KB * dim; }
+
+/* K block -> kp[s][c][p][t][e] = K[16 s + t][32 c + 2 p + e]; V block -> vp[g][p][n][e] = V[2 p + e][16 g + n].
+ * Keys past the context are zero. */
+static void pack_block(const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *slots, int64_t count,
+                       int64_t kv_heads, int64_t h, int64_t dim, uint16_t *kp, uint16_t *vp) {
+    memset(kp, 0, sizeof(uint16_t) * block_elems(dim));
+    memset(vp, 0, sizeof(uint16_t) * block_elems(dim));
+    const int64_t steps = dim / 32;
+    for (int64_t t = 0; t < count; t++) {
+        const uint32_t *krow = (const uint32_t *)(k_buf + ((int64_t)slots[t] * kv_heads + h) * dim);
+        const uint16_t *vrow = v_buf + ((int64_t)slots[t] * kv_heads + h) * dim;
+        uint32_t *kt = (uint32_t *)kp + (t / 16) * steps * 256 + (t % 16);
+        for (int64_t c = 0; c < steps; c++)
+            for (int64_t p = 0; p < 16; p++) kt[c * 256 + p * 16] = krow[c * 16 + p];
+        uint16_t *vt = vp + (t / 2) * 32 + (t % 2);
+        for (int64_t d = 0; d < dim; d++) vt[(d / 16) * 512 + (d % 16) * 2] = vrow[d];
+    }
+}
+
+/* One block of up to 16 queries of query head `head` (kv head h) over the request's packed context. */
+static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack, const uint16_t *vpack,
+                         int64_t q0, int64_t rows, int64_t q_len, int64_t kv_len, int64_t heads, int64_t head,
+                         int64_t dim, float scale) {
+    __attribute__((aligned(64))) uint16_t qbuf[QB * MAX_DIM];
+    __attribute__((aligned(64))) uint16_t pbuf[QB * KB];
+    __attribute__((aligned(64))) float sbuf[QB * KB];
+    __attribute__((aligned(64))) float pv[QB * 64];
+    __attribute__((aligned(64))) float acc[QB * MAX_DIM];
+    __attribute__((aligned(64))) float run_max[QB], run_sum[QB], alpha[QB];
+    const int64_t steps = dim / 32, groups = dim / 16, before = kv_len - q_len;
+    memset(qbuf, 0, sizeof(uint16_t) * QB * dim);
+    for (int64_t r = 0; r < rows; r++) memcpy(qbuf + r * dim, q + ((q0 + r) * heads + head) * dim, 2 * dim);
+    memset(acc, 0, sizeof(float) * QB * dim);
+    for (int r = 0; r < QB; r++) run_max[r] = -INFINITY, run_sum[r] = 0.0f;
+    const int64_t last_key = before + q0 + rows - 1; /* the block's last query sees keys 0..last_key */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t b = 0; b * KB <= last_key; b++) {
+        const uint16_t *kb = kpack + b * block_elems(dim), *vb = vpack + b * block_elems(dim);
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < steps; c++) {
+            _tile_loadd(2, qbuf + 32 * c, 2 * dim);
+            _tile_loadd(4, kb + c * 512, 64);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_loadd(4, kb + (steps + c) * 512, 64);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, sbuf, KB * 4);
+        _tile_stored(1, sbuf + 16, KB * 4);
+        const int masked = (b + 1) * KB - 1 > before + q0; /* some key of the block is past some query */
+        __m512 fold[QB];
+        for (int64_t r = 0; r < QB; r++) { /* scale, mask; each row's max into lane r below */
+            __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB), _mm512_set1_ps(scale));
+            __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB + 16), _mm512_set1_ps(scale));
+            if (masked) {
+                const __m512i limit = _mm512_set1_epi32((int)(before + q0 + r - b * KB)); /* keys <= limit */
+                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                s0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(lane, limit), s0);
+                s1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), s1);
+            }
+            _mm512_store_ps(sbuf + r * KB, s0);
+            _mm512_store_ps(sbuf + r * KB + 16, s1);
+            fold[r] = _mm512_max_ps(s0, s1);
+        }
+        const __m512 old_max = _mm512_load_ps(run_max);
+        const __m512 top = _mm512_max_ps(old_max, max16(fold));
+        /* NOTE: a row with no key yet keeps max -inf; its shift is 0 so that exp never sees inf - inf */
+        const __mmask16 none = _mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+        const __m512 shift = _mm512_mask_mov_ps(top, none, _mm512_setzero_ps());
+        _mm512_store_ps(alpha, _mm512_mask_mov_ps(exp_nonpositive(_mm512_sub_ps(old_max, shift)), none,
+                                                  _mm512_set1_ps(1.0f)));
+        _mm512_store_ps(run_max, top);
+        __attribute__((aligned(64))) float shifts[QB];
+        _mm512_store_ps(shifts, shift);
+        for (int64_t r = 0; r < QB; r++) {
+            const __m512 mx = _mm512_set1_ps(shifts[r]);
+            const __m512 p0 = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), mx));
+            const __m512 p1 = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), mx));
+            fold[r] = _mm512_add_ps(p0, p1);
+            _mm512_store_si512(pbuf + r * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        _mm512_store_ps(run_sum, _mm512_fmadd_ps(_mm512_load_ps(run_sum), _mm512_load_ps(alpha), sum16(fold)));
+        _tile_loadd(3, pbuf, KB * 2);
+        for (int64_t g0 = 0; g0 < groups; g0 += 4) { /* P V, 4 column groups of 16 dims at a time */
+            const int64_t n = groups - g0 < 4 ? groups - g0 : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(5);
+            _tile_zero(6);
+            _tile_loadd(4, vb + g0 * 512, 64);
+            _tile_dpbf16ps(0, 3, 4);
+            if (n > 1) { _tile_loadd(4, vb + (g0 + 1) * 512, 64); _tile_dpbf16ps(1, 3, 4); }
+            if (n > 2) { _tile_loadd(4, vb + (g0 + 2) * 512, 64); _tile_dpbf16ps(5, 3, 4); }
+            if (n > 3) { _tile_loadd(4, vb + (g0 + 3) * 512, 64); _tile_dpbf16ps(6, 3, 4); }
+            _tile_stored(0, pv, 64 * 4);
+            _tile_stored(1, pv + 16, 64 * 4);
+            _tile_stored(5, pv + 32, 64 * 4);
+            _tile_stored(6, pv + 48, 64 * 4);
+            for (int64_t r = 0; r < rows; r++) {
+                const __m512 a = _mm512_set1_ps(alpha[r]);
+                for (int64_t j = 0; j < n; j++) {
+                    float *o = acc + r * dim + 16 * (g0 + j);
+                    _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_load_ps(o), a, _mm512_load_ps(pv + r * 64 + 16 * j)));
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f);
+        uint16_t *o = out + ((q0 + r) * heads + head) * dim;
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + r * dim + d), inv)));
+    }
+}
+
+int extend_attention_amx_bf16(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,
+                              const int32_t *kv_indices, const int64_t *reqs, uint16_t *out, int64_t bs,
+                              int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) {
+    if (dim % 32 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads) return 1;
+    const int64_t group = heads / kv_heads;
+    int64_t *pack_at = malloc(sizeof(int64_t) * (bs + 1)), *qblocks_at = malloc(sizeof(int64_t) * (bs + 1));
+    if (!pack_at || !qblocks_at) {
+        free(pack_at);
+        free(qblocks_at);
+        return 2;
+    }
+    pack_at[0] = qblocks_at[0] = 0; /* per request: its first K/V block, its first query block */
+    for (int64_t b = 0; b < bs; b++) {
+        pack_at[b + 1] = pack_at[b] + (reqs[4 * b + 3] + KB - 1) / KB;
+        qblocks_at[b + 1] = qblocks_at[b] + (reqs[4 * b + 1] + QB - 1) / QB;
+    }
+    const int64_t kv_blocks = pack_at[bs], q_blocks = qblocks_at[bs];
+    uint16_t *kpack = aligned_alloc(64, sizeof(uint16_t) * kv_blocks * kv_heads * block_elems(dim) + 64);
+    uint16_t *vpack = aligned_alloc(64, sizeof(uint16_t) * kv_blocks * kv_heads * block_elems(dim) + 64);
+    if (!kpack || !vpack) {
+        free(kpack), free(vpack), free(pack_at), free(qblocks_at);
+        return 2;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < kv_blocks * kv_heads; i++) {
+            const int64_t blk = i / kv_heads, h = i % kv_heads;
+            int64_t b = 0;
+            while (pack_at[b + 1] <= blk) b++;
+            const int64_t j = blk - pack_at[b], kv_len = reqs[4 * b + 3];
+            const int64_t count = kv_len - j * KB < KB ? kv_len - j * KB : KB;
+            const int64_t at = (h * kv_blocks + blk) * block_elems(dim); /* head-major: a request's blocks are adjacent */
+            pack_block(k_buf, v_buf, kv_indices + reqs[4 * b + 2] + j * KB, count, kv_heads, h, dim,
+                       kpack + at, vpack + at);
+        }
+        configure();
+        /* NOTE: later query blocks see more keys: dynamic scheduling from the last block down balances them */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = q_blocks * heads - 1; i >= 0; i--) {
+            const int64_t qblk = i / heads, head = i % heads, h = head / group;
+            int64_t b = 0;
+            while (qblocks_at[b + 1] <= qblk) b++;
+            const int64_t q_start = reqs[4 * b], q_len = reqs[4 * b + 1], kv_len = reqs[4 * b + 3];
+            const int64_t first = (qblk - qblocks_at[b]) * QB, rows = q_len - first < QB ? q_len - first : QB;
+            const int64_t at = (h * kv_blocks + pack_at[b]) * block_elems(dim);
+            attend_block(q + q_start * heads * dim, out + q_start * heads * dim, kpack + at, vpack + at, first, rows,
+                         q_len, kv_len, heads, head, dim, scale);
+        }
+        _tile_release();
+    }
+    free(kpack), free(vpack), free(pack_at), free(qblocks_at);
+    return 0;
+}
