@@ -1,4 +1,7 @@
-"""Causal prefill attention on the CPU: the C extend kernel (csrc/extend_attention.c) against torch's SDPA.
+"""Causal prefill attention on the CPU: our extend kernel against torch's SDPA.
+
+The kernel is the one CpuAttnBackend uses for the dtype: in bf16 on a CPU with AMX-BF16 the AMX kernel
+(csrc/extend_amx.c), otherwise the C extend kernel (csrc/extend_attention.c).
 
 Attention alone: one request of each --lengths prompt length (no cached prefix; the model's head
 shape, default the embedded SmolLM2-135M: 9 query heads over 3 kv heads, dim 64), and one batch of
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 from radixserve.bench.docs import cpu_header, write_doc_section
+from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
 from radixserve.layers.attention.native import load_decode_kernel
 from radixserve.layers.attention.torch_backend import PREFILL_KERNEL_ENV, _causal_sdpa
 
@@ -35,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- bench_prefill_attention:begin -->", "<!-- bench_prefill_attention:end -->"
 BENCH = ["radixserve", "bench", "--modes", "on", "--repeats", "3", "--output", "", "--plot", ""]
-Row = tuple[str, int, str, float, float]  # dtype, threads, shape, SDPA ms, kernel ms
+Row = tuple[str, int, str, float, float, str]  # dtype, threads, shape, SDPA ms, kernel ms, kernel name
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,8 +71,18 @@ def time_pair(fns: dict[str, callable], seconds: float) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_shape(lengths: list[int], args: argparse.Namespace, dtype: torch.dtype) -> tuple[float, float]:
-    """(SDPA, kernel) median seconds for one batch of requests without cached prefixes."""
+def extend_kernel_for(q: torch.Tensor, k: torch.Tensor):
+    """(name, kernel): the AMX kernel where it takes this dtype here, else the C extend kernel."""
+    amx = load_amx_extend_kernel()
+    if amx is not None and amx.extend_supports(q, k):
+        return "amx", amx
+    kernel = load_decode_kernel()
+    assert kernel is not None, "the C kernels cannot be built here"
+    return "c", kernel
+
+
+def bench_shape(lengths: list[int], args: argparse.Namespace, dtype: torch.dtype) -> tuple[float, float, str]:
+    """(SDPA, kernel) median seconds for one batch of requests without cached prefixes, and the kernel's name."""
     g = torch.Generator().manual_seed(0)
     total, scale = sum(lengths), args.dim**-0.5
     q = torch.randn(total, args.heads, args.dim, generator=g).to(dtype)
@@ -76,8 +90,7 @@ def bench_shape(lengths: list[int], args: argparse.Namespace, dtype: torch.dtype
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     reqs = torch.tensor([(s, n, s, n) for s, n in zip(starts, lengths, strict=True)])
     slots = torch.arange(total, dtype=torch.int32)
-    kernel = load_decode_kernel()
-    assert kernel is not None, "the C kernels cannot be built here"
+    name, kernel = extend_kernel_for(q, k)
 
     def sdpa() -> None:
         out = torch.empty_like(q)
@@ -85,7 +98,7 @@ def bench_shape(lengths: list[int], args: argparse.Namespace, dtype: torch.dtype
             out[s : s + n] = _causal_sdpa(q[s : s + n], k[s : s + n], v[s : s + n], None, scale)
 
     seconds = time_pair({"sdpa": sdpa, "kernel": lambda: kernel.extend(q, k, v, slots, reqs, scale)}, args.seconds)
-    return seconds["sdpa"], seconds["kernel"]
+    return seconds["sdpa"], seconds["kernel"], name
 
 
 def bench_attention(args: argparse.Namespace) -> list[Row]:
@@ -97,9 +110,9 @@ def bench_attention(args: argparse.Namespace) -> list[Row]:
         for threads in map(int, args.threads.split(",")):
             torch.set_num_threads(threads)
             for label, lengths in shapes:
-                sdpa, kernel = bench_shape(lengths, args, getattr(torch, dtype_name))
-                rows.append((dtype_name, threads, label, 1e3 * sdpa, 1e3 * kernel))
-                print(f"{dtype_name} {threads} thread(s) {label}: SDPA {rows[-1][3]:.3f} ms, kernel "
+                sdpa, kernel, name = bench_shape(lengths, args, getattr(torch, dtype_name))
+                rows.append((dtype_name, threads, label, 1e3 * sdpa, 1e3 * kernel, name))
+                print(f"{dtype_name} {threads} thread(s) {label}: SDPA {rows[-1][3]:.3f} ms, {name} kernel "
                       f"{rows[-1][4]:.3f} ms, {sdpa / kernel:.2f}x", flush=True)
     return rows
 
@@ -129,19 +142,20 @@ def bench_e2e(workload: str, pairs: int) -> dict[str, list[float]]:
 def render(rows: list[Row], e2e: dict[str, dict[str, list[float]]], args: argparse.Namespace,
            load: tuple[float, float]) -> str:
     lines = [
-        "## Prefill attention: C extend kernel vs SDPA (`benchmarks/bench_prefill_attention.py`)", "",
+        "## Prefill attention: our extend kernel vs SDPA (`benchmarks/bench_prefill_attention.py`)", "",
         f"Causal attention of prompts without a cached prefix, {args.heads} query heads over {args.kv_heads} kv "
         f"heads, dim {args.dim} (SmolLM2-135M). {cpu_header()}; {os.cpu_count()} logical CPUs, torch "
         f"{torch.__version__}; load average {load[0]:.1f} at start, {load[1]:.1f} at end. SDPA and the kernel "
-        "alternate call by call; medians. GFLOP/s count the causal half (4 * heads * dim * n(n+1)/2 per request).",
+        "alternate call by call; medians. GFLOP/s count the causal half (4 * heads * dim * n(n+1)/2 per request). "
+        "Kernel: `amx` is csrc/extend_amx.c (bf16 on AMX-BF16 CPUs), `c` is csrc/extend_attention.c.",
         "", f"Command: `python benchmarks/bench_prefill_attention.py --lengths {args.lengths} --batch {args.batch} "
         f"--threads {args.threads} --dtypes {args.dtypes} --e2e-pairs {args.e2e_pairs} --workloads {args.workloads}`",
-        "", "| dtype | threads | requests x tokens | SDPA ms | kernel ms | SDPA GFLOP/s | kernel GFLOP/s | speedup |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "", "| dtype | threads | requests x tokens | kernel | SDPA ms | kernel ms | SDPA GFLOP/s | kernel GFLOP/s | speedup |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
-    for dtype, threads, label, sdpa, kernel in rows:
+    for dtype, threads, label, sdpa, kernel, name in rows:
         flop = causal_gflop(label, args)
-        lines.append(f"| {dtype} | {threads} | {label} | {sdpa:.3f} | {kernel:.3f} | {flop / sdpa * 1e3:.0f} | "
+        lines.append(f"| {dtype} | {threads} | {label} | {name} | {sdpa:.3f} | {kernel:.3f} | {flop / sdpa * 1e3:.0f} | "
                      f"{flop / kernel * 1e3:.0f} | {sdpa / kernel:.2f}x |")
     for workload, walls in e2e.items():
         ratios = [off / on for on, off in zip(walls["on"], walls["off"], strict=True)]
