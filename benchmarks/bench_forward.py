@@ -37,7 +37,7 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_forward.png"
 BEGIN, END = "<!-- bench_forward:begin -->", "<!-- bench_forward:end -->"
 PATHS = {"before": {"linear_method": "dense", "disable_fused_ops": True}, "after": {},
-         "onednn": {"linear_method": "onednn"}}  # `after` without the GEMV (layers/gemv.py)
+         "onednn": {"linear_method": "onednn"}}  # `after` without our decode kernels (layers/gemv.py)
 HF = "transformers"
 
 
@@ -234,10 +234,13 @@ Row = tuple[str, int, dict[str, float]]  # workload, threads, tokens/s per engin
 NOTES = """`before` is the code path before the CPU fast path, through its switches: every linear layer
 in `F.linear` (in bf16 on the CPU it reorders the weight on every call) and the passes between the
 matrix products as separate eager torch ops. `after` is the default: each weight shape runs the
-linear method that measured fastest here (oneDNN's prepacked layout for every bf16 shape of this
-model on this CPU; layers/linear_tuning.py), and residual add + RMSNorm, rotary + KV write and
-SiLU-and-mul run as compiled ops (AOTInductor; layers/fused_ops.py). Decode contexts hold random
-K/V; prefill computes the last token's logits only, as generate does."""
+linear method that measured fastest here (in bf16 on this CPU `onednn_gemv`: our AMX kernel up to 32
+rows, oneDNN's prepacked layout above; layers/linear_tuning.py, layers/gemv.py), and residual add +
+RMSNorm, rotary + KV write and SiLU-and-mul run as compiled ops (AOTInductor; layers/fused_ops.py).
+`onednn` is `after` with oneDNN for every linear layer. Attention is the same in every path (the CPU
+backend's kernels: on this CPU AMX tiles for bf16 prefill, the C decode kernel), so this table does not
+show it; benchmarks/bench_prefill_attention.py does. Decode contexts hold random K/V; prefill computes
+the last token's logits only, as generate does."""
 
 
 def render(rows: list[Row], args: argparse.Namespace, load: tuple[float, float], profile_md: str) -> str:

@@ -305,6 +305,10 @@ def test_amx_kernel_takes_only_what_it_computes():
     assert not kernel.extend_supports(q[..., :48].contiguous(), k_buf[..., :48].contiguous())  # dim % 32
     with pytest.raises(ValueError, match="no seed"):
         kernel.extend(q, k_buf, v_buf, indices, reqs, 0.125, with_lse=True)
+    bad = reqs.clone()
+    bad[0, 3] = 4  # kv_len < q_len: the last query would see no key
+    with pytest.raises(ValueError, match="rejected"):
+        kernel.extend(q, k_buf, v_buf, indices, bad, 0.125)
 
 
 def test_cpu_backend_runs_bf16_extend_on_amx(monkeypatch):

@@ -12,7 +12,8 @@
  * a bf16 flash kernel does), P V on the tiles added into a float32 accumulator, and one division at the
  * end. Tiles: tmm0/1 S (keys 0-15 | 16-31), then P V outputs with tmm5/6; tmm2 Q; tmm3 P; tmm4 K or V.
  *
- * Returns 0; 1 for a shape it does not take (dim % 32, dim > 256, heads % kv_heads); 2 without memory;
+ * Returns 0; 1 for a shape it does not take (dim % 32, dim > 256, heads % kv_heads, kv_len < q_len); 2
+ * without memory;
  * -2 without the OS's AMX permission (amx_request, called once by the loader).
  */
 #define _GNU_SOURCE
@@ -206,6 +207,8 @@ int extend_attention_amx_bf16(const uint16_t *q, const uint16_t *k_buf, const ui
                               const int32_t *kv_indices, const int64_t *reqs, uint16_t *out, int64_t bs,
                               int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) {
     if (dim % 32 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads) return 1;
+    for (int64_t b = 0; b < bs; b++) /* q_start, q_len, kv_start, kv_len: a query must see its own key */
+        if (reqs[4 * b] < 0 || reqs[4 * b + 1] < 0 || reqs[4 * b + 2] < 0 || reqs[4 * b + 3] < reqs[4 * b + 1]) return 1;
     const int64_t group = heads / kv_heads;
     int64_t *pack_at = malloc(sizeof(int64_t) * (bs + 1)), *qblocks_at = malloc(sizeof(int64_t) * (bs + 1));
     if (!pack_at || !qblocks_at) {
