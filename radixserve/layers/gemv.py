@@ -33,6 +33,7 @@ GEMV_MAX_ROWS = 4
 AMX_MAX_ROWS = 32  # the AMX kernel's two 16-row A tiles
 AMX_FLAGS = (*FLAGS, "-mamx-tile", "-mamx-bf16")
 AMX_SOURCE = Path(__file__).parent / "csrc" / "bf16_amx.c"
+AMX_HEADERS = (Path(__file__).parent / "csrc" / "amx_tiles.h",)
 
 
 class Bf16Gemv:
@@ -87,7 +88,8 @@ def load_amx_kernel() -> Bf16AmxGemm | None:
 
 @functools.cache
 def _built_amx_kernel() -> Bf16AmxGemm | None:
-    lib = load_library(AMX_SOURCE, "bf16-amx", AMX_FLAGS, "bf16 AMX kernel", "decode batches use oneDNN")
+    lib = load_library(AMX_SOURCE, "bf16-amx", AMX_FLAGS, "bf16 AMX kernel", "decode batches use oneDNN",
+                       AMX_HEADERS)
     if lib is None:
         return None
     lib.amx_request.restype = ctypes.c_int

@@ -38,10 +38,13 @@ def c_compiler() -> str:
     return compiler
 
 
-def build_library(source: Path, stem: str, flags: Sequence[str]) -> Path:
-    """The path of `source` built with `flags` (-O3 -fopenmp -fPIC added); raises one of BUILD_ERRORS."""
+def build_library(source: Path, stem: str, flags: Sequence[str], headers: Sequence[Path] = ()) -> Path:
+    """The path of `source` built with `flags` (-O3 -fopenmp -fPIC added); raises one of BUILD_ERRORS.
+
+    `headers`: the files `source` includes, so that a changed header builds a new library too."""
     compiler = c_compiler()
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
+    text = b"".join(path.read_bytes() for path in (source, *headers))
+    key = hashlib.sha256(text + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
     target = envs.CACHE_DIR.get() / "kernels" / f"{stem}-{key}.so"
     if target.exists():
         return target
@@ -56,10 +59,11 @@ def build_library(source: Path, stem: str, flags: Sequence[str]) -> Path:
     return target
 
 
-def load_library(source: Path, stem: str, flags: Sequence[str], what: str, fallback: str) -> ctypes.CDLL | None:
+def load_library(source: Path, stem: str, flags: Sequence[str], what: str, fallback: str,
+                 headers: Sequence[Path] = ()) -> ctypes.CDLL | None:
     """`source` built (build_library) and loaded, or None with a warning naming `what` and the `fallback`."""
     try:
-        return ctypes.CDLL(str(build_library(source, stem, flags)))
+        return ctypes.CDLL(str(build_library(source, stem, flags, headers)))
     except BUILD_ERRORS as e:
         logger.warning("%s unavailable (%s); %s", what, e, fallback)
         return None

@@ -22,6 +22,8 @@ from radixserve.layers.native_build import call_profiled, is_x86, load_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "extend_amx.c"
+HEADERS = tuple(Path(__file__).parent / name for name in (
+    "csrc/simd.h", "csrc/attention_common.h", "../csrc/amx_tiles.h"))
 FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
          "-mamx-bf16")
 MAX_DIM = 256
@@ -73,7 +75,7 @@ def load_amx_extend_kernel() -> AmxExtendKernel | None:
 
 @functools.cache
 def _built_kernel() -> AmxExtendKernel | None:
-    lib = load_library(SOURCE, "extend-amx", FLAGS, "AMX extend attention", "prefill attention uses SDPA")
+    lib = load_library(SOURCE, "extend-amx", FLAGS, "AMX extend attention", "prefill attention uses SDPA", HEADERS)
     if lib is None:
         return None
     lib.amx_request.restype = ctypes.c_int

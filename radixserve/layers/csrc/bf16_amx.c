@@ -16,38 +16,19 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 #define TILE 64        // W rows per packed tile (bf16_gemv.c)
 #define PAIR_BYTES 256 // one input pair of a packed tile: 64 rows x 2 bf16
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-int amx_request(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -2; }
 
 // Up to 16 rows of x: tmm0-3 C (W rows +0, +16, +32, +48 of the tile), tmm4 A, tmm6/7 B, one pass
 // over the tile. 17-32 rows: two passes of 32 W rows, tmm0-3 C (x rows 0-15 | 16-31) x (W rows +0 | +16),
 // tmm4/5 A (x rows 0-15 | 16-31), tmm6/7 B.
 static void configure(int64_t m) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    const int low = m < 16 ? (int)m : 16, high = m > 16 ? (int)m - 16 : (int)m;
-    const int rows[8] = {low, low, m > 16 ? high : low, m > 16 ? high : low, low, high, 16, 16};
-    for (int i = 0; i < 8; i++) {
-        cfg.rows[i] = (uint8_t)rows[i];
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    const uint8_t low = m < 16 ? (uint8_t)m : 16, high = m > 16 ? (uint8_t)(m - 16) : (uint8_t)m;
+    const uint8_t rows[8] = {low, low, m > 16 ? high : low, m > 16 ? high : low, low, high, 16, 16};
+    configure_tiles(rows, 8);
 }
 
 static inline void prefetch_pairs(const char *p, int lines_per_row) { // 16 pair rows

@@ -2,7 +2,7 @@
  * sixteen tokens at a time. Included by decode_attention.c where SIMD_WIDTH == 16.
  *
  * Scores: for one query row, sixteen K rows are dotted into sixteen accumulators, which a transposing
- * tree (`sums16`) folds into one vector of sixteen scores: no horizontal sum per token.
+ * tree (`vf_sum16`, simd.h) folds into one vector of sixteen scores: no horizontal sum per token.
  * Values: the softmax weights of a chunk are applied with every accumulator of a head in registers,
  * `VCOLS` of the head dim's 16-lane columns at a time, so each V row is widened once per column block.
  * Prefetch: while a block of K rows is scored, the same block's V rows (read right after the chunk's
@@ -16,23 +16,6 @@
 #define RADIXSERVE_DECODE_AVX512_H
 
 #define BLOCK 16 /* tokens scored together */
-
-/* Lane i = the sum of s[i]'s sixteen lanes. */
-static inline __m512 sums16(const __m512 *s) {
-    __m512 r8[8], r4[4], r2[2];
-    for (int i = 0; i < 8; i++) /* lanes 0-7: s[2i] folded to 8 partials; 8-15: s[2i + 1] */
-        r8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x44),
-                              _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++) /* 128-bit lane k: 4 partials of s[4i + k] */
-        r4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r8[2 * i], r8[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(r8[2 * i], r8[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++) /* lane k: 2 partials each of s[8i + k], s[8i + 4 + k] */
-        r2[i] = _mm512_add_ps(_mm512_shuffle_ps(r4[2 * i], r4[2 * i + 1], 0x88),
-                              _mm512_shuffle_ps(r4[2 * i], r4[2 * i + 1], 0xDD));
-    /* position 4k + j holds the sum of s[k + 4j] */
-    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(r2[0], r2[1], 0x88), _mm512_shuffle_ps(r2[0], r2[1], 0xDD));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
-}
 
 #define VCOLS(group, nv) ((group) * (nv) <= 24 ? (nv) : ((24 / (group)) > 0 ? 24 / (group) : 1))
 
@@ -76,7 +59,7 @@ static inline __m512 sums16(const __m512 *s) {
                         for (int i = 0; i < BLOCK; i++) s[i] = _mm512_setzero_ps();                       \
                         for (int64_t c = 0; c < steps; c++)                                               \
                             for (int i = 0; i < BLOCK; i++) s[i] = KDOT(s[i], qv[r][c], rows_k[t + i] + h * dim, c); \
-                        _mm512_storeu_ps(score[r] + t, _mm512_mul_ps(sums16(s), _mm512_set1_ps(post)));   \
+                        _mm512_storeu_ps(score[r] + t, _mm512_mul_ps(vf_sum16(s), _mm512_set1_ps(post)));   \
                     }                                                                                     \
                 }                                                                                         \
             }                                                                                             \

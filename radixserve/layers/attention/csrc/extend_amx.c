@@ -18,73 +18,19 @@
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "../../csrc/amx_tiles.h"
+#include "simd.h" /* vf_exp_nonpositive, vf_max16, vf_sum16; MAX_DIM */
 
 #define KB 32 /* keys per block */
 #define QB 16 /* queries per block */
-#define MAX_DIM 256
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-int amx_request(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : -2; }
 
 static void configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int i = 0; i < 7; i++) {
-        cfg.rows[i] = 16;
-        cfg.colsb[i] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    const uint8_t rows[7] = {16, 16, 16, 16, 16, 16, 16};
+    configure_tiles(rows, 7);
 }
 
-/* exp(x) for x <= 0 (Cephes expf's reduction and polynomial); below -87 it returns ~1e-38. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* Lane i = OP over v[i]'s sixteen lanes, for sixteen vectors at once (a transposing tree, no
- * horizontal reduction per vector). */
-#define DEFINE_FOLD16(NAME, OP)                                                                            \
-    static inline __m512 NAME(const __m512 *v) {                                                          \
-        __m512 r8[8], r4[4], r2[2];                                                                       \
-        for (int i = 0; i < 8; i++)                                                                       \
-            r8[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE)); \
-        for (int i = 0; i < 4; i++)                                                                       \
-            r4[i] = OP(_mm512_shuffle_f32x4(r8[2 * i], r8[2 * i + 1], 0x88), _mm512_shuffle_f32x4(r8[2 * i], r8[2 * i + 1], 0xDD)); \
-        for (int i = 0; i < 2; i++)                                                                       \
-            r2[i] = OP(_mm512_shuffle_ps(r4[2 * i], r4[2 * i + 1], 0x88), _mm512_shuffle_ps(r4[2 * i], r4[2 * i + 1], 0xDD)); \
-        const __m512 w = OP(_mm512_shuffle_ps(r2[0], r2[1], 0x88), _mm512_shuffle_ps(r2[0], r2[1], 0xDD)); \
-        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w); \
-    }
-DEFINE_FOLD16(max16, _mm512_max_ps)
-DEFINE_FOLD16(sum16, _mm512_add_ps)
 
 /* Packed block sizes in bf16 elements: one 16 x 32 tile is 512. */
 static inline int64_t block_elems(int64_t dim) { return (int64_t)KB * dim; }
@@ -153,23 +99,23 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
             fold[r] = _mm512_max_ps(s0, s1);
         }
         const __m512 old_max = _mm512_load_ps(run_max);
-        const __m512 top = _mm512_max_ps(old_max, max16(fold));
+        const __m512 top = _mm512_max_ps(old_max, vf_max16(fold));
         /* NOTE: a row with no key yet keeps max -inf; its shift is 0 so that exp never sees inf - inf */
         const __mmask16 none = _mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
         const __m512 shift = _mm512_mask_mov_ps(top, none, _mm512_setzero_ps());
-        _mm512_store_ps(alpha, _mm512_mask_mov_ps(exp_nonpositive(_mm512_sub_ps(old_max, shift)), none,
+        _mm512_store_ps(alpha, _mm512_mask_mov_ps(vf_exp_nonpositive(_mm512_sub_ps(old_max, shift)), none,
                                                   _mm512_set1_ps(1.0f)));
         _mm512_store_ps(run_max, top);
         __attribute__((aligned(64))) float shifts[QB];
         _mm512_store_ps(shifts, shift);
         for (int64_t r = 0; r < QB; r++) {
             const __m512 mx = _mm512_set1_ps(shifts[r]);
-            const __m512 p0 = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), mx));
-            const __m512 p1 = exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), mx));
+            const __m512 p0 = vf_exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), mx));
+            const __m512 p1 = vf_exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), mx));
             fold[r] = _mm512_add_ps(p0, p1);
             _mm512_store_si512(pbuf + r * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
-        _mm512_store_ps(run_sum, _mm512_fmadd_ps(_mm512_load_ps(run_sum), _mm512_load_ps(alpha), sum16(fold)));
+        _mm512_store_ps(run_sum, _mm512_fmadd_ps(_mm512_load_ps(run_sum), _mm512_load_ps(alpha), vf_sum16(fold)));
         _tile_loadd(3, pbuf, KB * 2);
         for (int64_t g0 = 0; g0 < groups; g0 += 4) { /* P V, 4 column groups of 16 dims at a time */
             const int64_t n = groups - g0 < 4 ? groups - g0 : 4;

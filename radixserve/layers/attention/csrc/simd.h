@@ -51,6 +51,24 @@ static inline void vf_sums8(const vf *v, float *out) {
     _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)));
 }
 
+/* Lane i = OP over v[i]'s sixteen lanes, for sixteen vectors at once: a transposing tree of 15
+ * shuffle-and-OP steps instead of sixteen horizontal reductions. */
+#define DEFINE_FOLD16(NAME, OP)                                                                            \
+    static inline __m512 NAME(const __m512 *v) {                                                          \
+        __m512 r8[8], r4[4], r2[2];                                                                       \
+        for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i] folded to 8 partials; 8-15: v[2i + 1] */         \
+            r8[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE)); \
+        for (int i = 0; i < 4; i++) /* 128-bit lane k: 4 partials of v[4i + k] */                          \
+            r4[i] = OP(_mm512_shuffle_f32x4(r8[2 * i], r8[2 * i + 1], 0x88), _mm512_shuffle_f32x4(r8[2 * i], r8[2 * i + 1], 0xDD)); \
+        for (int i = 0; i < 2; i++) /* lane k: 2 partials each of v[8i + k], v[8i + 4 + k] */              \
+            r2[i] = OP(_mm512_shuffle_ps(r4[2 * i], r4[2 * i + 1], 0x88), _mm512_shuffle_ps(r4[2 * i], r4[2 * i + 1], 0xDD)); \
+        /* position 4k + j holds v[k + 4j]'s result */                                                     \
+        const __m512 w = OP(_mm512_shuffle_ps(r2[0], r2[1], 0x88), _mm512_shuffle_ps(r2[0], r2[1], 0xDD)); \
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w); \
+    }
+DEFINE_FOLD16(vf_sum16, _mm512_add_ps)
+DEFINE_FOLD16(vf_max16, _mm512_max_ps)
+
 #if defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1 /* vdpbf16ps: bf16 pairs multiplied exactly, summed in float32 */
 #endif
