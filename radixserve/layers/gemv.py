@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from radixserve import platform as rs_platform
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
-from radixserve.layers.native_build import call_profiled, is_x86, load_library
+from radixserve.layers.native_build import call_profiled, is_x86, load_amx_library, load_library
 
-logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.c"
 FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
 TILE = 64  # output rows per tile of the packed layout (csrc/bf16_gemv.c)
@@ -37,13 +35,14 @@ AMX_HEADERS = (Path(__file__).parent / "csrc" / "amx_tiles.h",)
 
 
 class Bf16Gemv:
-    """ctypes binding of `bf16_gemv` (ctypes releases the GIL; the kernel runs on torch's OpenMP pool)."""
+    """ctypes binding of a kernel over the packed layout: `bf16_gemv`, or `bf16_amx_gemm` (same arguments;
+    ctypes releases the GIL; the kernel runs on torch's OpenMP pool)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.bf16_gemv
+    def __init__(self, fn: ctypes._CFuncPtr, name: str) -> None:
+        self._fn, self.name = fn, name
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self.profile_name = "radixserve::linear::bf16_gemv"
+        self.profile_name = f"radixserve::linear::{name}"
 
     def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """x [M, K] bfloat16 contiguous, packed from `pack_gemv_weight` -> y [M, N] bfloat16."""
@@ -53,7 +52,7 @@ class Bf16Gemv:
                 torch.get_num_threads())
         status = call_profiled(self.profile_name, self._fn, *args)
         if status != 0:
-            raise ValueError(f"bf16 GEMV rejected x {tuple(x.shape)} for a weight with {n} rows (status {status})")
+            raise ValueError(f"{self.name} rejected x {tuple(x.shape)} for a weight with {n} rows (status {status})")
         return y
 
 
@@ -67,18 +66,7 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-class Bf16AmxGemm(Bf16Gemv):
-    """ctypes binding of `bf16_amx_gemm`: the GEMV's packed weight and call, 1 to AMX_MAX_ROWS rows,
-    in_features a multiple of 32."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.bf16_amx_gemm
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        self.profile_name = "radixserve::linear::bf16_amx"
-
-
-def load_amx_kernel() -> Bf16AmxGemm | None:
+def load_amx_kernel() -> Bf16Gemv | None:
     """The AMX kernel where AMX-BF16 is visible (read at each call: a forced lower RADIXSERVE_CPU_ISA hides
     it), the kernel builds and the OS grants this process AMX state; else None."""
     if not is_x86() or rs_platform.kernel_class() != "amx":
@@ -87,16 +75,10 @@ def load_amx_kernel() -> Bf16AmxGemm | None:
 
 
 @functools.cache
-def _built_amx_kernel() -> Bf16AmxGemm | None:
-    lib = load_library(AMX_SOURCE, "bf16-amx", AMX_FLAGS, "bf16 AMX kernel", "decode batches use oneDNN",
-                       AMX_HEADERS)
-    if lib is None:
-        return None
-    lib.amx_request.restype = ctypes.c_int
-    if lib.amx_request() != 0:
-        logger.warning("the OS refused this process AMX state (arch_prctl); decode batches use oneDNN")
-        return None
-    return Bf16AmxGemm(lib)
+def _built_amx_kernel() -> Bf16Gemv | None:
+    lib = load_amx_library(AMX_SOURCE, "bf16-amx", AMX_FLAGS, "bf16 AMX kernel", "decode batches use oneDNN",
+                           AMX_HEADERS)
+    return None if lib is None else Bf16Gemv(lib.bf16_amx_gemm, "bf16_amx")
 
 
 @functools.cache
@@ -105,7 +87,7 @@ def load_gemv_kernel() -> Bf16Gemv | None:
     if not is_x86() or rs_platform.kernel_isa() != "avx512_bf16":
         return None
     lib = load_library(SOURCE, "bf16-gemv", FLAGS, "bf16 GEMV kernel", "linear layers use oneDNN alone")
-    return None if lib is None else Bf16Gemv(lib)
+    return None if lib is None else Bf16Gemv(lib.bf16_gemv, "bf16_gemv")
 
 
 class GemvLinearMethod(OneDNNLinearMethod):

@@ -69,6 +69,20 @@ def load_library(source: Path, stem: str, flags: Sequence[str], what: str, fallb
         return None
 
 
+def load_amx_library(source: Path, stem: str, flags: Sequence[str], what: str, fallback: str,
+                     headers: Sequence[Path] = ()) -> ctypes.CDLL | None:
+    """load_library for a kernel on AMX tiles, which also asks the OS for this process's AMX state (the
+    library's `amx_request`, layers/csrc/amx_tiles.h); None, with a warning, if either fails."""
+    lib = load_library(source, stem, flags, what, fallback, headers)
+    if lib is None:
+        return None
+    lib.amx_request.restype = ctypes.c_int
+    if lib.amx_request() != 0:
+        logger.warning("the OS refused this process AMX state (arch_prctl); %s", fallback)
+        return None
+    return lib
+
+
 def call_profiled(name: str, fn: Callable[..., int], *args) -> int:
     """fn(*args) (a ctypes function); named `name` for torch.profiler while one records (a ctypes call is
     invisible to it otherwise). NOTE: record_function costs ~5 us even with no profiler, hence the check."""

@@ -1,7 +1,7 @@
 """Causal extend (prefill) attention in bfloat16 on AMX tiles (csrc/extend_amx.c), for CPUs with AMX-BF16.
 
 On such a CPU torch's SDPA (its flash kernel) was the fastest extend path we had; this kernel computes
-the products on the tiles and the softmax in AVX-512, and measured 2-4x faster than SDPA at 500-2,048
+the products on the tiles and the softmax in AVX-512, and measured 1.4-2.4x faster than SDPA at 32-2,048
 tokens (benchmarks/bench_prefill_attention.py). It reads K/V in place from the pool like the C extend
 kernel (same `reqs` rows), without seeds or log-sum-exps, so cascade attention keeps its own path.
 `RADIXSERVE_CPU_PREFILL_KERNEL=0` turns it off with the other extend kernel.
@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from radixserve import platform as rs_platform
-from radixserve.layers.native_build import call_profiled, is_x86, load_library
-
-logger = logging.getLogger(__name__)
+from radixserve.layers.native_build import call_profiled, is_x86, load_amx_library
 
 SOURCE = Path(__file__).parent / "csrc" / "extend_amx.c"
 HEADERS = tuple(Path(__file__).parent / name for name in (
@@ -30,9 +27,7 @@ MAX_DIM = 256
 
 
 class AmxExtendKernel:
-    """`extend` with the C extend kernel's arguments, bf16 only; `max_new_tokens`: no limit."""
-
-    max_new_tokens = None
+    """`extend` with the C extend kernel's arguments, bf16 only, at any length."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.extend_attention_amx_bf16
@@ -75,11 +70,6 @@ def load_amx_extend_kernel() -> AmxExtendKernel | None:
 
 @functools.cache
 def _built_kernel() -> AmxExtendKernel | None:
-    lib = load_library(SOURCE, "extend-amx", FLAGS, "AMX extend attention", "prefill attention uses SDPA", HEADERS)
-    if lib is None:
-        return None
-    lib.amx_request.restype = ctypes.c_int
-    if lib.amx_request() != 0:
-        logger.warning("the OS refused this process AMX state (arch_prctl); prefill attention uses SDPA")
-        return None
-    return AmxExtendKernel(lib)
+    lib = load_amx_library(SOURCE, "extend-amx", FLAGS, "AMX extend attention", "prefill attention uses SDPA",
+                           HEADERS)
+    return None if lib is None else AmxExtendKernel(lib)

@@ -61,7 +61,7 @@ DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
         return 0;                                                                                        \
     }
 
-#ifdef SIMD_WIDTH
+#if SIMD_WIDTH == 8 /* AVX2; AVX-512 runs decode_avx512.h */
 #define DECODE_TOKENS 8   /* tokens scored together; their 8 dot products are reduced in one step */
 #define PREFETCH_AHEAD 16 /* tokens between a K/V row's prefetch and its scoring */
 
@@ -168,8 +168,7 @@ int EXPORT(decode_attention_f32)(const float *q, const float *k_buf, const float
     if (dim % 16 == 0)
         return decode_512_f32(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
                               kv_heads, dim, scale, num_threads);
-#endif
-#ifdef SIMD_WIDTH
+#elif SIMD_WIDTH == 8
     if (dim % SIMD_WIDTH == 0)
         return decode_dim_f32(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
                               kv_heads, dim, scale, num_threads);
@@ -192,8 +191,7 @@ int EXPORT(decode_attention_bf16)(const uint16_t *q, const uint16_t *k_buf, cons
     if (dim % 16 == 0)
         return decode_512_bf16w(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
                                 kv_heads, dim, scale, num_threads);
-#endif
-#ifdef SIMD_WIDTH
+#elif SIMD_WIDTH == 8
     if (dim % SIMD_WIDTH == 0)
         return decode_dim_bf16(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
                                kv_heads, dim, scale, num_threads);
