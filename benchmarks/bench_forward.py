@@ -3,7 +3,9 @@
 Paths (--paths): `before` is the old code path, through its switches (`--linear-method dense
 --disable-fused-ops`: F.linear and eager elementwise torch); `after` is the default (linear methods
 chosen per shape, fused compiled ops); `onednn` is `after` with oneDNN for every linear layer (no
-GEMV kernel for decode's few rows). The runners and transformers load the same weights.
+GEMV kernel for decode's few rows); `python-layers` is `after` with decode's decoder layers called one
+op at a time from Python (RADIXSERVE_DECODE_STEP=0) instead of in one C call (models/decode_step.py).
+The runners and transformers load the same weights.
 Prefill: one prompt of --prefill-len tokens (logits of the last token only, as generate does).
 Decode: batches of --batches requests, each with --context tokens of context, --steps steps per
 round. The decode context is filled with random K/V (decode cost does not depend on the values),
@@ -37,7 +39,8 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_forward.png"
 BEGIN, END = "<!-- bench_forward:begin -->", "<!-- bench_forward:end -->"
 PATHS = {"before": {"linear_method": "dense", "disable_fused_ops": True}, "after": {},
-         "onednn": {"linear_method": "onednn"}}  # `after` without our decode kernels (layers/gemv.py)
+         "onednn": {"linear_method": "onednn"},  # `after` without our decode kernels (layers/gemv.py)
+         "python-layers": {"env": {"RADIXSERVE_DECODE_STEP": "0"}}}  # `after` without the C decode step
 HF = "transformers"
 
 
@@ -51,7 +54,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", default="1,32")
     p.add_argument("--steps", type=int, default=8, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--paths", default="before,after", help="our code paths to measure: before, onednn, after")
+    p.add_argument("--paths", default="before,after",
+                   help="our code paths to measure: before, onednn, python-layers, after")
     p.add_argument("--backend", default="cpu", help="our attention backend (cpu: C kernels; torch)")
     p.add_argument("--only-ours", action="store_true", help="skip transformers (no comparison columns)")
     p.add_argument("--threads", default="", help="torch thread counts to run, e.g. 1,2 (default: torch's)")
@@ -67,9 +71,20 @@ def build_engines(args: argparse.Namespace) -> tuple[dict[str, ModelRunner], obj
     pool = max(batches) * (args.context + args.steps + 2) + args.prefill_len + 64
     runners = {}
     for path in args.paths.split(","):
-        server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype, max_total_tokens=pool,
-                                 attention_backend=args.backend, **PATHS[path])
-        runners[path] = ModelRunner(server_args)
+        options = dict(PATHS[path])
+        env = options.pop("env", {})
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)  # NOTE: read while the runner sets the model up, restored after
+        try:
+            server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype, max_total_tokens=pool,
+                                     attention_backend=args.backend, **options)
+            runners[path] = ModelRunner(server_args)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     hf = None
     if not args.only_ours:
         from transformers import AutoModelForCausalLM
@@ -236,8 +251,10 @@ in `F.linear` (in bf16 on the CPU it reorders the weight on every call) and the 
 matrix products as separate eager torch ops. `after` is the default: each weight shape runs the
 linear method that measured fastest here (in bf16 on this CPU `onednn_gemv`: our AMX kernel up to 32
 rows, oneDNN's prepacked layout above; layers/linear_tuning.py, layers/gemv.py), and residual add +
-RMSNorm, rotary + KV write and SiLU-and-mul run as compiled ops (AOTInductor; layers/fused_ops.py).
-`onednn` is `after` with oneDNN for every linear layer. Attention is the same in every path (the CPU
+RMSNorm, rotary + KV write and SiLU-and-mul run as compiled ops (AOTInductor; layers/fused_ops.py),
+and a decode batch of up to 32 rows runs all decoder layers in one C call (models/decode_step.py).
+`onednn` is `after` with oneDNN for every linear layer; `python-layers` is `after` with a decode
+batch's layers run op by op from Python instead of in one C call (models/decode_step.py). Attention is the same in every path (the CPU
 backend's kernels: on this CPU AMX tiles for bf16 prefill, the C decode kernel), so this table does not
 show it; benchmarks/bench_prefill_attention.py does. Decode contexts hold random K/V; prefill computes
 the last token's logits only, as generate does."""
@@ -248,6 +265,8 @@ def render(rows: list[Row], args: argparse.Namespace, load: tuple[float, float],
     ratio_cols = []
     if "before" in names and "after" in names:
         ratio_cols.append(("after / before", "after", "before"))
+    if "python-layers" in names and "after" in names:
+        ratio_cols.append(("after / python-layers", "after", "python-layers"))
     if HF in names:
         ratio_cols += [(f"{n} / transformers", n, HF) for n in names if n != HF]
     model = ("embedded SmolLM2-135M-Instruct (GGUF Q4_1, dequantised)" if args.model_path is None

@@ -11,6 +11,7 @@ import torch
 from radixserve.layers.fused_ops import load_fused_ops
 from radixserve.layers.linear_tuning import configure_linear_methods
 from radixserve.layers.quantization.model_quant import tile_packed_weights
+from radixserve.models.decode_step import load_decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -20,10 +21,13 @@ class DeviceSetup:
     linear_methods: dict[str, int]  # method name -> number of linear layers running it
     fused_ops: tuple[str, ...]  # the compiled ops in use (empty: eager passes)
     seconds: float
+    decode_step: bool = False  # decode batches run the decoder layers in one C call
+
 
     def describe(self) -> str:
         linear = ", ".join(f"{name} x{n}" for name, n in sorted(self.linear_methods.items()))
-        return f"linear {linear} | fused ops {', '.join(self.fused_ops) or 'off'}"
+        return (f"linear {linear} | fused ops {', '.join(self.fused_ops) or 'off'}"
+                f" | decode step {'C' if self.decode_step else 'python'}")
 
 
 def setup_model_for_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
@@ -35,6 +39,8 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, dtype: 
         tile_packed_weights(model)
     ops = load_fused_ops(model.config, dtype, device) if fused_ops else None
     model.set_fused_ops(ops)
+    if hasattr(model, "decode_step"):
+        model.decode_step = load_decode_step(model, dtype) if device.type == "cpu" else None
     names = () if ops is None else tuple(
         op.name for op in (ops.add_rmsnorm, ops.rotary_kv, ops.silu_and_mul) if op is not None)
-    return DeviceSetup(counts, names, time.perf_counter() - start)
+    return DeviceSetup(counts, names, time.perf_counter() - start, getattr(model, "decode_step", None) is not None)

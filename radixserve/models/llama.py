@@ -4,7 +4,8 @@ Parameter names follow Hugging Face, except that q/k/v are fused into `qkv_proj`
 `gate_up_proj` (fewer, larger matrix products; see `load_weights`). Linear layers run the method the
 runner chose for their shape (layers/linear.py). With fused ops (`set_fused_ops`, CPU), the passes
 between the matrix products run as compiled ops (layers/fused_ops.py): residual add + RMSNorm,
-rotary + KV write, SiLU-and-mul; without them, the same steps run as eager torch.
+rotary + KV write, SiLU-and-mul; without them, the same steps run as eager torch. On CPUs with
+AVX512-BF16 a decode batch may run all decoder layers in one C call instead (decode_step.py).
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LinearBase(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.context_len + 1)
         self.fused_ops: FusedOps | None = None
+        self.decode_step = None  # the decoder layers of a decode batch in one C call (decode_step.py)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -140,9 +142,12 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rotary.tables(hidden.device)  # the rotary op looks positions up itself
         else:
             cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, fb)
+        if self.decode_step is not None and fb.forward_mode.is_decode() and self.decode_step.takes(fb):
+            hidden, residual = self.decode_step(hidden, fb)
+        else:
+            residual = None
+            for layer in self.model.layers:
+                hidden, residual = layer(hidden, residual, cos, sin, fb)
         if fb.forward_mode.is_extend():
             rows = _last_token_index(fb, hidden.device)
             if fb.extra_logits_indices is not None:

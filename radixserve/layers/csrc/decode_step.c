@@ -1,0 +1,150 @@
+// Every decoder layer of a Llama-family model for one decode batch, in one call.
+//
+// A decode step at small batch streams the model's weights through the caches once. Called from Python,
+// each small op between two linear layers (a norm, the rotary and KV write, SiLU-and-mul, the attention
+// wrapper) then finds its code path evicted and costs 25-40 us instead of ~5; at batch 1 that is several
+// milliseconds of a ~25 ms step. Here the layer loop runs in C: the linear layers and the decode attention
+// are the same kernels the Python path calls (passed in as function pointers: bf16_amx.c or bf16_gemv.c,
+// and decode_attention.c), and the passes between them are the loops below, float32 inside and rounded to
+// bf16 wherever the eager layers store a bf16 tensor.
+//
+// Per layer: [add +] RMSNorm -> qkv -> rotary (q to a buffer, k and v into the KV pool at the slots) ->
+// attention -> o -> add + RMSNorm -> gate_up -> SiLU(gate) * up -> down. In: `hidden` the embeddings;
+// out: `hidden` the last layer's MLP output and `residual` the stream it is added to (the caller applies
+// the final norm). Returns 0, or 1000 * (layer + 1) + which call failed (its own status is lost).
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "../attention/csrc/simd.h"
+
+typedef int (*linear_fn)(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
+                         int64_t n, int64_t k, int nthreads);
+typedef int (*attention_fn)(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *kv_indices,
+                            const int64_t *seq_lens, const uint16_t *seed_out, const float *seed_lse, uint16_t *out,
+                            int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                            int nthreads);
+
+// The addresses of one layer's tensors, in this order (models/decode_step.py builds the table).
+enum { IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE, LAYER_POINTERS };
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const int64_t *layers; // [num_layers][LAYER_POINTERS]
+    const float *cos_table, *sin_table; // [positions][head_dim / 2]
+} decode_model;
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void store_bf16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
+static inline __m512 round_bf16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// exp(x) for any x: the attention kernels' polynomial (simd.h), valid above 0 too; inf above ~88.7.
+static inline __m512 exp_ps(__m512 x) { return vf_exp_nonpositive(_mm512_min_ps(x, _mm512_set1_ps(89.0f))); }
+
+// out = weight * bf16(x * rsqrt(mean(x^2) + eps)). NOTE: the sum of squares in the order of the compiled
+// add_rmsnorm (fused_ops.py): two 16-lane sums over 32-element steps, added, then folded in halves.
+static void rmsnorm_row(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t n, float eps) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m512 a = load_bf16(x + i), b = load_bf16(x + i + 16);
+        even = _mm512_add_ps(even, _mm512_mul_ps(a, a));
+        odd = _mm512_add_ps(odd, _mm512_mul_ps(b, b));
+    }
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16)
+        store_bf16(out + i, _mm512_mul_ps(load_bf16(weight + i), round_bf16(_mm512_mul_ps(load_bf16(x + i), inv))));
+}
+
+// residual = bf16(delta + residual); out = rmsnorm(residual)
+static void add_rmsnorm_row(const uint16_t *delta, uint16_t *residual, const uint16_t *weight, uint16_t *out,
+                            int64_t n, float eps) {
+    for (int64_t i = 0; i < n; i += 16) store_bf16(residual + i, _mm512_add_ps(load_bf16(delta + i), load_bf16(residual + i)));
+    rmsnorm_row(residual, weight, out, n, eps);
+}
+
+// The "rotate half" rotary of one head: (x1 c - x2 s, x2 c + x1 s) with the eager bf16 rounding steps
+// (c and s rounded, each product rounded, the sum rounded).
+static void rotate_head(const uint16_t *x, const float *cos, const float *sin, uint16_t *out, int64_t half) {
+    for (int64_t i = 0; i < half; i += 16) {
+        const __m512 c = round_bf16(_mm512_loadu_ps(cos + i)), s = round_bf16(_mm512_loadu_ps(sin + i));
+        const __m512 x1 = load_bf16(x + i), x2 = load_bf16(x + half + i);
+        const __m512 x1c = round_bf16(_mm512_mul_ps(x1, c)), x2s = round_bf16(_mm512_mul_ps(x2, s));
+        const __m512 x2c = round_bf16(_mm512_mul_ps(x2, c)), x1s = round_bf16(_mm512_mul_ps(x1, s));
+        store_bf16(out + i, _mm512_sub_ps(x1c, x2s));
+        store_bf16(out + half + i, _mm512_add_ps(x2c, x1s));
+    }
+}
+
+// out = bf16(silu(gate)) * up, silu(g) = g / (1 + exp(-g)) as torch computes it (exp(-g) overflows to inf
+// for g < -88: silu is then -0, as in torch).
+static void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 g = load_bf16(gate_up + i);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store_bf16(out + i, _mm512_mul_ps(round_bf16(silu), load_bf16(gate_up + n + i)));
+    }
+}
+
+static void rotary_kv_row(const decode_model *m, const int64_t *layer, const uint16_t *qkv, int64_t position,
+                          int64_t slot, uint16_t *q) {
+    const int64_t dim = m->head_dim, half = dim / 2, kv = m->kv_heads;
+    const float *cos = m->cos_table + position * half, *sin = m->sin_table + position * half;
+    uint16_t *k_cache = (uint16_t *)layer[K_CACHE] + slot * kv * dim, *v_cache = (uint16_t *)layer[V_CACHE] + slot * kv * dim;
+    for (int64_t h = 0; h < m->heads; h++) rotate_head(qkv + h * dim, cos, sin, q + h * dim, half);
+    for (int64_t h = 0; h < kv; h++) rotate_head(qkv + (m->heads + h) * dim, cos, sin, k_cache + h * dim, half);
+    memcpy(v_cache, qkv + (m->heads + kv) * dim, (size_t)(kv * dim) * sizeof(uint16_t));
+}
+
+int decode_step_bf16(const decode_model *m, linear_fn linear, attention_fn attention, uint16_t *hidden,
+                     uint16_t *residual, const int64_t *positions, const int32_t *slots, const int32_t *kv_indices,
+                     const int64_t *seq_lens, int64_t bs, int64_t max_len, uint16_t *work, int nthreads) {
+    const int64_t h = m->hidden, q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
+    const int64_t inter = m->intermediate;
+    uint16_t *normed = work, *qkv = normed + bs * h, *q = qkv + bs * qkv_size, *attn = q + bs * q_size;
+    uint16_t *gate_up = attn + bs * q_size, *act = gate_up + bs * 2 * inter;
+    const int parallel = bs > 1 && nthreads > 1;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const int64_t *w = m->layers + l * LAYER_POINTERS;
+        const int status = 1000 * (int)(l + 1);
+#pragma omp parallel for num_threads(nthreads) if (parallel)
+        for (int64_t r = 0; r < bs; r++) {
+            if (l == 0) {
+                memcpy(residual + r * h, hidden + r * h, (size_t)h * sizeof(uint16_t));
+                rmsnorm_row(hidden + r * h, (const uint16_t *)w[IN_NORM], normed + r * h, h, m->eps);
+            } else {
+                add_rmsnorm_row(hidden + r * h, residual + r * h, (const uint16_t *)w[IN_NORM], normed + r * h, h, m->eps);
+            }
+        }
+        if (linear((const uint16_t *)w[QKV], normed, (const uint16_t *)w[QKV_BIAS], qkv, bs, qkv_size, h, nthreads))
+            return status + 1;
+#pragma omp parallel for num_threads(nthreads) if (parallel)
+        for (int64_t r = 0; r < bs; r++) rotary_kv_row(m, w, qkv + r * qkv_size, positions[r], slots[r], q + r * q_size);
+        if (attention(q, (const uint16_t *)w[K_CACHE], (const uint16_t *)w[V_CACHE], kv_indices, seq_lens, NULL, NULL,
+                      attn, bs, max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
+            return status + 2;
+        if (linear((const uint16_t *)w[O], attn, NULL, hidden, bs, h, q_size, nthreads)) return status + 3;
+#pragma omp parallel for num_threads(nthreads) if (parallel)
+        for (int64_t r = 0; r < bs; r++)
+            add_rmsnorm_row(hidden + r * h, residual + r * h, (const uint16_t *)w[POST_NORM], normed + r * h, h, m->eps);
+        if (linear((const uint16_t *)w[GATE_UP], normed, NULL, gate_up, bs, 2 * inter, h, nthreads)) return status + 4;
+#pragma omp parallel for num_threads(nthreads) if (parallel)
+        for (int64_t r = 0; r < bs; r++) silu_mul_row(gate_up + r * 2 * inter, act + r * inter, inter);
+        if (linear((const uint16_t *)w[DOWN], act, NULL, hidden, bs, h, inter, nthreads)) return status + 5;
+    }
+    return 0;
+}
+
+// Elements of the work buffer `decode_step_bf16` needs for `bs` rows.
+int64_t decode_step_work_size(const decode_model *m, int64_t bs) {
+    const int64_t q_size = m->heads * m->head_dim;
+    return bs * (m->hidden + q_size + 2 * m->kv_heads * m->head_dim + 2 * q_size + 3 * m->intermediate);
+}

@@ -1,0 +1,146 @@
+"""A decode batch's decoder layers in one C call (layers/csrc/decode_step.c), on CPUs with AVX512-BF16.
+
+The layers' linear products and decode attention are the kernels the Python path calls too; what the C
+loop removes is ~10 Python-level calls per layer, each of which costs 25-40 us after the weight stream
+has evicted its code (docs/cpu_fast_path.md). It takes a decode forward when the model is bf16 with the
+GEMV/AMX linear method on every decoder linear layer, plain rotary (no q/k norms), the backend's C decode
+kernel for plain (not cascade) attention, and no more rows than the linear kernel takes; anything else
+runs the layers in Python. Switch: RADIXSERVE_DECODE_STEP=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from radixserve import envs
+from radixserve.layers.gemv import AMX_MAX_ROWS, FLAGS, GEMV_MAX_ROWS, load_amx_kernel, load_gemv_kernel
+from radixserve.layers.native_build import call_profiled, is_x86, load_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "decode_step.c"
+HEADERS = (Path(__file__).parent.parent / "layers" / "attention" / "csrc" / "simd.h",)
+LAYER_POINTERS = 9  # IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.c_void_p),
+                ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p)]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_library(SOURCE, "decode-step", FLAGS, "decode step kernel", "decode runs the layers in Python",
+                       HEADERS)
+    if lib is None:
+        return None
+    lib.decode_step_bf16.restype = ctypes.c_int
+    lib.decode_step_bf16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
+    lib.decode_step_work_size.restype = ctypes.c_int64
+    lib.decode_step_work_size.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+def _address(fn: ctypes._CFuncPtr) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+class DecodeStep:
+    """`__call__(hidden, fb)` runs every decoder layer of a decode forward; `takes(fb)` says whether it can."""
+
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
+        config, self._model, self._lib = model.config, model, lib
+        amx = load_amx_kernel()
+        self._linears = [(AMX_MAX_ROWS, _address(amx._fn))] if amx is not None else []
+        self._linears.append((GEMV_MAX_ROWS, _address(load_gemv_kernel()._fn)))
+        self.max_rows = self._linears[0][0]
+        cos, sin = model.rotary.tables(torch.device("cpu"))
+        self._tables = (cos.contiguous(), sin.contiguous())
+        self._struct = _Model(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                              config.head_dim, config.intermediate_size, config.rms_norm_eps,
+                              model.model.layers[0].self_attn.attn.scaling, None, self._tables[0].data_ptr(), self._tables[1].data_ptr())
+        self._work_per_row = lib.decode_step_work_size(ctypes.byref(self._struct), 1)
+        self._pool = None  # the KV pool whose buffers the layer table points at
+        self._attention: tuple[object, int | None] = (None, None)  # (decode kernel, its bf16 function)
+
+    def takes(self, fb) -> bool:
+        backend = fb.attn_backend
+        return (fb.batch_size <= self.max_rows and getattr(backend, "decode_meta", None) is not None
+                and self._attention_fn(backend.decode_kernel) is not None)
+
+    def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden]."""
+        bs, meta = hidden.shape[0], fb.attn_backend.decode_meta
+        attention = self._attention_fn(fb.attn_backend.decode_kernel)
+        if attention is None or meta is None or bs > self.max_rows:
+            raise ValueError("the C decode step does not take this forward (check `takes` first)")
+        if fb.token_to_kv_pool is not self._pool:
+            self._bind_pool(fb.token_to_kv_pool)
+        hidden = hidden.contiguous()
+        residual = torch.empty_like(hidden)
+        work = torch.empty(bs * self._work_per_row, dtype=torch.bfloat16)
+        linear = next(fn for rows, fn in self._linears if bs <= rows)  # NOTE: the order GemvLinearMethod uses
+        positions, slots = fb.positions.to(torch.int64).contiguous(), fb.out_cache_loc.to(torch.int32).contiguous()
+        kv_indices, seq_lens = meta.kv_indices.to(torch.int32).contiguous(), fb.seq_lens.to(torch.int64).contiguous()
+        status = call_profiled(
+            "radixserve::decode_step", self._lib.decode_step_bf16, ctypes.byref(self._struct), linear,
+            attention, hidden.data_ptr(), residual.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            kv_indices.data_ptr(), seq_lens.data_ptr(), bs, meta.max_len, work.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
+        return hidden, residual
+
+    def _attention_fn(self, kernel) -> int | None:
+        if kernel is not self._attention[0]:
+            cfg = self._model.config
+            q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16)
+            fn = _address(kernel._fns[torch.bfloat16]) if kernel is not None and kernel.supports(q, cfg.num_kv_heads) else None
+            self._attention = (kernel, fn)
+        return self._attention[1]
+
+    def _bind_pool(self, pool) -> None:
+        rows = []
+        for i, layer in enumerate(self._model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = pool.get_kv_buffer(i)
+            bias = attn.qkv_proj.bias
+            rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                         attn.qkv_proj.gemv_weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         attn.o_proj.gemv_weight.data_ptr(), mlp.gate_up_proj.gemv_weight.data_ptr(),
+                         mlp.down_proj.gemv_weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()])
+        self._table = torch.tensor(rows, dtype=torch.int64)
+        self._struct.layers = self._table.data_ptr()
+        self._pool = pool
+
+
+def load_decode_step(model: torch.nn.Module, dtype: torch.dtype) -> DecodeStep | None:
+    """The C decode step for this model, or None where it does not apply (then the layers run in Python)."""
+    if not envs.DECODE_STEP.get() or dtype != torch.bfloat16 or not is_x86() or not _fits(model):
+        return None
+    lib = _library()
+    return None if lib is None else DecodeStep(model, lib)
+
+
+def _fits(model: torch.nn.Module) -> bool:
+    config, fused = getattr(model, "config", None), getattr(model, "fused_ops", None)
+    if config is None or fused is None or fused.rotary_kv is None or not hasattr(model, "rotary"):
+        return False  # NOTE: the C loop is the fused path's layer structure (llama.py), nothing else
+    if config.hidden_size % 32 or config.head_dim % 32 or config.intermediate_size % 32:
+        return False
+    for layer in model.model.layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(_on_gemv(m) for m in linears) or any(m.bias is not None for m in linears[1:]):
+            return False
+    return load_gemv_kernel() is not None
+
+
+def _on_gemv(layer: torch.nn.Module) -> bool:
+    method = getattr(layer, "method", None)
+    return method is not None and method.name == "onednn_gemv" and layer.gemv_weight is not None

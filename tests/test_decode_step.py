@@ -1,0 +1,107 @@
+"""The one-call C decode step (models/decode_step.py): bit-equal logits and KV to the Python layers at every
+batch size it takes (the GEMV's and the AMX kernel's), over ragged contexts; what it declines falls back to
+the Python layers; the switch turns it off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model_support import save_tiny_tokenizer
+
+from radixserve.layers.gemv import load_gemv_kernel
+from radixserve.model_executor.direct_driver import DirectDriver
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.models import decode_step
+from radixserve.server_args import ServerArgs
+
+pytestmark = pytest.mark.skipif(load_gemv_kernel() is None,
+                                reason="needs AVX512-BF16 (the GEMV kernel); the C decode step is not built here")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny Llama whose shapes the C step takes (head_dim 32, widths multiples of 32)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama-d32")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return path
+
+
+def _runner(folder, monkeypatch, on: bool) -> ModelRunner:
+    monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
+    runner = ModelRunner(ServerArgs(model_path=str(folder), dtype="bfloat16", device="cpu", max_total_tokens=4096,
+                                    attention_backend="cpu", linear_method="onednn_gemv"))
+    assert (runner.model.decode_step is not None) == on
+    assert runner.device_setup.decode_step == on
+    return runner
+
+
+class Recorder:
+    """Stands in for the model's decode step and notes the batch size of each forward it ran."""
+
+    def __init__(self, step: decode_step.DecodeStep) -> None:
+        self.step, self.calls = step, []
+
+    def takes(self, fb) -> bool:
+        return self.step.takes(fb)
+
+    def __call__(self, hidden: torch.Tensor, fb):
+        self.calls.append(fb.batch_size)
+        return self.step(hidden, fb)
+
+
+def _decode_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+    """Ragged prompts, then three decode steps of all of them: the logits, the KV of every slot, the C calls."""
+    driver = DirectDriver(runner)
+    reqs = [driver.new_request() for _ in range(bs)]
+    driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(5 + 11 * i % 40)] for i in range(bs)])
+    recorder = None
+    if runner.model.decode_step is not None:
+        recorder = runner.model.decode_step = Recorder(runner.model.decode_step)
+    logits = [driver.decode(reqs, [(i + s) % 200 + 3 for i in range(bs)]) for s in range(3)]
+    slots = torch.cat([runner.req_to_token_pool.req_to_token[r.row, : len(r.token_ids)] for r in reqs]).long()
+    kv = torch.stack([torch.cat([b[slots].float() for b in runner.token_to_kv_pool.get_kv_buffer(i)])
+                      for i in range(runner.model.config.num_layers)])
+    driver.release_all()
+    return logits, kv, [] if recorder is None else recorder.calls
+
+
+@pytest.mark.parametrize("bs", [1, 3, 8, 32])
+def test_c_step_matches_python_layers(folder, monkeypatch, bs):
+    runs = {}
+    for on in (False, True):
+        runner = _runner(folder, monkeypatch, on)
+        limit = runner.model.decode_step.max_rows if on else 0
+        runs[on] = _decode_run(runner, bs)
+        assert runs[on][2] == ([bs] * 3 if bs <= limit else [])
+    (off_logits, off_kv, _), (on_logits, on_kv, _) = runs[False], runs[True]
+    # NOTE: the same kernels and the same bf16 rounding steps (RMSNorm's float32 sum is 16 lanes wide, as
+    # torch's on these CPUs): bit-equal, where the bf16 path differs from float32 by 2-6% on this model
+    for off, on in zip(off_logits, on_logits, strict=True):
+        assert torch.equal(on, off)
+    assert torch.equal(on_kv, off_kv)
+
+
+def test_embedded_model_bit_equal(monkeypatch):
+    """SmolLM2 (30 layers, 9 query heads over 3 kv heads): the C step picks the same linear kernel as the
+    Python layers at each batch size (AMX over the GEMV where both take it), so greedy runs stay identical."""
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
+        runner = ModelRunner(ServerArgs(dtype="bfloat16", device="cpu", max_total_tokens=2048))
+        assert (runner.model.decode_step is not None) == on
+        driver = DirectDriver(runner)
+        reqs = [driver.new_request() for _ in range(2)]
+        logits = [driver.extend(reqs, [list(range(100, 140)), list(range(500, 517))])]
+        for _ in range(4):
+            logits.append(driver.decode(reqs, logits[-1].argmax(-1).tolist()))
+        driver.release_all()
+        runs[on] = logits
+    for off, on in zip(runs[False], runs[True], strict=True):
+        assert torch.equal(on, off)
