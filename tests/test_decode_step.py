@@ -105,3 +105,22 @@ def test_embedded_model_bit_equal(monkeypatch):
         runs[on] = logits
     for off, on in zip(runs[False], runs[True], strict=True):
         assert torch.equal(on, off)
+
+
+def test_position_beyond_the_table_is_refused_before_any_write(folder, monkeypatch):
+    from radixserve.model_executor.forward_batch import ForwardBatch
+
+    runner = _runner(folder, monkeypatch, True)
+    driver = DirectDriver(runner)
+    req = driver.new_request()
+    driver.extend([req], [list(range(3, 20))])
+    kv_before = [b.clone() for i in range(runner.model.config.num_layers) for b in runner.token_to_kv_pool.get_kv_buffer(i)]
+    slots = runner.token_to_kv_pool_allocator.alloc_decode([18], driver._last_locs([req]))
+    fb = ForwardBatch.for_decode([5], [req.row], [18], slots, runner.device)
+    fb.positions = torch.tensor([runner.model.rotary.max_position])  # one past the cos/sin table
+    with pytest.raises(ValueError, match="position beyond the rotary table"):
+        runner.forward(fb)
+    kv_after = [b for i in range(runner.model.config.num_layers) for b in runner.token_to_kv_pool.get_kv_buffer(i)]
+    assert all(torch.equal(a, b) for a, b in zip(kv_before, kv_after, strict=True))
+    runner.token_to_kv_pool_allocator.free(slots)
+    driver.release_all()

@@ -44,6 +44,11 @@ class Bf16Gemv:
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self.profile_name = f"radixserve::linear::{name}"
 
+    @property
+    def address(self) -> int:
+        """The C function's address (for C code that calls the kernel itself: models/decode_step.py)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
     def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """x [M, K] bfloat16 contiguous, packed from `pack_gemv_weight` -> y [M, N] bfloat16."""
         m, k = x.shape

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -21,18 +20,16 @@ from radixserve import envs
 from radixserve.layers.gemv import AMX_MAX_ROWS, FLAGS, GEMV_MAX_ROWS, load_amx_kernel, load_gemv_kernel
 from radixserve.layers.native_build import call_profiled, is_x86, load_library
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "decode_step.c"
 HEADERS = (Path(__file__).parent.parent / "layers" / "attention" / "csrc" / "simd.h",)
 LAYER_POINTERS = 9  # IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("num_layers", ctypes.c_int64), ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64),
-                ("kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.c_void_p),
-                ("cos_table", ctypes.c_void_p), ("sin_table", ctypes.c_void_p)]
+    _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
+                                                      "intermediate", "max_position", "num_slots")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                *((name, ctypes.c_void_p) for name in ("layers", "cos_table", "sin_table"))]
 
 
 @functools.cache
@@ -48,24 +45,21 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _address(fn: ctypes._CFuncPtr) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
-
-
 class DecodeStep:
     """`__call__(hidden, fb)` runs every decoder layer of a decode forward; `takes(fb)` says whether it can."""
 
     def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
         config, self._model, self._lib = model.config, model, lib
         amx = load_amx_kernel()
-        self._linears = [(AMX_MAX_ROWS, _address(amx._fn))] if amx is not None else []
-        self._linears.append((GEMV_MAX_ROWS, _address(load_gemv_kernel()._fn)))
+        self._linears = [(AMX_MAX_ROWS, amx.address)] if amx is not None else []
+        self._linears.append((GEMV_MAX_ROWS, load_gemv_kernel().address))
         self.max_rows = self._linears[0][0]
         cos, sin = model.rotary.tables(torch.device("cpu"))
         self._tables = (cos.contiguous(), sin.contiguous())
+        scale = model.model.layers[0].self_attn.attn.scaling
         self._struct = _Model(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-                              config.head_dim, config.intermediate_size, config.rms_norm_eps,
-                              model.model.layers[0].self_attn.attn.scaling, None, self._tables[0].data_ptr(), self._tables[1].data_ptr())
+                              config.head_dim, config.intermediate_size, cos.shape[0], 0, config.rms_norm_eps, scale,
+                              None, self._tables[0].data_ptr(), self._tables[1].data_ptr())
         self._work_per_row = lib.decode_step_work_size(ctypes.byref(self._struct), 1)
         self._pool = None  # the KV pool whose buffers the layer table points at
         self._attention: tuple[object, int | None] = (None, None)  # (decode kernel, its bf16 function)
@@ -93,6 +87,8 @@ class DecodeStep:
             "radixserve::decode_step", self._lib.decode_step_bf16, ctypes.byref(self._struct), linear,
             attention, hidden.data_ptr(), residual.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             kv_indices.data_ptr(), seq_lens.data_ptr(), bs, meta.max_len, work.data_ptr(), torch.get_num_threads())
+        if status == 1:
+            raise ValueError("decode step: a position beyond the rotary table or a slot beyond the KV pool")
         if status != 0:
             raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
         return hidden, residual
@@ -101,8 +97,8 @@ class DecodeStep:
         if kernel is not self._attention[0]:
             cfg = self._model.config
             q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16)
-            fn = _address(kernel._fns[torch.bfloat16]) if kernel is not None and kernel.supports(q, cfg.num_kv_heads) else None
-            self._attention = (kernel, fn)
+            fits = kernel is not None and kernel.supports(q, cfg.num_kv_heads)
+            self._attention = (kernel, kernel.decode_address(torch.bfloat16) if fits else None)
         return self._attention[1]
 
     def _bind_pool(self, pool) -> None:
@@ -117,6 +113,7 @@ class DecodeStep:
                          mlp.down_proj.gemv_weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()])
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._struct.layers = self._table.data_ptr()
+        self._struct.num_slots = min(b.shape[0] for i in range(len(rows)) for b in pool.get_kv_buffer(i))
         self._pool = pool
 
 

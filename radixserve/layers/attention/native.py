@@ -83,6 +83,10 @@ class DecodeKernel:
         width.restype, width.argtypes = ctypes.c_int, []
         self.simd_width = int(width())  # float32 lanes of the level's vector code; 1: portable loops only
 
+    def decode_address(self, dtype: torch.dtype) -> int:
+        """The decode kernel's C function in `dtype` (for C code that calls it itself: models/decode_step.py)."""
+        return ctypes.cast(self._fns[dtype], ctypes.c_void_p).value
+
     def selected(self, kernel: str, dtype: torch.dtype) -> bool:
         """Whether `kernel` (decode, extend, prefix) measured faster than torch's op on this class in `dtype`."""
         return kernel in SELECTED.get((self.kernel_class, dtype), frozenset())

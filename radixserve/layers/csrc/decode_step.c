@@ -11,7 +11,8 @@
 // Per layer: [add +] RMSNorm -> qkv -> rotary (q to a buffer, k and v into the KV pool at the slots) ->
 // attention -> o -> add + RMSNorm -> gate_up -> SiLU(gate) * up -> down. In: `hidden` the embeddings;
 // out: `hidden` the last layer's MLP output and `residual` the stream it is added to (the caller applies
-// the final norm). Returns 0, or 1000 * (layer + 1) + which call failed (its own status is lost).
+// the final norm). Returns 0; 1 for a position or slot outside the tables (nothing written); or
+// 1000 * (layer + 1) + which call failed (its own status is lost).
 
 #include <immintrin.h>
 #include <math.h>
@@ -32,6 +33,7 @@ enum { IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE, LA
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+    int64_t max_position, num_slots; // rows of the cos/sin tables and of each KV buffer
     float eps, scale;
     const int64_t *layers; // [num_layers][LAYER_POINTERS]
     const float *cos_table, *sin_table; // [positions][head_dim / 2]
@@ -112,6 +114,8 @@ int decode_step_bf16(const decode_model *m, linear_fn linear, attention_fn atten
     uint16_t *normed = work, *qkv = normed + bs * h, *q = qkv + bs * qkv_size, *attn = q + bs * q_size;
     uint16_t *gate_up = attn + bs * q_size, *act = gate_up + bs * 2 * inter;
     const int parallel = bs > 1 && nthreads > 1;
+    for (int64_t r = 0; r < bs; r++)
+        if (positions[r] < 0 || positions[r] >= m->max_position || slots[r] < 0 || slots[r] >= m->num_slots) return 1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const int64_t *w = m->layers + l * LAYER_POINTERS;
         const int status = 1000 * (int)(l + 1);
