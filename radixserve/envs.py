@@ -82,6 +82,9 @@ CPU_PREFILL_KERNEL = _declare("RADIXSERVE_CPU_PREFILL_KERNEL", True, parse_bool,
                               "0: extend attention on the CPU stays on torch's SDPA instead of the C kernel")
 DECODE_STEP = _declare("RADIXSERVE_DECODE_STEP", True, parse_bool,
                        "0: decode batches run the decoder layers in Python instead of the one-call C loop")
+CPU_MALLOC_TUNING = _declare("RADIXSERVE_CPU_MALLOC_TUNING", True, parse_bool,
+                             "0: leave glibc's malloc thresholds alone (large CPU tensors then fault pages in "
+                             "on every forward)")
 CPU_ISA = _declare("RADIXSERVE_CPU_ISA", "auto", _choice("auto", "avx512_bf16", "avx512", "avx2", "portable"),
                     "auto: the best level of the C attention kernels this CPU runs; a lower level forces that "
                     "path (and hides the features above it from --dtype auto)")

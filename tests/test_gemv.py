@@ -72,6 +72,35 @@ def test_amx_kernel_rejects_what_it_cannot_take():
         amx(packed, torch.zeros(33, 32, dtype=torch.bfloat16), None, 64)
 
 
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16 (and the OS's permission to use it)")
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 100, 257, 300])
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (100, 96, True), (960, 576, False), (70, 1536, True)])
+def test_large_amx_product_matches_float32_product(rows, n, k, bias):
+    """Any row count: 32-row blocks in chunks of 256 rows, a last block of 1-31 rows (one or two passes)."""
+    layer = _layer(k, n, bias, seed=rows)
+    x = torch.randn(rows, k).bfloat16()
+    want = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    got = gemv.load_amx_large_kernel()(gemv.pack_gemv_weight(layer.weight), x, layer.bias, n)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")
+def test_large_rows_route_to_the_large_product(monkeypatch):
+    layer = _layer(96, 160, bias=True)
+    process_weights_after_loading(layer, {(160, 96): "onednn_gemv"})
+    calls = []
+    large = layer.method.large
+    monkeypatch.setattr(layer.method, "large", lambda *a: calls.append(a[1].shape[0]) or large(*a))
+    layer.method.large_rows = frozenset({128, 1024})
+    assert gemv.grid_point(100) == 128 and gemv.grid_point(1000) == 1024 and gemv.grid_point(5000) == 0
+    for rows in (33, 64, 65, 100, 128, 129, 1000, 3000):
+        x = torch.randn(rows, 96).bfloat16()
+        want = torch.nn.functional.linear(x.float(), layer.dense_weight().float(), layer.bias.float())
+        assert torch.allclose(layer(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    assert calls == [65, 100, 128, 1000]  # the rows whose grid point won; 33-64 and 129-192: oneDNN
+
+
 def _expected_kernel(tokens: int, in_features: int) -> str:
     if HAS_AMX and in_features % 32 == 0 and tokens <= gemv.AMX_MAX_ROWS:
         return "amx"

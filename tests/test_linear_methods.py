@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from radixserve.layers import linear_tuning
+from radixserve.layers import gemv, linear_tuning
 from radixserve.layers.linear import (
     LINEAR_METHODS,
     LinearBase,
@@ -121,6 +121,33 @@ def test_choice_measured_once_then_cached(tmp_path, monkeypatch):
     assert len(keys) == 2 and all("float32" in k and torch.__version__ in k for k in keys)
     choose_methods(shapes, CPU, torch.bfloat16)  # another dtype is another measurement
     assert len(measured) == 4
+
+
+def test_large_rows_are_where_the_large_product_wins_by_the_margin():
+    timings = [Timing("onednn", 64, 1.0), Timing("amx_large", 64, 0.5), Timing("onednn", 128, 1.0),
+               Timing("amx_large", 128, 0.99), Timing("onednn", 192, 1.0), Timing("amx_large", 192, 2.0)]
+    assert linear_tuning.large_rows(timings) == {64}  # 128: faster, but within LARGE_MARGIN
+
+
+@pytest.mark.skipif(gemv.load_amx_large_kernel() is None, reason="needs AMX-BF16 (the large AMX product)")
+def test_large_products_timed_once_per_shape_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    timed = []
+
+    def fake_time(layer):
+        timed.append(layer.shape)
+        return [Timing(name, rows, (0.5 if rows <= 256 else 2.0) if name == "amx_large" else 1.0)
+                for rows in gemv.LARGE_GRID for name in ("onednn", "amx_large")]
+
+    monkeypatch.setattr(linear_tuning, "_time_large", fake_time)
+    model = torch.nn.Sequential(LinearBase(64, 96), LinearBase(64, 96), LinearBase(96, 64))
+    configure_linear_methods(model, CPU, torch.bfloat16, "onednn_gemv")
+    assert sorted(timed) == [(64, 96), (96, 64)]  # once per shape, not per layer
+    assert all(m.method.large_rows == {64, 128, 192, 256} for m in model)
+    configure_linear_methods(torch.nn.Sequential(LinearBase(64, 96)), CPU, torch.bfloat16, "onednn_gemv")
+    assert len(timed) == 2  # read from the file
+    keys = json.loads((tmp_path / linear_tuning.CACHE_FILE).read_text())
+    assert any(f"large, {torch.get_num_threads()} threads" in k for k in keys)
 
 
 def test_forced_and_unknown_methods():

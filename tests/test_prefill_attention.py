@@ -297,6 +297,20 @@ def test_amx_kernel_shifted_diagonal_and_two_threads():
     _check_amx([513, 3, 64, 1], [0, 70, 1, 31], 3, 9, 64, threads=2)
 
 
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_amx_kernel_when_later_keys_dominate(dim):
+    """Scores that rise along the context (by ~4 per 32-key block, and a jump of 30 at key 200): the running
+    max is raised again and again, which for dim <= 64 rescales the output held in the tiles."""
+    q, k_buf, v_buf, indices, reqs = _problem([300], [0], 1, 2, dim, torch.bfloat16, seed=5)
+    direction = torch.ones(dim) / dim**0.5
+    q[:] = (direction * 2.0).to(torch.bfloat16)
+    rise = torch.arange(300, dtype=torch.float32) * 0.125 * dim**0.5 / 2 + 30.0 * (torch.arange(300) >= 200)
+    k_buf[indices.long(), 0] = (direction * rise[:, None] * dim**0.5 / 2 + 0.1 * k_buf[indices.long(), 0].float()).to(torch.bfloat16)
+    out, _ = _amx_kernel().extend(q, k_buf, v_buf, indices, reqs, dim**-0.5)
+    want, _ = _sdpa(q, k_buf, v_buf, indices, reqs, dim**-0.5)
+    assert (out.float() - want).abs().max().item() <= TOLERANCE[torch.bfloat16]
+
+
 def test_amx_kernel_takes_only_what_it_computes():
     kernel = _amx_kernel()
     q, k_buf, v_buf, indices, reqs = _problem([5], [0], 1, 2, 64, torch.bfloat16)

@@ -29,6 +29,9 @@ TILE = 64  # output rows per tile of the packed layout (csrc/bf16_gemv.c)
 # narrow shapes and loses at the wide ones; benchmarks/bench_decode_linear.py).
 GEMV_MAX_ROWS = 4
 AMX_MAX_ROWS = 32  # the AMX kernel's two 16-row A tiles
+# Row counts (prefill chunks) at which the large AMX product is timed against oneDNN's (linear_tuning.py);
+# rows r take the decision of the first point >= r, and oneDNN beyond the last.
+LARGE_GRID = (*range(64, 1281, 64), *range(1408, 2049, 128))
 AMX_FLAGS = (*FLAGS, "-mamx-tile", "-mamx-bf16")
 AMX_SOURCE = Path(__file__).parent / "csrc" / "bf16_amx.c"
 AMX_HEADERS = (Path(__file__).parent / "csrc" / "amx_tiles.h",)
@@ -79,11 +82,29 @@ def load_amx_kernel() -> Bf16Gemv | None:
     return _built_amx_kernel()
 
 
+def load_amx_large_kernel() -> Bf16Gemv | None:
+    """The AMX product for any number of rows (same conditions as `load_amx_kernel`), or None."""
+    if not is_x86() or rs_platform.kernel_class() != "amx":
+        return None
+    lib = _amx_library()
+    return None if lib is None else Bf16Gemv(lib.bf16_amx_gemm_large, "bf16_amx_large")
+
+
 @functools.cache
 def _built_amx_kernel() -> Bf16Gemv | None:
-    lib = load_amx_library(AMX_SOURCE, "bf16-amx", AMX_FLAGS, "bf16 AMX kernel", "decode batches use oneDNN",
-                           AMX_HEADERS)
+    lib = _amx_library()
     return None if lib is None else Bf16Gemv(lib.bf16_amx_gemm, "bf16_amx")
+
+
+@functools.cache
+def _amx_library():
+    return load_amx_library(AMX_SOURCE, "bf16-amx", AMX_FLAGS, "bf16 AMX kernel", "decode batches use oneDNN",
+                            AMX_HEADERS)
+
+
+def grid_point(rows: int) -> int:
+    """The LARGE_GRID point whose decision `rows` takes: the first >= rows (0 beyond the grid: oneDNN)."""
+    return next((point for point in LARGE_GRID if point >= rows), 0)
 
 
 @functools.cache
@@ -96,8 +117,9 @@ def load_gemv_kernel() -> Bf16Gemv | None:
 
 
 class GemvLinearMethod(OneDNNLinearMethod):
-    """Our AMX kernel up to AMX_MAX_ROWS rows (the GEMV up to GEMV_MAX_ROWS without AMX), oneDNN's
-    prepacked product above."""
+    """Our AMX kernel up to AMX_MAX_ROWS rows (the GEMV up to GEMV_MAX_ROWS without AMX); above, oneDNN's
+    prepacked product, or our large AMX product at the row counts where it measured faster here
+    (`large_rows`, LARGE_GRID points set by linear_tuning.tune_large_products)."""
 
     name = "onednn_gemv"
 
@@ -112,6 +134,8 @@ class GemvLinearMethod(OneDNNLinearMethod):
         self.kernel = load_gemv_kernel()
         amx = load_amx_kernel() if layer.in_features % 32 == 0 else None
         self.amx, self.amx_max_rows = amx, AMX_MAX_ROWS if amx is not None else 0
+        self.large = load_amx_large_kernel() if amx is not None else None
+        self.large_rows: frozenset[int] = frozenset()
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 and x.is_contiguous() else 0
@@ -119,6 +143,8 @@ class GemvLinearMethod(OneDNNLinearMethod):
             return self.amx(layer.gemv_weight, x, layer.bias, layer.out_features)
         if 0 < rows <= GEMV_MAX_ROWS:
             return self.kernel(layer.gemv_weight, x, layer.bias, layer.out_features)
+        if rows and self.large_rows and grid_point(rows) in self.large_rows:
+            return self.large(layer.gemv_weight, x, layer.bias, layer.out_features)
         return super().apply(layer, x)
 
 

@@ -29,6 +29,7 @@ from radixserve.layers.linear import (
     LINEAR_METHODS,
     DenseLinearMethod,
     LinearBase,
+    OneDNNLinearMethod,
     linear_layers,
     process_weights_after_loading,
 )
@@ -65,7 +66,61 @@ def configure_linear_methods(model: torch.nn.Module, device: torch.device, dtype
         if not LINEAR_METHODS[requested].supports(device, dtype):
             raise ValueError(f"linear method {requested!r} does not run on {device.type} in {dtype}")
         methods = dict.fromkeys(shapes, requested)
-    return process_weights_after_loading(model, methods)
+    counts = process_weights_after_loading(model, methods)
+    tune_large_products(model, dtype)
+    return counts
+
+
+LARGE_CALLS = 3
+LARGE_MARGIN = 1.05  # the large AMX product must beat oneDNN by this much to take a row count
+LARGE_MAX_WEIGHT = 8 << 20  # elements; larger weights (the LM head) keep oneDNN above decode sizes
+
+
+def tune_large_products(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """For `onednn_gemv` layers on AMX CPUs: the LARGE_GRID row counts at which our large AMX product beats
+    oneDNN's, timed per weight shape at the thread count the model runs with (oneDNN decides itself how
+    many threads a product gets, and for some shapes near 1,000 rows it takes one: that is what this finds),
+    cached like the methods; each such layer's method gets them as `large_rows`."""
+    layers: dict[Shape, list[LinearBase]] = {}
+    for _, layer in linear_layers(model):
+        if getattr(layer.method, "large", None) is not None and layer.shape[0] * layer.shape[1] <= LARGE_MAX_WEIGHT:
+            layers.setdefault(layer.shape, []).append(layer)
+    if not layers:
+        return
+    cache = TimingCache(envs.CACHE_DIR.get() / CACHE_FILE)
+    for shape, group in sorted(layers.items()):
+        key = f"{cache_key(shape, dtype)} | large, {torch.get_num_threads()} threads"
+        timings = cache.get(key)
+        if timings is None or {t.tokens for t in timings} != set(gemv.LARGE_GRID):
+            logger.info("timing the large AMX product against oneDNN for weight %dx%d (first start only)", *shape)
+            timings = _time_large(group[0])
+            cache.put(key, timings)
+        rows = large_rows(timings)
+        for layer in group:
+            layer.method.large_rows = rows
+
+
+def large_rows(timings: list[Timing]) -> frozenset[int]:
+    onednn = {t.tokens: t.seconds for t in timings if t.method == "onednn"}
+    return frozenset(t.tokens for t in timings if t.method == "amx_large" and t.seconds * LARGE_MARGIN < onednn[t.tokens])
+
+
+def _time_large(layer: LinearBase) -> list[Timing]:
+    method, timings = layer.method, []
+    kernels = {"onednn": lambda x: OneDNNLinearMethod.apply(method, layer, x),
+               "amx_large": lambda x: method.large(layer.gemv_weight, x, layer.bias, layer.out_features)}
+    with torch.inference_mode():
+        for rows in gemv.LARGE_GRID:
+            x = torch.randn(rows, layer.in_features).to(layer.gemv_weight.dtype)
+            best = dict.fromkeys(kernels, float("inf"))
+            for round_ in range(LARGE_CALLS + 1):
+                for name, run in kernels.items():
+                    start = time.perf_counter()
+                    run(x)
+                    if round_:
+                        best[name] = min(best[name], time.perf_counter() - start)
+            timings += [Timing(name, rows, seconds) for name, seconds in best.items()]
+    return timings
 
 
 def candidates(device: torch.device, dtype: torch.dtype) -> list[str]:

@@ -18,6 +18,7 @@ from radixserve.layers.sampler import (
     compute_logprobs,
 )
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixserve.model_executor.cpu_memory import keep_freed_memory
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.models.device_setup import setup_model_for_device
 from radixserve.server_args import ServerArgs
@@ -60,6 +61,7 @@ class ModelRunner:
         self.dtype_choice = platform.choose_dtype(server_args.dtype, self.device.type)  # dtype and why
         self.dtype = DTYPES[self.dtype_choice.dtype]
         self.page_size = server_args.page_size
+        self.malloc_tuned = self.device.type == "cpu" and keep_freed_memory()
         if server_args.torch_threads is not None:
             # NOTE: process-wide; set only when asked (on a busy machine 1 thread can beat 2)
             torch.set_num_threads(server_args.torch_threads)
@@ -171,7 +173,7 @@ class ModelRunner:
                                                "used": kernel.selected_kernels().get(self.dtype_choice.dtype, [])
                                                + (["extend_amx"] if amx else [])}
         return {"dtype": self.dtype_choice.dtype, "dtype_reason": self.dtype_choice.reason,
-                "attention_kernels": kernels, "cpu": platform.describe()}
+                "attention_kernels": kernels, "cpu": platform.describe(), "malloc_tuned": self.malloc_tuned}
 
     def _log_startup(self) -> None:
         gib = self.max_total_num_tokens * MHATokenToKVPool.bytes_per_token(
@@ -183,11 +185,11 @@ class ModelRunner:
         used = "torch only" if kernels is None else f"C {', '.join(kernels['used']) or 'none'} ({kernels['class']})"
         logger.info(
             "model %s | dtype %s (%s) | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
-            "max running requests %d | max context %d | attention %s, %s | quantization %s: %s | %s | CPU: %s",
+            "max running requests %d | max context %d | attention %s, %s | quantization %s: %s | %s | malloc %s | CPU: %s",
             self.loaded.name, self.dtype_choice.dtype, self.dtype_choice.reason, self.device,
             self.max_total_num_tokens, gib, self.page_size, self.max_running_requests, self.context_len,
             self.server_args.attention_backend, used, self.server_args.quantization, weight_summary(self.model),
-            self.device_setup.describe(), platform.summary_line())
+            self.device_setup.describe(), "kept" if self.malloc_tuned else "default", platform.summary_line())
         if self.max_total_num_tokens < self.context_len:
             logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): one request "
                            "can use at most the pool", self.max_total_num_tokens, self.context_len)

@@ -1,4 +1,5 @@
-// Matrix products of 5-32 rows on AMX tiles: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bfloat16 in and
+// Matrix products on AMX tiles, of 1-32 rows (bf16_amx_gemm, decode) or any number (bf16_amx_gemm_large,
+// prefill chunks where oneDNN measured slower): y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bfloat16 in and
 // out, float32 accumulation; W in the GEMV's packed layout (bf16_gemv.c).
 //
 // That layout is already what a B tile wants. For a 64-row tile of W and an input pair p, the 64 rows'
@@ -7,7 +8,9 @@
 // A tiles are 16 rows of x, 32 inputs each, read in place. Each thread takes whole 64-row tiles of W,
 // in two halves of 32 output rows: per half and per 32 inputs, two A tiles (rows 0-15, 16-31 of x), two
 // B tiles and four C tiles (float32 sums). At these row counts the time is reading W, which tdpbf16ps
-// leaves idle most of the time; a software prefetch runs one 32-input step ahead.
+// leaves idle most of the time; a software prefetch runs one 32-input step ahead. The large product runs
+// the same per-tile code on each 32-row block of x, in work items of CHUNK_ROWS rows x one tile, so both
+// threads have work at every row count (oneDNN falls back to one thread for some shapes near 1,000 rows).
 //
 // Linux gives a process AMX state only on request (arch_prctl ARCH_REQ_XCOMP_PERM): amx_request() does it
 // once. Returns 0, -1 for shapes it does not take (K % 32, M outside 1..32), -2 without AMX permission.
@@ -52,70 +55,109 @@ static void store_half(const float *sums, const uint16_t *bias, uint16_t *y, int
     }
 }
 
+// One packed tile (64 W rows at n0 = t * TILE) against up to 16 rows of x: 4 C tiles, one pass.
+static void one_pass_tile(const char *wt, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
+                          int64_t k, int64_t n0, float *sums) {
+    const int64_t steps = k / 32, x_stride = k * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const char *ws = wt + s * 16 * PAIR_BYTES;
+        prefetch_pairs(ws + 16 * PAIR_BYTES, 4); // the next step (past the tile: the next tile)
+        _tile_loadd(4, x + s * 32, x_stride);
+        _tile_loadd(6, ws, PAIR_BYTES);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, ws + 64, PAIR_BYTES);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(6, ws + 128, PAIR_BYTES);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(7, ws + 192, PAIR_BYTES);
+        _tile_dpbf16ps(3, 4, 7);
+    }
+    _tile_stored(0, sums, 32 * 4);
+    _tile_stored(1, sums + 16, 32 * 4);
+    store_half(sums, bias, y, m, n, n0);
+    if (n0 + 32 < n) {
+        _tile_stored(2, sums, 32 * 4);
+        _tile_stored(3, sums + 16, 32 * 4);
+        store_half(sums, bias, y, m, n, n0 + 32);
+    }
+}
+
+// One packed tile against 17-32 rows of x: two passes of 32 W rows, 2 x 2 C tiles each.
+static void two_pass_tile(const char *wt, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
+                          int64_t k, int64_t n0, float *sums) {
+    const int64_t steps = k / 32, x_stride = k * 2;
+    for (int half = 0; half < 2; half++) {
+        if (n0 + half * 32 >= n) break;
+        const char *w = wt + half * 32 * 4; // 32 rows x one pair = 128 bytes into each pair row
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps; s++) {
+            const char *ws = w + s * 16 * PAIR_BYTES;
+            // NOTE: the first pass brings whole pair rows in, so the second reads them from L2
+            prefetch_pairs(wt + (s + 1) * 16 * PAIR_BYTES, half ? 0 : 4);
+            _tile_loadd(4, x + s * 32, x_stride);
+            _tile_loadd(6, ws, PAIR_BYTES);
+            _tile_loadd(7, ws + 64, PAIR_BYTES);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, x + 16 * k + s * 32, x_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, sums, 32 * 4);
+        _tile_stored(1, sums + 16, 32 * 4);
+        _tile_stored(2, sums + 16 * 32, 32 * 4);
+        _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+        store_half(sums, bias, y, m, n, n0 + half * 32);
+    }
+}
+
+static inline void tile_rows(const char *wt, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
+                             int64_t n, int64_t k, int64_t n0, float *sums) {
+    (m <= 16 ? one_pass_tile : two_pass_tile)(wt, x, bias, y, m, n, k, n0, sums);
+}
+
 int bf16_amx_gemm(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
                   int64_t n, int64_t k, int nthreads) {
     if (k % 32 || m < 1 || m > 32 || n < 1) return -1;
-    const int64_t tiles = (n + TILE - 1) / TILE, steps = k / 32, x_stride = k * 2;
+    const int64_t tiles = (n + TILE - 1) / TILE;
 #pragma omp parallel num_threads(nthreads)
     {
         configure(m);
         float sums[32 * 32];
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t t = 0; t < tiles; t++) tile_rows((const char *)(packed + t * TILE * k), x, bias, y, m, n, k, t * TILE, sums);
+        _tile_release();
+    }
+    return 0;
+}
+
+#define CHUNK_ROWS 256 // rows of x per work item of the large product: its x block stays in L2 across tiles
+
+// Any number of rows: work items of CHUNK_ROWS rows x one packed tile, each 32-row block of the chunk
+// against the tile as above (2 x 2 C tiles; the tile's W rows stay in L2 across the chunk's blocks).
+int bf16_amx_gemm_large(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
+                        int64_t n, int64_t k, int nthreads) {
+    if (k % 32 || m < 1 || n < 1) return -1;
+    const int64_t tiles = (n + TILE - 1) / TILE, chunks = (m + CHUNK_ROWS - 1) / CHUNK_ROWS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t configured = 0;
+        float sums[32 * 32];
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < chunks * tiles; item++) {
+            const int64_t c = item / tiles, t = item % tiles;
             const char *wt = (const char *)(packed + t * TILE * k);
-            if (m <= 16) {
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t s = 0; s < steps; s++) {
-                    const char *ws = wt + s * 16 * PAIR_BYTES;
-                    prefetch_pairs(ws + 16 * PAIR_BYTES, 4); // the next step (past the tile: the next tile)
-                    _tile_loadd(4, x + s * 32, x_stride);
-                    _tile_loadd(6, ws, PAIR_BYTES);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(7, ws + 64, PAIR_BYTES);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_loadd(6, ws + 128, PAIR_BYTES);
-                    _tile_dpbf16ps(2, 4, 6);
-                    _tile_loadd(7, ws + 192, PAIR_BYTES);
-                    _tile_dpbf16ps(3, 4, 7);
-                }
-                _tile_stored(0, sums, 32 * 4);
-                _tile_stored(1, sums + 16, 32 * 4);
-                store_half(sums, bias, y, m, n, t * TILE);
-                if (t * TILE + 32 < n) {
-                    _tile_stored(2, sums, 32 * 4);
-                    _tile_stored(3, sums + 16, 32 * 4);
-                    store_half(sums, bias, y, m, n, t * TILE + 32);
-                }
-                continue;
-            }
-            for (int half = 0; half < 2; half++) {
-                if (t * TILE + half * 32 >= n) break;
-                const char *w = wt + half * 32 * 4; // 32 rows x one pair = 128 bytes into each pair row
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t s = 0; s < steps; s++) {
-                    const char *ws = w + s * 16 * PAIR_BYTES;
-                    // NOTE: the first pass brings whole pair rows in, so the second reads them from L2
-                    prefetch_pairs(wt + (s + 1) * 16 * PAIR_BYTES, half ? 0 : 4);
-                    _tile_loadd(4, x + s * 32, x_stride);
-                    _tile_loadd(6, ws, PAIR_BYTES);
-                    _tile_loadd(7, ws + 64, PAIR_BYTES);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_loadd(5, x + 16 * k + s * 32, x_stride);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-                _tile_stored(0, sums, 32 * 4);
-                _tile_stored(1, sums + 16, 32 * 4);
-                _tile_stored(2, sums + 16 * 32, 32 * 4);
-                _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
-                store_half(sums, bias, y, m, n, t * TILE + half * 32);
+            for (int64_t r = c * CHUNK_ROWS; r < m && r < (c + 1) * CHUNK_ROWS; r += 32) {
+                const int64_t rows = m - r < 32 ? m - r : 32;
+                if (rows != configured) configure(rows), configured = rows;
+                tile_rows(wt, x + r * k, bias, y + r * n, rows, n, k, t * TILE, sums);
             }
         }
         _tile_release();

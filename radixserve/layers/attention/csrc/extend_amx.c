@@ -27,9 +27,16 @@
 #define QB 16 /* queries per block */
 
 static void configure(void) {
-    const uint8_t rows[7] = {16, 16, 16, 16, 16, 16, 16};
-    configure_tiles(rows, 7);
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    configure_tiles(rows, 8);
 }
+
+/* Rows whose running max is exceeded by more than this (natural log units) are rescaled; the others keep
+ * their max, so their P values may reach e^8 (~3000): exact enough in bf16 and float32 sums. */
+#define LAZY_RESCALE 8.0f
+
+/* exp(x) for x <= 88 (the polynomial of simd.h's exp, whose range reduction holds above 0 too). */
+static inline __m512 exp_ps(__m512 x) { return vf_exp_nonpositive(_mm512_min_ps(x, _mm512_set1_ps(88.0f))); }
 
 
 /* Packed block sizes in bf16 elements: one 16 x 32 tile is 512. */
@@ -149,6 +156,130 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
     }
 }
 
+/* S of 16 queries x 32 keys into sbuf (scaled, masked); the block's row maxima into `top`. */
+static inline __m512 scores_block(const uint16_t *qbuf, const uint16_t *kb, float *sbuf, int64_t steps, int64_t dim,
+                                  float scale, int masked, int64_t limit0) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < steps; c++) {
+        _tile_loadd(2, qbuf + 32 * c, 2 * dim);
+        _tile_loadd(3, kb + c * 512, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(3, kb + (steps + c) * 512, 64);
+        _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, sbuf, KB * 4);
+    _tile_stored(1, sbuf + 16, KB * 4);
+    __m512 fold[QB];
+    for (int64_t r = 0; r < QB; r++) {
+        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB), _mm512_set1_ps(scale));
+        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB + 16), _mm512_set1_ps(scale));
+        if (masked) {
+            const __m512i limit = _mm512_set1_epi32((int)(limit0 + r)); /* keys <= limit */
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            s0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(lane, limit), s0);
+            s1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), s1);
+        }
+        _mm512_store_ps(sbuf + r * KB, s0);
+        _mm512_store_ps(sbuf + r * KB + 16, s1);
+        fold[r] = _mm512_max_ps(s0, s1);
+    }
+    return vf_max16(fold);
+}
+
+/* attend_block for dim <= 64: the output's dim / 16 float32 tiles (tmm4-7) stay in the tile registers
+ * across all key blocks, P V accumulating into them; a row's running max is raised (and the tiles
+ * rescaled through memory) only when a block exceeds it by more than LAZY_RESCALE, which after the first
+ * few blocks is rare. Tiles: tmm0/1 S, then tmm0 P; tmm2 Q; tmm3 K or V; tmm4-7 O. */
+static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16_t *kpack, const uint16_t *vpack,
+                                  int64_t q0, int64_t rows, int64_t q_len, int64_t kv_len, int64_t heads,
+                                  int64_t head, int64_t dim, float scale) {
+    __attribute__((aligned(64))) uint16_t qbuf[QB * 64];
+    __attribute__((aligned(64))) uint16_t pbuf[QB * KB];
+    __attribute__((aligned(64))) float sbuf[QB * KB];
+    __attribute__((aligned(64))) float acc[QB * 64];
+    __attribute__((aligned(64))) float run_max[QB], run_sum[QB], alpha[QB], shifts[QB];
+    const int64_t steps = dim / 32, groups = dim / 16, before = kv_len - q_len;
+    memset(qbuf, 0, sizeof qbuf);
+    for (int64_t r = 0; r < rows; r++) memcpy(qbuf + r * dim, q + ((q0 + r) * heads + head) * dim, 2 * dim);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    _mm512_store_ps(run_sum, _mm512_setzero_ps());
+    const int64_t last_key = before + q0 + rows - 1;
+    for (int64_t b = 0; b * KB <= last_key; b++) {
+        const uint16_t *kb = kpack + b * block_elems(dim), *vb = vpack + b * block_elems(dim);
+        const int masked = (b + 1) * KB - 1 > before + q0;
+        const __m512 top = scores_block(qbuf, kb, sbuf, steps, dim, scale, masked, before + q0 - b * KB);
+        /* NOTE: every row sees key 0, so after block 0 no running max is -inf */
+        __m512 mx = top;
+        if (b > 0) {
+            const __m512 old = _mm512_load_ps(run_max);
+            const __mmask16 raise = _mm512_cmp_ps_mask(top, _mm512_add_ps(old, _mm512_set1_ps(LAZY_RESCALE)), _CMP_GT_OQ);
+            mx = _mm512_mask_mov_ps(old, raise, top);
+            if (raise) {
+                const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), raise, exp_ps(_mm512_sub_ps(old, top)));
+                _mm512_store_ps(alpha, a);
+                _mm512_store_ps(run_sum, _mm512_mul_ps(_mm512_load_ps(run_sum), a));
+                for (int64_t g = 0; g < groups; g++) { /* tile numbers are immediates */
+                    if (g == 0) _tile_stored(4, acc, 64 * 4);
+                    if (g == 1) _tile_stored(5, acc + 16, 64 * 4);
+                    if (g == 2) _tile_stored(6, acc + 32, 64 * 4);
+                    if (g == 3) _tile_stored(7, acc + 48, 64 * 4);
+                }
+                for (int64_t r = 0; r < QB; r++) {
+                    if (!(raise >> r & 1)) continue;
+                    const __m512 ar = _mm512_set1_ps(alpha[r]);
+                    for (int64_t g = 0; g < groups; g++)
+                        _mm512_store_ps(acc + r * 64 + 16 * g, _mm512_mul_ps(_mm512_load_ps(acc + r * 64 + 16 * g), ar));
+                }
+                for (int64_t g = 0; g < groups; g++) {
+                    if (g == 0) _tile_loadd(4, acc, 64 * 4);
+                    if (g == 1) _tile_loadd(5, acc + 16, 64 * 4);
+                    if (g == 2) _tile_loadd(6, acc + 32, 64 * 4);
+                    if (g == 3) _tile_loadd(7, acc + 48, 64 * 4);
+                }
+            }
+        }
+        _mm512_store_ps(run_max, mx);
+        _mm512_store_ps(shifts, mx);
+        __m512 fold[QB];
+        for (int64_t r = 0; r < QB; r++) {
+            const __m512 m = _mm512_set1_ps(shifts[r]);
+            const __m512 p0 = exp_ps(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), m));
+            const __m512 p1 = exp_ps(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), m));
+            fold[r] = _mm512_add_ps(p0, p1);
+            _mm512_store_si512(pbuf + r * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        _mm512_store_ps(run_sum, _mm512_add_ps(_mm512_load_ps(run_sum), vf_sum16(fold)));
+        _tile_loadd(0, pbuf, KB * 2);
+        _tile_loadd(3, vb, 64);
+        _tile_dpbf16ps(4, 0, 3);
+        _tile_loadd(3, vb + 512, 64);
+        _tile_dpbf16ps(5, 0, 3);
+        if (groups > 2) {
+            _tile_loadd(3, vb + 2 * 512, 64);
+            _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(3, vb + 3 * 512, 64);
+            _tile_dpbf16ps(7, 0, 3);
+        }
+    }
+    _tile_stored(4, acc, 64 * 4);
+    _tile_stored(5, acc + 16, 64 * 4);
+    if (groups > 2) {
+        _tile_stored(6, acc + 32, 64 * 4);
+        _tile_stored(7, acc + 48, 64 * 4);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 inv = _mm512_set1_ps(run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f);
+        uint16_t *o = out + ((q0 + r) * heads + head) * dim;
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + r * 64 + d), inv)));
+    }
+}
+
 int extend_attention_amx_bf16(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,
                               const int32_t *kv_indices, const int64_t *reqs, uint16_t *out, int64_t bs,
                               int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) {
@@ -197,8 +328,9 @@ int extend_attention_amx_bf16(const uint16_t *q, const uint16_t *k_buf, const ui
             const int64_t q_start = reqs[4 * b], q_len = reqs[4 * b + 1], kv_len = reqs[4 * b + 3];
             const int64_t first = (qblk - qblocks_at[b]) * QB, rows = q_len - first < QB ? q_len - first : QB;
             const int64_t at = (h * kv_blocks + pack_at[b]) * block_elems(dim);
-            attend_block(q + q_start * heads * dim, out + q_start * heads * dim, kpack + at, vpack + at, first, rows,
-                         q_len, kv_len, heads, head, dim, scale);
+            (dim <= 64 ? attend_block_resident : attend_block)(q + q_start * heads * dim, out + q_start * heads * dim,
+                                                               kpack + at, vpack + at, first, rows, q_len, kv_len,
+                                                               heads, head, dim, scale);
         }
         _tile_release();
     }
