@@ -86,14 +86,13 @@ def load_amx_large_kernel() -> Bf16Gemv | None:
     """The AMX product for any number of rows (same conditions as `load_amx_kernel`), or None."""
     if not is_x86() or rs_platform.kernel_class() != "amx":
         return None
-    lib = _amx_library()
-    return None if lib is None else Bf16Gemv(lib.bf16_amx_gemm_large, "bf16_amx_large")
+    return _built_amx_kernel("bf16_amx_gemm_large")
 
 
 @functools.cache
-def _built_amx_kernel() -> Bf16Gemv | None:
+def _built_amx_kernel(function: str = "bf16_amx_gemm") -> Bf16Gemv | None:
     lib = _amx_library()
-    return None if lib is None else Bf16Gemv(lib.bf16_amx_gemm, "bf16_amx")
+    return None if lib is None else Bf16Gemv(getattr(lib, function), function.removesuffix("_gemm"))
 
 
 @functools.cache

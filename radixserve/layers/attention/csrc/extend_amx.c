@@ -31,12 +31,23 @@ static void configure(void) {
     configure_tiles(rows, 8);
 }
 
-/* Rows whose running max is exceeded by more than this (natural log units) are rescaled; the others keep
- * their max, so their P values may reach e^8 (~3000): exact enough in bf16 and float32 sums. */
-#define LAZY_RESCALE 8.0f
+/* The resident path's scores are in log2 units (scaled by scale * log2(e)). Rows whose running max is
+ * exceeded by more than this are rescaled; the others keep their max, so their P values may reach 2^11
+ * (~2000): exact enough in bf16 and float32 sums. */
+#define LAZY_RESCALE 11.0f
+#define LOG2E 1.44269504088896341f
 
-/* exp(x) for x <= 88 (the polynomial of simd.h's exp, whose range reduction holds above 0 too). */
-static inline __m512 exp_ps(__m512 x) { return vf_exp_nonpositive(_mm512_min_ps(x, _mm512_set1_ps(88.0f))); }
+/* 2^x for x <= 126, relative error below 5e-5 (P is rounded to bf16, 2^-8, anyway): 2^round(x) times a
+ * degree-4 polynomial of the remainder in [-0.5, 0.5]; below -126 it returns ~1e-38, not 0. */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(9.618129e-3f), f, _mm512_set1_ps(5.550411e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 
 
 /* Packed block sizes in bf16 elements: one 16 x 32 tile is 512. */
@@ -212,7 +223,7 @@ static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16
     for (int64_t b = 0; b * KB <= last_key; b++) {
         const uint16_t *kb = kpack + b * block_elems(dim), *vb = vpack + b * block_elems(dim);
         const int masked = (b + 1) * KB - 1 > before + q0;
-        const __m512 top = scores_block(qbuf, kb, sbuf, steps, dim, scale, masked, before + q0 - b * KB);
+        const __m512 top = scores_block(qbuf, kb, sbuf, steps, dim, scale * LOG2E, masked, before + q0 - b * KB);
         /* NOTE: every row sees key 0, so after block 0 no running max is -inf */
         __m512 mx = top;
         if (b > 0) {
@@ -220,7 +231,7 @@ static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16
             const __mmask16 raise = _mm512_cmp_ps_mask(top, _mm512_add_ps(old, _mm512_set1_ps(LAZY_RESCALE)), _CMP_GT_OQ);
             mx = _mm512_mask_mov_ps(old, raise, top);
             if (raise) {
-                const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), raise, exp_ps(_mm512_sub_ps(old, top)));
+                const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), raise, exp2_ps(_mm512_sub_ps(old, top)));
                 _mm512_store_ps(alpha, a);
                 _mm512_store_ps(run_sum, _mm512_mul_ps(_mm512_load_ps(run_sum), a));
                 for (int64_t g = 0; g < groups; g++) { /* tile numbers are immediates */
@@ -248,8 +259,8 @@ static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16
         __m512 fold[QB];
         for (int64_t r = 0; r < QB; r++) {
             const __m512 m = _mm512_set1_ps(shifts[r]);
-            const __m512 p0 = exp_ps(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), m));
-            const __m512 p1 = exp_ps(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), m));
+            const __m512 p0 = exp2_ps(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), m));
+            const __m512 p1 = exp2_ps(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), m));
             fold[r] = _mm512_add_ps(p0, p1);
             _mm512_store_si512(pbuf + r * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         }
