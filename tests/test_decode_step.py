@@ -124,3 +124,21 @@ def test_position_beyond_the_table_is_refused_before_any_write(folder, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(kv_before, kv_after, strict=True))
     runner.token_to_kv_pool_allocator.free(slots)
     driver.release_all()
+
+
+def test_silu_and_mul_of_prefill_batches_is_the_step_loop(folder, monkeypatch):
+    """From SiluAndMul.MIN_ROWS rows the layers' SiLU-and-mul is the step's C loop (same rounding steps as
+    the compiled op: a result differs, if at all, by one bf16 unit in a few places); the switch restores
+    the compiled op."""
+    runner = _runner(folder, monkeypatch, True)
+    act, compiled = runner.model.model.layers[0].mlp.act, runner.model.fused_ops.silu_and_mul
+    assert isinstance(act, decode_step.SiluAndMul)
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 63, 64, 300):
+        gate_up = (torch.randn(rows, 512, generator=g) * 4).bfloat16()
+        got, want = act(gate_up), compiled(gate_up)
+        assert got.shape == want.shape == (rows, 256)
+        assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+        assert (got != want).float().mean() < 0.01
+    off = _runner(folder, monkeypatch, False)
+    assert not isinstance(off.model.model.layers[0].mlp.act, decode_step.SiluAndMul)

@@ -5,7 +5,8 @@ loop removes is ~10 Python-level calls per layer, each of which costs 25-40 us a
 has evicted its code (docs/cpu_fast_path.md). It takes a decode forward when the model is bf16 with the
 GEMV/AMX linear method on every decoder linear layer, plain rotary (no q/k norms), the backend's C decode
 kernel for plain (not cascade) attention, and no more rows than the linear kernel takes; anything else
-runs the layers in Python. Switch: RADIXSERVE_DECODE_STEP=0.
+runs the layers in Python. Prefill batches of such a model use the step's SiLU-and-mul loop too
+(`SiluAndMul`). Switch: RADIXSERVE_DECODE_STEP=0 (both).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_step_bf16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
     lib.decode_step_work_size.restype = ctypes.c_int64
     lib.decode_step_work_size.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.silu_mul_bf16.restype = ctypes.c_int
+    lib.silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -117,12 +120,39 @@ class DecodeStep:
         self._pool = pool
 
 
+class SiluAndMul:
+    """SiLU-and-mul of a fused [gate | up] batch: the decode step's C loop from MIN_ROWS rows (prefill
+    chunks; 1.5x the compiled op at 2,048 rows, same rounding steps), the compiled op below (its call is
+    cheaper at a few rows)."""
+
+    MIN_ROWS = 64
+
+    def __init__(self, lib: ctypes.CDLL, compiled) -> None:
+        self._fn, self._compiled = lib.silu_mul_bf16, compiled
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        rows, width = gate_up.shape
+        if rows < self.MIN_ROWS or not gate_up.is_contiguous() or gate_up.dtype != torch.bfloat16:
+            return self._compiled(gate_up)
+        out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+        if call_profiled("radixserve::silu_and_mul", self._fn, gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                         torch.get_num_threads()):
+            raise ValueError(f"SiLU-and-mul takes widths of 32k, got {width}")
+        return out
+
+
 def load_decode_step(model: torch.nn.Module, dtype: torch.dtype) -> DecodeStep | None:
-    """The C decode step for this model, or None where it does not apply (then the layers run in Python)."""
+    """The C decode step for this model, or None where it does not apply (then the layers run in Python).
+    Where it applies, the layers' SiLU-and-mul becomes `SiluAndMul` as well."""
     if not envs.DECODE_STEP.get() or dtype != torch.bfloat16 or not is_x86() or not _fits(model):
         return None
     lib = _library()
-    return None if lib is None else DecodeStep(model, lib)
+    if lib is None:
+        return None
+    act = SiluAndMul(lib, model.fused_ops.silu_and_mul)
+    for layer in model.model.layers:
+        layer.mlp.act = act
+    return DecodeStep(model, lib)
 
 
 def _fits(model: torch.nn.Module) -> bool:

@@ -152,3 +152,12 @@ int64_t decode_step_work_size(const decode_model *m, int64_t bs) {
     const int64_t q_size = m->heads * m->head_dim;
     return bs * (m->hidden + q_size + 2 * m->kv_heads * m->head_dim + 2 * q_size + 3 * m->intermediate);
 }
+
+// SiLU(gate) * up of m fused [gate | up] rows of 2n values into m rows of n: the loop the decode step
+// runs, for prefill-sized batches (models/decode_step.py). Returns 0; 1 if n is not a multiple of 16.
+int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t n, int nthreads) {
+    if (n % 16) return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < m; r++) silu_mul_row(gate_up + r * 2 * n, out + r * n, n);
+    return 0;
+}
