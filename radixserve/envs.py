@@ -81,7 +81,8 @@ CACHE_DIR = _declare("RADIXSERVE_CACHE_DIR", _default_cache_dir(), Path,
 CPU_PREFILL_KERNEL = _declare("RADIXSERVE_CPU_PREFILL_KERNEL", True, parse_bool,
                               "0: extend attention on the CPU stays on torch's SDPA instead of the C kernel")
 DECODE_STEP = _declare("RADIXSERVE_DECODE_STEP", True, parse_bool,
-                       "0: decode batches run the decoder layers in Python instead of the one-call C loop")
+                       "0: decode batches run the decoder layers in Python instead of the one-call C loop, and "
+                       "prefill's SiLU-and-mul is the compiled op")
 CPU_MALLOC_TUNING = _declare("RADIXSERVE_CPU_MALLOC_TUNING", True, parse_bool,
                              "0: leave glibc's malloc thresholds alone (large CPU tensors then fault pages in "
                              "on every forward)")
