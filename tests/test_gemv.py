@@ -51,13 +51,16 @@ def test_kernel_matches_float32_product(rows, n, k, bias):
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16 (and the OS's permission to use it)")
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 32])
-@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (100, 96, True), (960, 576, False), (70, 64, True)])
-def test_amx_kernel_matches_float32_product(rows, n, k, bias):
-    layer = _layer(k, n, bias)
+@pytest.mark.parametrize(("kernel", "rows"), [*(("amx", r) for r in (1, 2, 5, 16, 17, 32)),
+                                              *(("large", r) for r in (1, 16, 17, 33, 100, 257, 300))])
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (100, 96, True), (960, 576, False), (70, 1536, True)])
+def test_amx_kernels_match_float32_product(kernel, rows, n, k, bias):
+    """The large product: 32-row blocks in chunks of 256 rows, a last block of 1-31 rows (one or two passes)."""
+    layer = _layer(k, n, bias, seed=rows)
     x = torch.randn(rows, k).bfloat16()
     want = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-    got = gemv.load_amx_kernel()(gemv.pack_gemv_weight(layer.weight), x, layer.bias, n)
+    fn = gemv.load_amx_kernel() if kernel == "amx" else gemv.load_amx_large_kernel()
+    got = fn(gemv.pack_gemv_weight(layer.weight), x, layer.bias, n)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
@@ -70,19 +73,6 @@ def test_amx_kernel_rejects_what_it_cannot_take():
     packed = gemv.pack_gemv_weight(torch.zeros(64, 32, dtype=torch.bfloat16))
     with pytest.raises(ValueError):  # more rows than its two A tiles
         amx(packed, torch.zeros(33, 32, dtype=torch.bfloat16), None, 64)
-
-
-@pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16 (and the OS's permission to use it)")
-@pytest.mark.parametrize("rows", [1, 16, 17, 33, 100, 257, 300])
-@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (100, 96, True), (960, 576, False), (70, 1536, True)])
-def test_large_amx_product_matches_float32_product(rows, n, k, bias):
-    """Any row count: 32-row blocks in chunks of 256 rows, a last block of 1-31 rows (one or two passes)."""
-    layer = _layer(k, n, bias, seed=rows)
-    x = torch.randn(rows, k).bfloat16()
-    want = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-    got = gemv.load_amx_large_kernel()(gemv.pack_gemv_weight(layer.weight), x, layer.bias, n)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")

@@ -71,6 +71,39 @@ static void pack_block(const uint16_t *k_buf, const uint16_t *v_buf, const int32
     }
 }
 
+/* S of 16 queries x 32 keys into sbuf (scaled, masked; tmm0/1 S, tmm2 Q, tmm3 K); returns the 16 rows'
+ * maxima (lane r: row r). */
+static inline __m512 scores_block(const uint16_t *qbuf, const uint16_t *kb, float *sbuf, int64_t steps, int64_t dim,
+                                  float scale, int masked, int64_t limit0) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < steps; c++) {
+        _tile_loadd(2, qbuf + 32 * c, 2 * dim);
+        _tile_loadd(3, kb + c * 512, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(3, kb + (steps + c) * 512, 64);
+        _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, sbuf, KB * 4);
+    _tile_stored(1, sbuf + 16, KB * 4);
+    __m512 fold[QB];
+    for (int64_t r = 0; r < QB; r++) {
+        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB), _mm512_set1_ps(scale));
+        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB + 16), _mm512_set1_ps(scale));
+        if (masked) {
+            const __m512i limit = _mm512_set1_epi32((int)(limit0 + r)); /* keys <= limit */
+            const __m512 ninf = _mm512_set1_ps(-INFINITY);
+            s0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(lane, limit), s0);
+            s1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), s1);
+        }
+        _mm512_store_ps(sbuf + r * KB, s0);
+        _mm512_store_ps(sbuf + r * KB + 16, s1);
+        fold[r] = _mm512_max_ps(s0, s1);
+    }
+    return vf_max16(fold);
+}
+
 /* One block of up to 16 queries of query head `head` (kv head h) over the request's packed context. */
 static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack, const uint16_t *vpack,
                          int64_t q0, int64_t rows, int64_t q_len, int64_t kv_len, int64_t heads, int64_t head,
@@ -87,37 +120,13 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
     memset(acc, 0, sizeof(float) * QB * dim);
     for (int r = 0; r < QB; r++) run_max[r] = -INFINITY, run_sum[r] = 0.0f;
     const int64_t last_key = before + q0 + rows - 1; /* the block's last query sees keys 0..last_key */
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t b = 0; b * KB <= last_key; b++) {
         const uint16_t *kb = kpack + b * block_elems(dim), *vb = vpack + b * block_elems(dim);
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t c = 0; c < steps; c++) {
-            _tile_loadd(2, qbuf + 32 * c, 2 * dim);
-            _tile_loadd(4, kb + c * 512, 64);
-            _tile_dpbf16ps(0, 2, 4);
-            _tile_loadd(4, kb + (steps + c) * 512, 64);
-            _tile_dpbf16ps(1, 2, 4);
-        }
-        _tile_stored(0, sbuf, KB * 4);
-        _tile_stored(1, sbuf + 16, KB * 4);
         const int masked = (b + 1) * KB - 1 > before + q0; /* some key of the block is past some query */
+        const __m512 block_max = scores_block(qbuf, kb, sbuf, steps, dim, scale, masked, before + q0 - b * KB);
         __m512 fold[QB];
-        for (int64_t r = 0; r < QB; r++) { /* scale, mask; each row's max into lane r below */
-            __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB), _mm512_set1_ps(scale));
-            __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB + 16), _mm512_set1_ps(scale));
-            if (masked) {
-                const __m512i limit = _mm512_set1_epi32((int)(before + q0 + r - b * KB)); /* keys <= limit */
-                const __m512 ninf = _mm512_set1_ps(-INFINITY);
-                s0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(lane, limit), s0);
-                s1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), s1);
-            }
-            _mm512_store_ps(sbuf + r * KB, s0);
-            _mm512_store_ps(sbuf + r * KB + 16, s1);
-            fold[r] = _mm512_max_ps(s0, s1);
-        }
         const __m512 old_max = _mm512_load_ps(run_max);
-        const __m512 top = _mm512_max_ps(old_max, vf_max16(fold));
+        const __m512 top = _mm512_max_ps(old_max, block_max);
         /* NOTE: a row with no key yet keeps max -inf; its shift is 0 so that exp never sees inf - inf */
         const __mmask16 none = _mm512_cmp_ps_mask(top, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
         const __m512 shift = _mm512_mask_mov_ps(top, none, _mm512_setzero_ps());
@@ -165,38 +174,6 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
         for (int64_t d = 0; d < dim; d += 16)
             _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + r * dim + d), inv)));
     }
-}
-
-/* S of 16 queries x 32 keys into sbuf (scaled, masked); the block's row maxima into `top`. */
-static inline __m512 scores_block(const uint16_t *qbuf, const uint16_t *kb, float *sbuf, int64_t steps, int64_t dim,
-                                  float scale, int masked, int64_t limit0) {
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t c = 0; c < steps; c++) {
-        _tile_loadd(2, qbuf + 32 * c, 2 * dim);
-        _tile_loadd(3, kb + c * 512, 64);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_loadd(3, kb + (steps + c) * 512, 64);
-        _tile_dpbf16ps(1, 2, 3);
-    }
-    _tile_stored(0, sbuf, KB * 4);
-    _tile_stored(1, sbuf + 16, KB * 4);
-    __m512 fold[QB];
-    for (int64_t r = 0; r < QB; r++) {
-        __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB), _mm512_set1_ps(scale));
-        __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB + 16), _mm512_set1_ps(scale));
-        if (masked) {
-            const __m512i limit = _mm512_set1_epi32((int)(limit0 + r)); /* keys <= limit */
-            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-            s0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(lane, limit), s0);
-            s1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), s1);
-        }
-        _mm512_store_ps(sbuf + r * KB, s0);
-        _mm512_store_ps(sbuf + r * KB + 16, s1);
-        fold[r] = _mm512_max_ps(s0, s1);
-    }
-    return vf_max16(fold);
 }
 
 /* attend_block for dim <= 64: the output's dim / 16 float32 tiles (tmm4-7) stay in the tile registers
