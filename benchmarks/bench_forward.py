@@ -257,7 +257,9 @@ and a decode batch of up to 32 rows runs all decoder layers in one C call (model
 batch's layers run op by op from Python instead of in one C call (models/decode_step.py). Attention is the same in every path (the CPU
 backend's kernels: on this CPU AMX tiles for bf16 prefill, the C decode kernel), so this table does not
 show it; benchmarks/bench_prefill_attention.py does. Decode contexts hold random K/V; prefill computes
-the last token's logits only, as generate does."""
+the last token's logits only, as generate does. In the profile, `after`'s decode steps are one call
+(column `C decode step`: its linear products, attention and passes together), so their GEMM column and
+GFLOP/s are the LM head's alone."""
 
 
 def render(rows: list[Row], args: argparse.Namespace, load: tuple[float, float], profile_md: str) -> str:

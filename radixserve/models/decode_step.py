@@ -135,7 +135,7 @@ class SiluAndMul:
         if rows < self.MIN_ROWS or not gate_up.is_contiguous() or gate_up.dtype != torch.bfloat16:
             return self._compiled(gate_up)
         out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-        if call_profiled("radixserve::silu_and_mul", self._fn, gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+        if call_profiled("radixserve::fused::silu_and_mul_c", self._fn, gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
                          torch.get_num_threads()):
             raise ValueError(f"SiLU-and-mul takes widths of 32k, got {width}")
         return out
