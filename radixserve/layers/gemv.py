@@ -86,13 +86,13 @@ def load_amx_large_kernel() -> Bf16Gemv | None:
     """The AMX product for any number of rows (same conditions as `load_amx_kernel`), or None."""
     if not is_x86() or rs_platform.kernel_class() != "amx":
         return None
-    return _built_amx_kernel("bf16_amx_gemm_large")
+    return _built_amx_kernel("bf16_amx_gemm_large", "bf16_amx_large")
 
 
 @functools.cache
-def _built_amx_kernel(function: str = "bf16_amx_gemm") -> Bf16Gemv | None:
+def _built_amx_kernel(function: str = "bf16_amx_gemm", name: str = "bf16_amx") -> Bf16Gemv | None:
     lib = _amx_library()
-    return None if lib is None else Bf16Gemv(getattr(lib, function), function.removesuffix("_gemm"))
+    return None if lib is None else Bf16Gemv(getattr(lib, function), name)
 
 
 @functools.cache
@@ -136,12 +136,17 @@ class GemvLinearMethod(OneDNNLinearMethod):
         self.large = load_amx_large_kernel() if amx is not None else None
         self.large_rows: frozenset[int] = frozenset()
 
+    def decode_kernel(self, rows: int) -> Bf16Gemv | None:
+        """The kernel for a decode batch of `rows` rows (the C decode step asks too), None above them."""
+        if 0 < rows <= self.amx_max_rows:
+            return self.amx
+        return self.kernel if 0 < rows <= GEMV_MAX_ROWS else None
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 and x.is_contiguous() else 0
-        if 0 < rows <= self.amx_max_rows:
-            return self.amx(layer.gemv_weight, x, layer.bias, layer.out_features)
-        if 0 < rows <= GEMV_MAX_ROWS:
-            return self.kernel(layer.gemv_weight, x, layer.bias, layer.out_features)
+        kernel = self.decode_kernel(rows)
+        if kernel is not None:
+            return kernel(layer.gemv_weight, x, layer.bias, layer.out_features)
         if rows and self.large_rows and grid_point(rows) in self.large_rows:
             return self.large(layer.gemv_weight, x, layer.bias, layer.out_features)
         return super().apply(layer, x)

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 from radixserve import envs
-from radixserve.layers.gemv import AMX_MAX_ROWS, FLAGS, GEMV_MAX_ROWS, load_amx_kernel, load_gemv_kernel
+from radixserve.layers.gemv import AMX_MAX_ROWS, FLAGS, GEMV_MAX_ROWS, load_gemv_kernel
 from radixserve.layers.native_build import call_profiled, is_x86, load_library
 
 SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "decode_step.c"
-HEADERS = (Path(__file__).parent.parent / "layers" / "attention" / "csrc" / "simd.h",)
+HEADERS = tuple(Path(__file__).parent.parent / "layers" / "attention" / "csrc" / name
+                for name in ("simd.h", "attention_common.h"))  # simd.h includes attention_common.h
 LAYER_POINTERS = 9  # IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE
 
 
@@ -53,10 +54,10 @@ class DecodeStep:
 
     def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
         config, self._model, self._lib = model.config, model, lib
-        amx = load_amx_kernel()
-        self._linears = [(AMX_MAX_ROWS, amx.address)] if amx is not None else []
-        self._linears.append((GEMV_MAX_ROWS, load_gemv_kernel().address))
-        self.max_rows = self._linears[0][0]
+        # NOTE: every decoder layer runs onednn_gemv with the same kernels (_fits), so one method's choice
+        # of kernel per row count is every layer's, and the Python layers'
+        self._method = model.model.layers[0].self_attn.qkv_proj.method
+        self.max_rows = next(rows for rows in (AMX_MAX_ROWS, GEMV_MAX_ROWS) if self._method.decode_kernel(rows))
         cos, sin = model.rotary.tables(torch.device("cpu"))
         self._tables = (cos.contiguous(), sin.contiguous())
         scale = model.model.layers[0].self_attn.attn.scaling
@@ -83,7 +84,7 @@ class DecodeStep:
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         work = torch.empty(bs * self._work_per_row, dtype=torch.bfloat16)
-        linear = next(fn for rows, fn in self._linears if bs <= rows)  # NOTE: the order GemvLinearMethod uses
+        linear = self._method.decode_kernel(bs).address
         positions, slots = fb.positions.to(torch.int64).contiguous(), fb.out_cache_loc.to(torch.int32).contiguous()
         kv_indices, seq_lens = meta.kv_indices.to(torch.int32).contiguous(), fb.seq_lens.to(torch.int64).contiguous()
         status = call_profiled(
@@ -105,10 +106,11 @@ class DecodeStep:
         return self._attention[1]
 
     def _bind_pool(self, pool) -> None:
-        rows = []
+        rows, slots = [], []
         for i, layer in enumerate(self._model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = pool.get_kv_buffer(i)
+            slots += [k_cache.shape[0], v_cache.shape[0]]
             bias = attn.qkv_proj.bias
             rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                          attn.qkv_proj.gemv_weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
@@ -116,7 +118,7 @@ class DecodeStep:
                          mlp.down_proj.gemv_weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()])
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._struct.layers = self._table.data_ptr()
-        self._struct.num_slots = min(b.shape[0] for i in range(len(rows)) for b in pool.get_kv_buffer(i))
+        self._struct.num_slots = min(slots)
         self._pool = pool
 
 
@@ -137,7 +139,7 @@ class SiluAndMul:
         out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
         if call_profiled("radixserve::fused::silu_and_mul_c", self._fn, gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
                          torch.get_num_threads()):
-            raise ValueError(f"SiLU-and-mul takes widths of 32k, got {width}")
+            raise ValueError(f"SiLU-and-mul needs a [gate | up] width that is a multiple of 32, got {width}")
         return out
 
 

@@ -23,7 +23,6 @@ class DeviceSetup:
     seconds: float
     decode_step: bool = False  # decode batches run the decoder layers in one C call
 
-
     def describe(self) -> str:
         linear = ", ".join(f"{name} x{n}" for name, n in sorted(self.linear_methods.items()))
         return (f"linear {linear} | fused ops {', '.join(self.fused_ops) or 'off'}"

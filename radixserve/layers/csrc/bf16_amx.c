@@ -123,25 +123,11 @@ static inline void tile_rows(const char *wt, const uint16_t *x, const uint16_t *
     (m <= 16 ? one_pass_tile : two_pass_tile)(wt, x, bias, y, m, n, k, n0, sums);
 }
 
-int bf16_amx_gemm(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
-                  int64_t n, int64_t k, int nthreads) {
-    if (k % 32 || m < 1 || m > 32 || n < 1) return -1;
-    const int64_t tiles = (n + TILE - 1) / TILE;
-#pragma omp parallel num_threads(nthreads)
-    {
-        configure(m);
-        float sums[32 * 32];
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) tile_rows((const char *)(packed + t * TILE * k), x, bias, y, m, n, k, t * TILE, sums);
-        _tile_release();
-    }
-    return 0;
-}
-
 #define CHUNK_ROWS 256 // rows of x per work item of the large product: its x block stays in L2 across tiles
 
 // Any number of rows: work items of CHUNK_ROWS rows x one packed tile, each 32-row block of the chunk
-// against the tile as above (2 x 2 C tiles; the tile's W rows stay in L2 across the chunk's blocks).
+// against the tile (one pass up to 16 rows, else 2 x 2 C tiles; the tile's W rows stay in L2 across the
+// chunk's blocks).
 int bf16_amx_gemm_large(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
                         int64_t n, int64_t k, int nthreads) {
     if (k % 32 || m < 1 || n < 1) return -1;
@@ -163,4 +149,11 @@ int bf16_amx_gemm_large(const uint16_t *packed, const uint16_t *x, const uint16_
         _tile_release();
     }
     return 0;
+}
+
+// 1-32 rows (decode): one chunk of the large product, whose work items are then the packed tiles.
+int bf16_amx_gemm(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
+                  int64_t n, int64_t k, int nthreads) {
+    if (m > 32) return -1;
+    return bf16_amx_gemm_large(packed, x, bias, y, m, n, k, nthreads);
 }

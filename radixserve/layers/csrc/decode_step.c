@@ -39,9 +39,6 @@ typedef struct {
     const float *cos_table, *sin_table; // [positions][head_dim / 2]
 } decode_model;
 
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
 static inline void store_bf16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 static inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
@@ -55,20 +52,20 @@ static inline __m512 exp_ps(__m512 x) { return vf_exp_nonpositive(_mm512_min_ps(
 static void rmsnorm_row(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t n, float eps) {
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 32) {
-        const __m512 a = load_bf16(x + i), b = load_bf16(x + i + 16);
+        const __m512 a = vf_load_bf16(x + i), b = vf_load_bf16(x + i + 16);
         even = _mm512_add_ps(even, _mm512_mul_ps(a, a));
         odd = _mm512_add_ps(odd, _mm512_mul_ps(b, b));
     }
     const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
     const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)n + eps));
     for (int64_t i = 0; i < n; i += 16)
-        store_bf16(out + i, _mm512_mul_ps(load_bf16(weight + i), round_bf16(_mm512_mul_ps(load_bf16(x + i), inv))));
+        store_bf16(out + i, _mm512_mul_ps(vf_load_bf16(weight + i), round_bf16(_mm512_mul_ps(vf_load_bf16(x + i), inv))));
 }
 
 // residual = bf16(delta + residual); out = rmsnorm(residual)
 static void add_rmsnorm_row(const uint16_t *delta, uint16_t *residual, const uint16_t *weight, uint16_t *out,
                             int64_t n, float eps) {
-    for (int64_t i = 0; i < n; i += 16) store_bf16(residual + i, _mm512_add_ps(load_bf16(delta + i), load_bf16(residual + i)));
+    for (int64_t i = 0; i < n; i += 16) store_bf16(residual + i, _mm512_add_ps(vf_load_bf16(delta + i), vf_load_bf16(residual + i)));
     rmsnorm_row(residual, weight, out, n, eps);
 }
 
@@ -77,7 +74,7 @@ static void add_rmsnorm_row(const uint16_t *delta, uint16_t *residual, const uin
 static void rotate_head(const uint16_t *x, const float *cos, const float *sin, uint16_t *out, int64_t half) {
     for (int64_t i = 0; i < half; i += 16) {
         const __m512 c = round_bf16(_mm512_loadu_ps(cos + i)), s = round_bf16(_mm512_loadu_ps(sin + i));
-        const __m512 x1 = load_bf16(x + i), x2 = load_bf16(x + half + i);
+        const __m512 x1 = vf_load_bf16(x + i), x2 = vf_load_bf16(x + half + i);
         const __m512 x1c = round_bf16(_mm512_mul_ps(x1, c)), x2s = round_bf16(_mm512_mul_ps(x2, s));
         const __m512 x2c = round_bf16(_mm512_mul_ps(x2, c)), x1s = round_bf16(_mm512_mul_ps(x1, s));
         store_bf16(out + i, _mm512_sub_ps(x1c, x2s));
@@ -90,9 +87,9 @@ static void rotate_head(const uint16_t *x, const float *cos, const float *sin, u
 static void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < n; i += 16) {
-        const __m512 g = load_bf16(gate_up + i);
+        const __m512 g = vf_load_bf16(gate_up + i);
         const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        store_bf16(out + i, _mm512_mul_ps(round_bf16(silu), load_bf16(gate_up + n + i)));
+        store_bf16(out + i, _mm512_mul_ps(round_bf16(silu), vf_load_bf16(gate_up + n + i)));
     }
 }
 

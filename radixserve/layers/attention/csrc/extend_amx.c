@@ -104,6 +104,21 @@ static inline __m512 scores_block(const uint16_t *qbuf, const uint16_t *kb, floa
     return vf_max16(fold);
 }
 
+/* P = exp(S - shift) of each row (base 2 when `base2`: the resident path's log2 units) into pbuf as bf16;
+ * returns the 16 rows' sums of P in float32 (lane r: row r). */
+static inline __m512 probs_block(const float *sbuf, const float *shifts, uint16_t *pbuf, int base2) {
+    __m512 fold[QB];
+    for (int64_t r = 0; r < QB; r++) {
+        const __m512 m = _mm512_set1_ps(shifts[r]);
+        const __m512 x0 = _mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), m);
+        const __m512 x1 = _mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), m);
+        const __m512 p0 = base2 ? exp2_ps(x0) : vf_exp_nonpositive(x0), p1 = base2 ? exp2_ps(x1) : vf_exp_nonpositive(x1);
+        fold[r] = _mm512_add_ps(p0, p1);
+        _mm512_store_si512(pbuf + r * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    return vf_sum16(fold);
+}
+
 /* One block of up to 16 queries of query head `head` (kv head h) over the request's packed context. */
 static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack, const uint16_t *vpack,
                          int64_t q0, int64_t rows, int64_t q_len, int64_t kv_len, int64_t heads, int64_t head,
@@ -124,7 +139,6 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
         const uint16_t *kb = kpack + b * block_elems(dim), *vb = vpack + b * block_elems(dim);
         const int masked = (b + 1) * KB - 1 > before + q0; /* some key of the block is past some query */
         const __m512 block_max = scores_block(qbuf, kb, sbuf, steps, dim, scale, masked, before + q0 - b * KB);
-        __m512 fold[QB];
         const __m512 old_max = _mm512_load_ps(run_max);
         const __m512 top = _mm512_max_ps(old_max, block_max);
         /* NOTE: a row with no key yet keeps max -inf; its shift is 0 so that exp never sees inf - inf */
@@ -135,14 +149,8 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
         _mm512_store_ps(run_max, top);
         __attribute__((aligned(64))) float shifts[QB];
         _mm512_store_ps(shifts, shift);
-        for (int64_t r = 0; r < QB; r++) {
-            const __m512 mx = _mm512_set1_ps(shifts[r]);
-            const __m512 p0 = vf_exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), mx));
-            const __m512 p1 = vf_exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), mx));
-            fold[r] = _mm512_add_ps(p0, p1);
-            _mm512_store_si512(pbuf + r * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
-        _mm512_store_ps(run_sum, _mm512_fmadd_ps(_mm512_load_ps(run_sum), _mm512_load_ps(alpha), vf_sum16(fold)));
+        const __m512 sums = probs_block(sbuf, shifts, pbuf, 0);
+        _mm512_store_ps(run_sum, _mm512_fmadd_ps(_mm512_load_ps(run_sum), _mm512_load_ps(alpha), sums));
         _tile_loadd(3, pbuf, KB * 2);
         for (int64_t g0 = 0; g0 < groups; g0 += 4) { /* P V, 4 column groups of 16 dims at a time */
             const int64_t n = groups - g0 < 4 ? groups - g0 : 4;
@@ -173,6 +181,26 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
         uint16_t *o = out + ((q0 + r) * heads + head) * dim;
         for (int64_t d = 0; d < dim; d += 16)
             _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + r * dim + d), inv)));
+    }
+}
+
+/* The resident path's output tiles tmm4 .. tmm(3 + groups), groups 2 or 4, to and from acc (rows of 64
+ * floats); tile numbers must be immediates. */
+static inline void store_out_tiles(float *acc, int64_t groups) {
+    _tile_stored(4, acc, 64 * 4);
+    _tile_stored(5, acc + 16, 64 * 4);
+    if (groups > 2) {
+        _tile_stored(6, acc + 32, 64 * 4);
+        _tile_stored(7, acc + 48, 64 * 4);
+    }
+}
+
+static inline void load_out_tiles(const float *acc, int64_t groups) {
+    _tile_loadd(4, acc, 64 * 4);
+    _tile_loadd(5, acc + 16, 64 * 4);
+    if (groups > 2) {
+        _tile_loadd(6, acc + 32, 64 * 4);
+        _tile_loadd(7, acc + 48, 64 * 4);
     }
 }
 
@@ -211,37 +239,19 @@ static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16
                 const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), raise, exp2_ps(_mm512_sub_ps(old, top)));
                 _mm512_store_ps(alpha, a);
                 _mm512_store_ps(run_sum, _mm512_mul_ps(_mm512_load_ps(run_sum), a));
-                for (int64_t g = 0; g < groups; g++) { /* tile numbers are immediates */
-                    if (g == 0) _tile_stored(4, acc, 64 * 4);
-                    if (g == 1) _tile_stored(5, acc + 16, 64 * 4);
-                    if (g == 2) _tile_stored(6, acc + 32, 64 * 4);
-                    if (g == 3) _tile_stored(7, acc + 48, 64 * 4);
-                }
+                store_out_tiles(acc, groups);
                 for (int64_t r = 0; r < QB; r++) {
                     if (!(raise >> r & 1)) continue;
                     const __m512 ar = _mm512_set1_ps(alpha[r]);
                     for (int64_t g = 0; g < groups; g++)
                         _mm512_store_ps(acc + r * 64 + 16 * g, _mm512_mul_ps(_mm512_load_ps(acc + r * 64 + 16 * g), ar));
                 }
-                for (int64_t g = 0; g < groups; g++) {
-                    if (g == 0) _tile_loadd(4, acc, 64 * 4);
-                    if (g == 1) _tile_loadd(5, acc + 16, 64 * 4);
-                    if (g == 2) _tile_loadd(6, acc + 32, 64 * 4);
-                    if (g == 3) _tile_loadd(7, acc + 48, 64 * 4);
-                }
+                load_out_tiles(acc, groups);
             }
         }
         _mm512_store_ps(run_max, mx);
         _mm512_store_ps(shifts, mx);
-        __m512 fold[QB];
-        for (int64_t r = 0; r < QB; r++) {
-            const __m512 m = _mm512_set1_ps(shifts[r]);
-            const __m512 p0 = exp2_ps(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB), m));
-            const __m512 p1 = exp2_ps(_mm512_sub_ps(_mm512_load_ps(sbuf + r * KB + 16), m));
-            fold[r] = _mm512_add_ps(p0, p1);
-            _mm512_store_si512(pbuf + r * KB, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-        }
-        _mm512_store_ps(run_sum, _mm512_add_ps(_mm512_load_ps(run_sum), vf_sum16(fold)));
+        _mm512_store_ps(run_sum, _mm512_add_ps(_mm512_load_ps(run_sum), probs_block(sbuf, shifts, pbuf, 1)));
         _tile_loadd(0, pbuf, KB * 2);
         _tile_loadd(3, vb, 64);
         _tile_dpbf16ps(4, 0, 3);
@@ -254,12 +264,7 @@ static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16
             _tile_dpbf16ps(7, 0, 3);
         }
     }
-    _tile_stored(4, acc, 64 * 4);
-    _tile_stored(5, acc + 16, 64 * 4);
-    if (groups > 2) {
-        _tile_stored(6, acc + 32, 64 * 4);
-        _tile_stored(7, acc + 48, 64 * 4);
-    }
+    store_out_tiles(acc, groups);
     for (int64_t r = 0; r < rows; r++) {
         const __m512 inv = _mm512_set1_ps(run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f);
         uint16_t *o = out + ((q0 + r) * heads + head) * dim;
