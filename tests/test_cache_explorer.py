@@ -120,6 +120,7 @@ def _node_state(page, node_id: int) -> tuple[str | None, str | None]:
     return (None, None) if box is None else (box.get_attribute("data-lock-ref"), box.get_attribute("class"))
 
 
+@pytest.mark.long
 def test_the_page_draws_locks_unlocks_and_evictions_live(server: ServerHandle, tmp_path: Path) -> None:
     executable = _chromium()
     from playwright.sync_api import sync_playwright

@@ -70,6 +70,7 @@ def test_chat_shows_cached_tokens_per_turn(fast_load, capsys, monkeypatch):
     assert cached[0] == 0 and cached[1] > 10  # turn 2 reuses turn 1's KV
 
 
+@pytest.mark.long
 def test_bench_smoke_writes_table_section_and_plot(fast_load, capsys, tmp_path):
     md, png = tmp_path / "benchmarks.md", tmp_path / "bench.png"
     md.write_text("# Benchmarks\n\n## someone else's section\nkeep me\n")

@@ -131,6 +131,7 @@ def test_abort_by_closing_a_stream_and_after_finish(engine):
     assert state["num_aborts"] >= 1
 
 
+@pytest.mark.long
 def test_greedy_equal_cache_on_off_and_transformers(engine):
     on = engine.generate(PROMPTS, GREEDY)
     assert sum(r["meta_info"]["cached_tokens"] for r in on) > 0

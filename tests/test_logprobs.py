@@ -31,6 +31,7 @@ def reference_logprobs(hf, prompt_ids: list[int], output_ids: list[int]) -> torc
     return torch.log_softmax(logits, dim=-1)
 
 
+@pytest.mark.long
 def test_logprobs_match_transformers_and_both_loops(engines):
     overlap, normal = engines
     hf = hf_model_from_gguf(torch.float32)
@@ -66,6 +67,7 @@ def test_cache_hit_returns_the_same_logprobs_as_a_miss(engines):
     assert first["meta_info"]["output_top_logprobs"] == [[]] * 8  # top_logprobs_num 0: none listed
 
 
+@pytest.mark.long
 def test_sampled_tokens_get_the_logprob_of_the_temperature_scaled_distribution(engines):
     engine = engines[1]
     params = {"temperature": 0.7, "max_new_tokens": 6, "seed": 11, "ignore_eos": True}
@@ -96,6 +98,7 @@ def test_mixed_batch_streaming_and_validation(engines):
         engine.generate(PROMPTS[0], GREEDY, return_logprob=True, top_logprobs_num=21)
 
 
+@pytest.mark.long
 def test_prompt_logprobs_match_transformers_and_are_never_read_from_the_cache(engines):
     overlap, normal = engines
     hf = hf_model_from_gguf(torch.float32)

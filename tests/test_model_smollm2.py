@@ -100,6 +100,7 @@ def test_embedded_model_shape(chat_prompts):
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
 
 
+@pytest.mark.long
 def test_float32_greedy_equals_transformers(chat_prompts, hf_float32):
     runner, prompts = chat_prompts
     hf = hf_float32
@@ -111,6 +112,7 @@ def test_float32_greedy_equals_transformers(chat_prompts, hf_float32):
     assert "Paris" in runner.tokenizer.decode(ours[0])
 
 
+@pytest.mark.long
 def test_bfloat16_agreement_with_transformers(chat_prompts, hf_float32):
     """bf16 rounds differently in each engine, so only the agreement rate is reported (and loosely bounded)."""
     _, prompts = chat_prompts

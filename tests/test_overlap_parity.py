@@ -115,6 +115,7 @@ def assert_same_outputs(normal: dict, overlapped: dict, work) -> None:
             assert 1 <= len(b["ids"]) <= params.max_new_tokens
 
 
+@pytest.mark.long
 def test_overlap_parity_64_mixed_requests(loaded):
     work = mixed_requests(64)
     normal, normal_sched = run_scheduler(loaded, work, overlap=False, **PRESSURE)

@@ -44,6 +44,7 @@ def reference_greedy(hf, prompt: list[int], steps: int) -> list[int]:
     return out
 
 
+@pytest.mark.long
 def test_penalized_greedy_equals_a_plain_reference_in_both_loops(engines):
     hf = hf_model_from_gguf(torch.float32)
     prompt = engines[0].tokenizer.encode(PROMPT)
@@ -72,6 +73,7 @@ def test_min_new_tokens_bans_eos_and_logit_bias_moves_the_choice(engines):
     assert pushed["output_ids"] == [123]
 
 
+@pytest.mark.long
 def test_history_survives_chunking_and_retraction(monkeypatch):
     from radixserve.models.loader import load_model
 

@@ -42,6 +42,7 @@ def _conserved(engine: Engine) -> None:
     ("hf", "int8", "int8 per-channel"),  # a bfloat16 checkpoint quantized at load
     ("hf", "int4", "int4 g32"),
 ])
+@pytest.mark.long
 def test_greedy_chat_is_sensible_in_each_format(hf_folder, source, quantization, expected):
     engine = Engine(model_path=None if source == "gguf" else hf_folder, dtype="bfloat16", quantization=quantization,
                     max_total_tokens=2048, log_level="warning")

@@ -25,7 +25,7 @@ import httpx
 import pytest
 from server_harness import REPO, START_TIMEOUT_S, ServerHandle, assert_conservation, free_port, wait_idle
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY_A, KEY_B = "tenant-a-secret", "tenant-b-secret"

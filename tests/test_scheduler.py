@@ -186,6 +186,7 @@ def test_abort_at_each_stage(loaded):
     assert h.sched.stats.num_aborts == 4
 
 
+@pytest.mark.long
 def test_200_random_requests_with_stops(loaded):
     h = Harness(loaded, max_total_tokens=384, chunked_prefill_size=32, max_running_requests=16,
                 schedule_conservativeness=0.3)

@@ -79,6 +79,7 @@ def _run_big_after_evictable(loaded, overlap: bool, big_len: int,
     return outputs, sched
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("early_steps", [None, 3], ids=["after-idle", "while-running"])
 def test_near_pool_prompt_evicts_earlier_kv_in_both_loops(loaded, early_steps):
     big_len = POOL - 5

@@ -256,6 +256,7 @@ def _post(server: ServerHandle, path: str, body: object) -> httpx.Response:
     return server.post(path, content=content, headers={"content-type": "application/json"}, timeout=120)
 
 
+@pytest.mark.long
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_generated_bodies_never_get_a_5xx(server: ServerHandle, data: st.DataObject) -> None:
@@ -299,52 +300,3 @@ def test_the_served_schema_documents_bodies_errors_and_metrics(server: ServerHan
     with server.client() as c:
         r = c.request("DELETE", "/flush_cache")
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == {"GET", "POST"}
-
-
-@pytest.fixture(scope="module")
-def api_schema(server: ServerHandle):
-    import schemathesis
-
-    schema = schemathesis.openapi.from_url(server.base_url + "/openapi.json")
-    # NOTE: valid bodies and invalid ones (each field of the wrong type or out of the schema)
-    schema.config.generation.update(modes=list(schemathesis.GenerationMode))
-    return schema
-
-
-def _bounded(body: object) -> None:
-    """Unset or large, max_tokens means up to the whole context (seconds each): at most 3 here."""
-    if not isinstance(body, dict):
-        return
-    for name in ("max_tokens", "max_completion_tokens"):
-        if not isinstance(body.get(name), int) or body[name] > 3:
-            body[name] = 2
-    params = body.get("sampling_params")
-    if isinstance(params, dict) and (not isinstance(params.get("max_new_tokens"), int)
-                                     or params["max_new_tokens"] > 3):
-        params["max_new_tokens"] = 2
-
-
-def _schemathesis_test():
-    import schemathesis
-    from schemathesis.checks import (
-        content_type_conformance,
-        not_a_server_error,
-        response_headers_conformance,
-        response_schema_conformance,
-        status_code_conformance,
-    )
-
-    schema = schemathesis.pytest.from_fixture("api_schema")
-    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-              response_headers_conformance]
-
-    @schema.parametrize()
-    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-    def test_the_served_schema_holds_under_schemathesis(case) -> None:
-        _bounded(case.body)
-        case.call_and_validate(checks=checks, timeout=120)
-
-    return test_the_served_schema_holds_under_schemathesis
-
-
-test_the_served_schema_holds_under_schemathesis = _schemathesis_test()

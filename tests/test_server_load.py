@@ -81,6 +81,7 @@ async def _run_load(base_url: str, prompts: list[str]) -> list[dict]:
         return await asyncio.wait_for(asyncio.gather(*jobs), DEADLINE_S)
 
 
+@pytest.mark.long
 def test_64_streaming_clients_with_disconnects_eviction_and_retraction(server: ServerHandle) -> None:
     prompts = _prompts()
     # Greedy references, one batch of 16 (each prompt once), before the load.

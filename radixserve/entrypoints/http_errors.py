@@ -20,7 +20,10 @@ logger = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 MAX_JSON_DEPTH = 32  # the deepest request (chat content parts) nests 4 levels
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# NOTE: a string literal, or an unterminated one up to the end (a lone backslash included): every quote that
+# opens a match is consumed by it, so the scan is linear. Requiring the closing quote made an unterminated
+# string of escaped quotes rescan from each of them (64 KB of them: 24 s with the GIL held).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 _STATUS_TYPES = {
