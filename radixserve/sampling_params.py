@@ -18,6 +18,9 @@ MAX_N = 16
 # float32 (1e-300 is 0.0 there: inf / inf = NaN logprobs and garbage tokens); 1e-5 keeps |logit| / T
 # finite for any logit below ~3e33 and is already indistinguishable from argmax.
 TEMPERATURE_FLOOR = 1e-5
+# NOTE: CTRL's penalty divides positive logits by it: below this floor a logit of ~1e4 leaves float32's
+# range, and a value like 1e-300 is 0.0 there (every logit then divides by zero or zeroes out).
+REPETITION_PENALTY_FLOOR = 1e-6
 MAX_TOP_K = 2**31 - 1  # a larger top_k means the whole vocabulary as much as -1 does; refused, not wrapped
 MAX_TOKEN_ID = 2**31 - 1
 _FLOAT32_MAX = 3.4e38
@@ -37,7 +40,7 @@ class SamplingParams:
     n: int = 1
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus penalty x times the token was generated
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus penalty once a token was generated
-    repetition_penalty: float = 1.0  # CTRL's, in (0, 2]: shrinks the logits of prompt and generated tokens
+    repetition_penalty: float = 1.0  # CTRL's, in [1e-6, 2]: shrinks the logits of prompt and generated tokens
     min_new_tokens: int = 0  # EOS and stop token ids are banned until this many tokens were generated
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> value in [-100, 100] added to its logit
 
@@ -73,8 +76,9 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {_show(value)}")
-        _check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
-               f"must be in (0, 2], got {_show(self.repetition_penalty)}")
+        _check(_is_number(self.repetition_penalty) and REPETITION_PENALTY_FLOOR <= self.repetition_penalty <= 2,
+               "repetition_penalty", f"must be in [{REPETITION_PENALTY_FLOOR:g}, 2] (1 is off), "
+               f"got {_show(self.repetition_penalty)}")
         _check(_is_int(self.min_new_tokens) and self.min_new_tokens >= 0,
                "min_new_tokens", f"must be an integer >= 0, got {_show(self.min_new_tokens)}")
         _check(self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(

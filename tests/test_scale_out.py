@@ -143,10 +143,14 @@ def test_gateway_registers_both_workers_from_their_server_info_and_reads_their_l
     assert sorted(entry["worker"] for entry in loads) == [w.base_url for w in cluster.workers]
     assert all(entry["load"] >= 0 for entry in loads), loads  # -1 would mean /get_load failed
     worker = cluster.workers[0]
-    info = worker.get("/server_info").json()
+    info = worker.get("/server_info", headers=worker.admin_headers).json()
     assert info["served_model_name"] == MODEL and info["dp_size"] == 1 and info["api_key"] == "<redacted>"
     assert info["admin_api_key"] == "<redacted>" and ADMIN not in str(info)
     assert "model" not in info and info["internal_states"][0]["max_total_num_tokens"] == 2048
+    # A tenant key learns what the model is, not the scheduler's internals or the server's flags.
+    tenant = worker.get("/server_info").json()
+    assert tenant["served_model_name"] == MODEL and tenant["dp_size"] == 1 and tenant["scheduler_alive"]
+    assert not {"internal_states", "api_key", "max_queued_requests", "in_flight_requests"} & set(tenant), tenant
     assert httpx.get(worker.base_url + "/server_info").status_code == 401
     [load] = httpx.get(worker.base_url + "/get_load").json()
     assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}

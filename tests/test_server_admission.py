@@ -54,6 +54,10 @@ def test_operations_for_every_tenant_need_the_admin_key(server: ServerHandle) ->
     everything = plain.get("/get_server_info", headers=admin).json()
     assert "scheduler_state" in everything and "in_flight_requests" in everything
     assert everything["server_args"]["admin_api_key"] == "<redacted>" and ADMIN_KEY not in str(everything)
+    # SGLang's /server_info (the gateway's) withholds the same from a tenant key
+    flat = plain.get("/server_info", headers=tenant).json()
+    assert flat["scheduler_alive"] and not {"internal_states", "in_flight_requests", "max_queued_requests"} & set(flat)
+    assert "internal_states" in plain.get("/server_info", headers=admin).json()
     # the admin generates too, in a namespace of its own
     assert plain.post("/v1/completions", headers=admin, json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
     plain.close()

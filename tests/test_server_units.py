@@ -249,3 +249,34 @@ def test_start_fails_when_the_scheduler_never_connects_and_a_drop_is_counted() -
     assert drops == 1
     link.close()
     assert not os.path.exists(link.port_args.folder)
+
+
+def test_coalesced_jobs_run_once_for_concurrent_callers_and_never_cache_a_failure() -> None:
+    from radixserve.entrypoints.coalesce import Coalesced
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+        outcomes = iter(["first", RuntimeError("scheduler gone"), "third"])
+
+        async def job() -> str:
+            await gate.wait()
+            outcome = next(outcomes)
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        probe = Coalesced(job)
+        callers = [asyncio.ensure_future(probe.get()) for _ in range(50)]
+        await asyncio.sleep(0)
+        callers[0].cancel()  # one caller gives up: the others still get the answer
+        gate.set()
+        results = await asyncio.gather(*callers, return_exceptions=True)
+        assert probe.runs == 1 and results[1:] == ["first"] * 49 and isinstance(results[0], asyncio.CancelledError)
+        with pytest.raises(RuntimeError, match="scheduler gone"):
+            await probe.get()  # finished: ttl 0 means the next caller runs it again
+        assert await probe.get() == "third" and probe.runs == 3  # the failure was not kept
+
+        cached = Coalesced(lambda: asyncio.sleep(0, result=time.monotonic()), ttl_s=60.0)
+        assert await cached.get() == await cached.get() and cached.runs == 1  # reused within its ttl
+
+    asyncio.run(scenario())

@@ -17,12 +17,15 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from radixserve.entrypoints.coalesce import Coalesced
+from radixserve.entrypoints.http_auth import Principal
 from radixserve.managers.tokenizer_manager import SchedulerUnavailable, TokenizerManager
 from radixserve.server_args import ServerArgs
 
 # NOTE: /get_load is polled by the gateway without the client's key (it sends only a key it was
 # configured with), so like /health and /metrics it answers without one; it reveals counts only.
 LOAD_TIMEOUT_S = 2.0
+LOAD_TTL_S = 0.25
 # NOTE: the gateway fills an omitted "model" with this name before forwarding; it means unset here too.
 GATEWAY_UNSET_MODEL = "unknown"
 
@@ -30,13 +33,16 @@ GATEWAY_UNSET_MODEL = "unknown"
 class _KeyCheck(Protocol):
     def key_id(self, request: Request) -> str | None: ...
 
+    def principal(self, request: Request) -> Principal: ...
+
 
 def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs, auth: _KeyCheck) -> None:
     """Adds /server_info, /model_info, /get_model_info and /get_load to the server's app."""
 
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
-        auth.key_id(request)
+        if not auth.principal(request).admin:
+            return JSONResponse(_flat_tenant_info(tm, server_args))
         return JSONResponse(await _flat_server_info(tm, server_args))
 
     @app.get("/model_info")
@@ -45,9 +51,13 @@ def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: Serv
         auth.key_id(request)
         return JSONResponse(model_info_body(tm, server_args))
 
+    # NOTE: keyless and polled: concurrent polls share one scheduler round trip, reused for LOAD_TTL_S.
+    state = Coalesced(lambda: _fresh_state(tm), ttl_s=LOAD_TTL_S)
+    app.state.load_state = state
+
     @app.get("/get_load")
     async def get_load() -> JSONResponse:
-        return JSONResponse([load_entry(tm.num_in_flight, await _fresh_state(tm))])
+        return JSONResponse([load_entry(tm.num_in_flight, await state.get())])
 
 
 def model_info_body(tm: TokenizerManager, server_args: ServerArgs) -> dict[str, Any]:
@@ -109,6 +119,16 @@ async def _flat_server_info(tm: TokenizerManager, server_args: ServerArgs) -> di
         "in_flight_requests": tm.num_in_flight,
         "internal_states": [state],
     }
+
+
+def _flat_tenant_info(tm: TokenizerManager, server_args: ServerArgs) -> dict[str, Any]:
+    """/server_info for a tenant key (a gateway holding one registers the worker with it): what the model is
+    and whether it serves, nothing of the scheduler or the other tenants, as /get_server_info does."""
+    from radixserve import __version__
+
+    return {"served_model_name": tm.info.model_name, "tokenizer_path": server_args.model_path, "dp_size": 1,
+            "tp_size": 1, "version": __version__, "context_len": tm.info.context_len,
+            "effective_max_context": tm.info.effective_max_context, "scheduler_alive": tm.health()[0]}
 
 
 def _hf_config(model_path: str | None) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints import serving_native
 from radixserve.entrypoints.cache_explorer import register_cache_explorer
+from radixserve.entrypoints.coalesce import Coalesced
 from radixserve.entrypoints.gateway_api import install_gateway_routes
 from radixserve.entrypoints.http_auth import Auth, Principal
 from radixserve.entrypoints.http_errors import (
@@ -152,13 +153,17 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             raise unavailable(reason)
         return JSONResponse({"status": "ok"})
 
+    # NOTE: keyless, so a flood of probes shares one generation instead of queueing one each.
+    probe = Coalesced(lambda: asyncio.wait_for(_one_token(tm), tm.config.control_timeout_s))
+    app.state.health_probe = probe
+
     @app.get("/health_generate", responses=docs.responses(docs.ref(HealthResponse), 503))
     async def health_generate() -> JSONResponse:
         ok, reason = tm.health()
         if not ok:
             raise unavailable(reason)
         started = time.monotonic()
-        await guarded(lambda: asyncio.wait_for(_one_token(tm), tm.config.control_timeout_s))
+        await guarded(probe.get)
         return JSONResponse({"status": "ok", "latency_s": round(time.monotonic() - started, 4)})
 
     @app.get("/get_server_info", responses=docs.responses({"type": "object"}, 401))

@@ -61,7 +61,7 @@ class _SamplingFields(_Request):
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     logit_bias: dict[str, float] | None = None  # token id (a string key) -> [-100, 100]
-    repetition_penalty: float = 1.0  # vLLM's and SGLang's extension, (0, 2]
+    repetition_penalty: float = 1.0  # vLLM's and SGLang's extension, [1e-6, 2]
     min_tokens: int = 0  # vLLM's extension: EOS and stop token ids are banned before this many tokens
 
 

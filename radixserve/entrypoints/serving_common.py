@@ -13,6 +13,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, overloaded, unavailable
+from radixserve.entrypoints.logprobs import share_prompt_logprobs
 from radixserve.managers.tokenizer_manager import (
     GenerateOutput,
     GenerateReq,
@@ -234,6 +235,41 @@ def check_fanout(tm: TokenizerManager, num_prompts: int, n: int, param: str) -> 
                           param="n" if n > 1 else param, code="too_many_sequences")
 
 
+def check_request_bounds(tm: TokenizerManager, *, sequences: int, stop: Any, stop_token_ids: list | None,
+                         logit_bias: dict | None, prefix: str = "", messages: list | None = None,
+                         ids: dict[str, Any] | None = None) -> None:
+    """Every list and string a request sends is bounded before work is done on it: a 400 naming the field,
+    the limit and its flag. Per-sequence items (stop ids, bias entries, stop strings) are copied into every
+    sequence, so their product with the sequences is bounded too."""
+    config = tm.config
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
+    _bound(longest, config.max_stop_string_chars, f"{prefix}stop", "characters in a stop string",
+           "--max-stop-string-chars")
+    _bound(len(stop_token_ids or ()), config.max_stop_token_ids, f"{prefix}stop_token_ids", "stop token ids",
+           "--max-stop-token-ids")
+    _bound(len(logit_bias or ()), config.max_logit_bias_entries, f"{prefix}logit_bias", "logit_bias entries",
+           "--max-logit-bias-entries")
+    if messages is not None:
+        _bound(len(messages), config.max_chat_messages, "messages", "messages", "--max-chat-messages")
+    for name, value in (ids or {}).items():
+        for one in value if isinstance(value, list) else [value]:
+            _bound(len(one) if isinstance(one, str) else 0, config.max_id_chars, name, "characters",
+                   "--max-id-chars")
+    items = sequences * (len(stop_token_ids or ()) + len(logit_bias or ()) + len(stops))
+    if items > config.max_request_items:
+        raise bad_request(f"this request copies {items} per-sequence items ({sequences} sequence(s) x stop "
+                          f"token ids, logit_bias entries and stop strings); the server takes at most "
+                          f"{config.max_request_items} (--max-request-items)", param=f"{prefix}stop_token_ids",
+                          code="over_limit")
+
+
+def _bound(size: int, limit: int, param: str, what: str, flag: str) -> None:
+    if size > limit:
+        raise bad_request(f"'{param}' has {size} {what}; the server takes at most {limit} ({flag})", param=param,
+                          code="over_limit")
+
+
 def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """n samples become n requests; with a seed, choice i uses seed + i so the choices differ."""
     choices = []
@@ -271,10 +307,14 @@ def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: 
     except SchedulerBusy as e:
         raise overloaded(str(e)) from None
     group = object()  # NOTE: its sequences share one turn in fair admission
+    scored = logprobs and logprob_start_len >= 0
     gens = [tm.generate(GenerateReq(ids, params, extra_key, logprobs, top_logprobs or 0,
-                                    logprob_start_len if logprobs else -1, client_rid=rid, group=group))
-            for ids, per_prompt, rid in zip(prompts, choice_params, rids, strict=True) for params in per_prompt]
-    return merge_outputs(gens)
+                                    logprob_start_len if scored and choice == 0 else -1, client_rid=rid, group=group))
+            for ids, per_prompt, rid in zip(prompts, choice_params, rids, strict=True)
+            for choice, params in enumerate(per_prompt)]
+    n = len(choice_params[0]) if choice_params else 1
+    # NOTE: choice 0 of each prompt scores it; its siblings get a copy (logprobs.share_prompt_logprobs)
+    return share_prompt_logprobs(merge_outputs(gens), n) if scored and n > 1 else merge_outputs(gens)
 
 
 def check_prompt(tm: TokenizerManager, ids: list[int], param: str) -> None:

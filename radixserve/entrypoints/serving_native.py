@@ -17,6 +17,7 @@ from radixserve.entrypoints.serving_common import (
     DisconnectWatcher,
     check_fanout,
     check_prompt,
+    check_request_bounds,
     collect,
     generate_all,
     guarded,
@@ -104,6 +105,10 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
     # NOTE: as SGLang, top_logprobs_num without return_logprob is ignored.
     top_logprobs = req.top_logprobs_num if req.return_logprob else None
     check_fanout(tm, _num_prompts(req), req.sampling_params.n, "input_ids" if req.text is None else "text")
+    given = req.sampling_params
+    check_request_bounds(tm, sequences=_num_prompts(req) * given.n, stop=given.stop,
+                         stop_token_ids=given.stop_token_ids, logit_bias=given.logit_bias, prefix="sampling_params.",
+                         ids={"rid": req.rid, "cache_salt": req.cache_salt, "extra_key": req.extra_key})
     prompts, batch, param = await tm.run_tokenizer(_prompts, tm, req)
     start = _logprob_start(req, prompts)
     # NOTE: max_new_tokens 0 computes the prompt and generates nothing: it scores the prompt (with

@@ -41,6 +41,7 @@ from radixserve.entrypoints.serving_common import (
     EventStreamResponse,
     check_fanout,
     check_prompt,
+    check_request_bounds,
     collect,
     generate_all,
     guarded,
@@ -106,6 +107,11 @@ class OpenAIServing:
         if req.cache_salt is not None:
             check_text(req.cache_salt, "cache_salt")
 
+    def _check_bounds(self, req: Any, sequences: int, messages: list | None = None) -> None:
+        check_request_bounds(self.tm, sequences=sequences, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                             logit_bias=req.logit_bias, messages=messages,
+                             ids={"rid": req.rid, "cache_salt": req.cache_salt, "extra_key": req.extra_key})
+
     def _sampling(self, req: Any, max_new_tokens: int) -> Any:
         return make_sampling_params(
             True, self.tm.info.vocab_size, max_new_tokens=max_new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -118,6 +124,9 @@ class OpenAIServing:
 
     async def completions(self, req: CompletionRequest, extra_key: Any, request: Request) -> Response:
         self._check_common(req)
+        if req.best_of is not None and not (isinstance(req.best_of, int) and req.n <= req.best_of):
+            raise bad_request(f"'best_of' must be an integer >= n ({req.n}), got {req.best_of}", param="best_of",
+                              code="invalid_value")
         if req.suffix or (req.best_of or 1) > 1:
             raise bad_request("'suffix' and 'best_of' are not supported", param="suffix" if req.suffix else "best_of",
                               code="unsupported_parameter")
@@ -127,6 +136,7 @@ class OpenAIServing:
             raise bad_request("'max_tokens' 0 (score the prompt, generate nothing) needs 'echo': true",
                               param="max_tokens", code="invalid_value")
         check_fanout(self.tm, _num_prompts(req.prompt), req.n, "prompt")
+        self._check_bounds(req, _num_prompts(req.prompt) * req.n)
         prompts = await self.tm.run_tokenizer(self._completion_prompts, req.prompt)
         params = [self._sampling(req, resolve_max_tokens(self.tm, len(p), req.max_tokens, "prompt",
                                                          allow_zero=req.echo)) for p in prompts]
@@ -172,6 +182,7 @@ class OpenAIServing:
                                   code="invalid_value")
             check_top_logprobs(req.top_logprobs, "top_logprobs")
         check_fanout(self.tm, 1, req.n, "messages")
+        self._check_bounds(req, req.n, messages=req.messages)
         ids = await self.tm.run_tokenizer(self.chat_prompt, req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

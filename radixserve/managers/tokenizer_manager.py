@@ -66,13 +66,21 @@ class FrontendConfig:
     max_request_fanout: int = 256  # prompts x n of one request
     max_queued_requests: int = 1024  # tickets waiting here or in the scheduler's queue; more: 503
     fair_share_slice: int = 16  # tickets of one request queued in the scheduler at a time
+    # per-request size bounds (ServerArgs.REQUEST_BOUNDS; serving_common.check_request_bounds)
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
+    max_logit_bias_entries: int = 1024
+    max_chat_messages: int = 1024
+    max_id_chars: int = 256
+    max_request_items: int = 65536
 
     @classmethod
     def from_server_args(cls, server_args: Any, **http_flags: Any) -> FrontendConfig:
-        """The HTTP-only flags plus the admission limits of `ServerArgs`."""
-        return cls(max_request_fanout=server_args.max_request_fanout,
-                   max_queued_requests=server_args.max_queued_requests,
-                   fair_share_slice=server_args.fair_share_slice, **http_flags)
+        """The HTTP-only flags plus the admission limits and request bounds of `ServerArgs`."""
+        from radixserve.server_args import REQUEST_BOUNDS
+
+        limits = ("max_request_fanout", "max_queued_requests", "fair_share_slice", *REQUEST_BOUNDS)
+        return cls(**{name: getattr(server_args, name) for name in limits}, **http_flags)
 
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of one position's alternatives, most likely first
