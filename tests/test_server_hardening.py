@@ -218,6 +218,11 @@ def test_huge_prompts_never_stall_the_event_loop(server: ServerHandle) -> None:
         message = _error(server.post(COMPLETIONS, json={"prompt": huge, "max_tokens": 1}), 400, "prompt",
                          "context_length_exceeded")
         assert time.monotonic() - started < 2.0 and "characters" in message
+        # The same as one chat message: was tokenized whole (4.3 s) before the length check
+        started = time.monotonic()
+        message = _error(server.post(CHAT, json={"messages": [{"role": "user", "content": huge}], "max_tokens": 1}),
+                         400, "messages", "context_length_exceeded")
+        assert time.monotonic() - started < 2.0 and "characters" in message
         # Under the character bound, so really tokenized (on the tokenizer thread), then too long.
         long = "the river flows past the old mill. " * 4500
         threads = [threading.Thread(target=lambda: _error(server.post(COMPLETIONS, json={

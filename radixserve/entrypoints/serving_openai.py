@@ -41,6 +41,7 @@ from radixserve.entrypoints.serving_common import (
     EventStreamResponse,
     check_fanout,
     check_prompt,
+    check_prompt_chars,
     check_request_bounds,
     collect,
     generate_all,
@@ -197,6 +198,7 @@ class OpenAIServing:
         for i, m in enumerate(chat):
             check_text(m.text(), f"messages.{i}.content")
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
+        check_prompt_chars(self.tm, sum(len(m["content"]) for m in messages), "messages")
         try:
             text = self.tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - template errors are the client's messages

@@ -69,6 +69,15 @@ class FairAdmission:
         """Released tickets without a first output yet."""
         return sum(g.queued for g in self._groups.values())
 
+    def num_pending(self, key: Any) -> int:
+        """One key's tickets waiting here or queued in the scheduler."""
+        return sum(len(self._groups[g].waiting) + self._groups[g].queued for g in self._keys.get(key, ()))
+
+    def queue_share(self, key: Any, capacity: int) -> int:
+        """A key's share of `capacity` queued tickets: an equal part among the keys with tickets (this one
+        counted), so one key's backlog cannot lock the others out of a full queue."""
+        return capacity // (len(self._keys) + (key not in self._keys))
+
     @property
     def num_outstanding(self) -> int:
         return self._outstanding

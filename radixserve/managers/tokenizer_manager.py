@@ -208,12 +208,21 @@ class TokenizerManager(SchedulerSupervisorMixin):
 
     # ------------------------------------------------------------------------------ requests
 
-    def check_capacity(self, num_tickets: int) -> None:
-        """Backpressure: refuse a request whose tickets would overfill the queue (SchedulerBusy, 503)."""
+    def check_capacity(self, num_tickets: int, extra_key: Any = None) -> None:
+        """Backpressure: refuse a request whose tickets would overfill the queue (SchedulerBusy, 503).
+
+        NOTE: a full queue still takes a key's request while that key holds less than its share
+        (`--max-queued-requests` / keys with queued tickets), so the total stays under twice the flag and
+        one tenant's backlog never locks another out."""
+        capacity = self.config.max_queued_requests
         waiting = self.admission.num_waiting + self.admission.num_queued
-        if waiting + num_tickets > self.config.max_queued_requests:
-            raise SchedulerBusy(f"{waiting} requests are queued and this one adds {num_tickets}; the queue "
-                                f"holds {self.config.max_queued_requests} (--max-queued-requests)")
+        if waiting + num_tickets > capacity:
+            owner = namespace_owner(extra_key)
+            mine, share = self.admission.num_pending(owner), self.admission.queue_share(owner, capacity)
+            if mine + num_tickets > share:
+                raise SchedulerBusy(f"{waiting} requests are queued ({mine} of them this key's) and this one adds "
+                                    f"{num_tickets}; the queue holds {capacity} (--max-queued-requests), and "
+                                    f"once it is full each key may hold {share}")
         if self._link.outbox_size:
             raise SchedulerBusy(f"the scheduler is behind: {self._link.outbox_size} control message(s) wait")
 
