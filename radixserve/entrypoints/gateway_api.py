@@ -53,7 +53,6 @@ def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: Serv
 
     # NOTE: keyless and polled: concurrent polls share one scheduler round trip, reused for LOAD_TTL_S.
     state = Coalesced(lambda: _fresh_state(tm), ttl_s=LOAD_TTL_S)
-    app.state.load_state = state
 
     @app.get("/get_load")
     async def get_load() -> JSONResponse:

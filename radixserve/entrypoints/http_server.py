@@ -155,7 +155,6 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 
     # NOTE: keyless, so a flood of probes shares one generation instead of queueing one each.
     probe = Coalesced(lambda: asyncio.wait_for(_one_token(tm), tm.config.control_timeout_s))
-    app.state.health_probe = probe
 
     @app.get("/health_generate", responses=docs.responses(docs.ref(HealthResponse), 503))
     async def health_generate() -> JSONResponse:
