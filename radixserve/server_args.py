@@ -12,8 +12,11 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 QUANTIZATIONS = ("none", "int8", "int4")
 # NOTE: the per-request size bounds the HTTP front end checks before any work (FrontendConfig carries them).
-REQUEST_BOUNDS = ("max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries", "max_chat_messages",
+REQUEST_BOUNDS = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries", "max_chat_messages",
                   "max_id_chars", "max_request_items")
+# NOTE: the other ServerArgs fields the HTTP process applies; FrontendConfig takes their defaults from here.
+FRONTEND_LIMITS = ("max_request_fanout", "max_queued_requests", "fair_share_slice", "frontend_workers",
+                   "max_frontend_queue", "keyless_rate_limit")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -59,6 +62,7 @@ class ServerArgs:
     max_request_fanout: int = _opt(256, "most sequences (prompts x n) one request may run; more is a 400")
     max_queued_requests: int = _opt(1024, "most sequences waiting for the scheduler; more get 503 with Retry-After")
     fair_share_slice: int = _opt(16, "sequences of one request queued in the scheduler at a time (fair sharing)")
+    max_stop_strings: int = _opt(1024, "most stop strings of a request; more is a 400")
     max_stop_string_chars: int = _opt(1024, "longest stop string of a request; longer is a 400")
     max_stop_token_ids: int = _opt(1024, "most stop token ids of a request; more is a 400")
     max_logit_bias_entries: int = _opt(1024, "most logit_bias entries of a request; more is a 400")
@@ -66,6 +70,12 @@ class ServerArgs:
     max_id_chars: int = _opt(256, "longest rid, cache_salt or extra_key; longer is a 400")
     max_request_items: int = _opt(65536, "most per-sequence items one request may fan out: sequences x (stop "
                                          "token ids + logit_bias entries + stop strings); more is a 400")
+    frontend_workers: int = _opt(1, "processes that parse and validate request bodies, and threads that render "
+                                    "big answers, in the HTTP process (tokenizing has one thread of its own)")
+    max_frontend_queue: int = _opt(512, "most requests waiting for a front-end thread; more get 503 (each key "
+                                        "keeps its share)")
+    keyless_rate_limit: float = _opt(20.0, "requests per second (and burst) that /health_generate and /get_load "
+                                           "serve without a valid key; more get 429; 0: unlimited")
     log_level: str = _opt("info", "logging level")
     log_interval: int = _opt(40, "decode steps between decode log lines")
 
@@ -86,7 +96,10 @@ class ServerArgs:
             raise ValueError(f"queue_timeout must be positive, got {self.queue_timeout}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
-        for name in ("max_request_fanout", "max_queued_requests", "fair_share_slice", *REQUEST_BOUNDS):
+        if self.keyless_rate_limit < 0:
+            raise ValueError(f"keyless_rate_limit must be >= 0, got {self.keyless_rate_limit}")
+        for name in ("max_request_fanout", "max_queued_requests", "fair_share_slice", "frontend_workers",
+                     "max_frontend_queue", *REQUEST_BOUNDS):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_request_fanout > self.max_queued_requests:

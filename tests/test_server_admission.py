@@ -163,3 +163,53 @@ def test_a_small_request_beside_a_2000_prompt_one_waits_a_bounded_number_of_step
     state = wait_idle(server, timeout_s=60)
     assert state["num_requests"] - before_big < 2000
     check_idle_conservation(server)
+
+
+def _small_completion_s(server: ServerHandle, key: str) -> float:
+    started = time.monotonic()
+    r = server.post("/v1/completions", headers=_as(key), json={"prompt": "Hello", "max_tokens": 1})
+    assert r.status_code == 200, r.text[:300]
+    return time.monotonic() - started
+
+
+def test_one_key_s_expensive_prompts_delay_another_key_by_one_at_most(server: ServerHandle) -> None:
+    """Eight 100,000-token prompts from one key (600,000 characters, under this 8,192-token context's character
+    bound, so each is tokenized: about 0.8 s on the tokenizer thread, then refused as too long). Another key's
+    small completion takes its turn after the tokenization already running, not after all eight (first come,
+    first served, it waited for nearly all of them)."""
+    alone = min(_small_completion_s(server, TENANT_KEYS[1]) for _ in range(3))
+    body = {"prompt": "hello world " * 50_000, "max_tokens": 1}
+    results: list[httpx.Response] = []
+    started = time.monotonic()
+    threads = [threading.Thread(target=lambda: results.append(server.post(
+        "/v1/completions", headers=_as(TENANT_KEYS[0]), json=body, timeout=120))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    beside = _small_completion_s(server, TENANT_KEYS[1])
+    for t in threads:
+        t.join(120)
+    hostile_s = time.monotonic() - started
+    assert len(results) == 8 and all(r.status_code == 400 for r in results), [r.text[:200] for r in results]
+    message = results[0].json()["error"]["message"]
+    assert "100001 in the prompt" in message or "100000 in the prompt" in message, message
+    print(f"\nfair tokenizing: small completion {beside:.2f} s beside eight 100k-token prompts ({hostile_s:.1f} s), "
+          f"{alone:.2f} s alone")
+    # one tokenization is an eighth of hostile_s; waiting behind all would be nearly all of it
+    assert beside < alone + hostile_s / 3, (beside, alone, hostile_s)
+    check_idle_conservation(server)
+
+
+def test_keyless_probes_are_rate_limited_and_a_valid_key_is_not(server: ServerHandle) -> None:
+    import asyncio
+
+    async def flood(headers: dict[str, str]) -> list[int]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60, headers=headers,
+                                     limits=httpx.Limits(max_connections=100)) as c:
+            return [r.status_code for r in await asyncio.gather(*(c.get("/get_load") for _ in range(100)))]
+
+    time.sleep(1.1)
+    keyless = asyncio.run(flood({}))
+    assert set(keyless) == {200, 429} and keyless.count(200) < 60, keyless
+    keyed = asyncio.run(flood(_as(TENANT_KEYS[1])))  # a gateway given a key (its --api-key) is never limited
+    assert keyed.count(200) == 100, keyed

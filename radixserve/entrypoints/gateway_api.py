@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints.coalesce import Coalesced
 from radixserve.entrypoints.http_auth import Principal
 from radixserve.managers.tokenizer_manager import SchedulerUnavailable, TokenizerManager
 from radixserve.server_args import ServerArgs
 
 # NOTE: /get_load is polled by the gateway without the client's key (it sends only a key it was
-# configured with), so like /health and /metrics it answers without one; it reveals counts only.
+# configured with), so like /health and /metrics it answers without one; it reveals counts only. Keyless
+# calls are rate-limited (--keyless-rate-limit); a gateway given a key (its --api-key) is not.
 LOAD_TIMEOUT_S = 2.0
 LOAD_TTL_S = 0.25
 # NOTE: the gateway fills an omitted "model" with this name before forwarding; it means unset here too.
@@ -36,8 +39,11 @@ class _KeyCheck(Protocol):
     def principal(self, request: Request) -> Principal: ...
 
 
-def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs, auth: _KeyCheck) -> None:
-    """Adds /server_info, /model_info, /get_model_info and /get_load to the server's app."""
+def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs, auth: _KeyCheck,
+                           keyless_gate: Callable[[Request], None] = lambda _: None) -> None:
+    """Adds /server_info, /model_info, /get_model_info and /get_load to the server's app.
+
+    `keyless_gate(request)`: raises (429) when a keyless call to /get_load is over the keyless rate."""
 
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
@@ -54,8 +60,9 @@ def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: Serv
     # NOTE: keyless and polled: concurrent polls share one scheduler round trip, reused for LOAD_TTL_S.
     state = Coalesced(lambda: _fresh_state(tm), ttl_s=LOAD_TTL_S)
 
-    @app.get("/get_load")
-    async def get_load() -> JSONResponse:
+    @app.get("/get_load", responses=docs.responses({"type": "array", "items": {"type": "object"}}, 429))
+    async def get_load(request: Request) -> JSONResponse:
+        keyless_gate(request)
         return JSONResponse([load_entry(tm.num_in_flight, await state.get())])
 
 

@@ -50,6 +50,16 @@ class Auth:
         raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
 
+    def has_key(self, request: Request) -> bool:
+        """Whether the caller sent a valid key (never on an open server: there are none); never raises."""
+        if self.open:
+            return False
+        try:
+            self.principal(request)
+            return True
+        except ApiError:
+            return False
+
     def key_id(self, request: Request) -> str | None:
         """The caller's namespace id (routes that only need a valid key: the gateway's, http.gateway_api)."""
         return self.principal(request).key_id

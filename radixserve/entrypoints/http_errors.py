@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -14,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixserve.managers.request_bounds import BoundError, RequestBounds, check_fields
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +27,7 @@ MAX_JSON_DEPTH = 32  # the deepest request (chat content parts) nests 4 levels
 # opens a match is consumed by it, so the scan is linear. Requiring the closing quote made an unterminated
 # string of escaped quotes rescan from each of them (64 KB of them: 24 s with the GIL held).
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 _STATUS_TYPES = {
@@ -34,6 +38,7 @@ _STATUS_TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -54,6 +59,10 @@ class ApiError(Exception):
         self.code = code
         self.type = type or _STATUS_TYPES.get(status, "invalid_request_error")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # NOTE: raised in a parser process and re-raised here: pickled with every field, not just the message.
+        return (_rebuild, (self.status, self.message, self.param, self.code, self.type, self.extra, self.headers))
+
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": error, **self.extra}
@@ -64,12 +73,22 @@ class ApiError(Exception):
         return Response(content, status_code=self.status, headers=self.headers, media_type="application/json")
 
 
+def _rebuild(status: int, message: str, param: str | None, code: str | None, type: str | None,
+             extra: dict[str, Any], headers: dict[str, str] | None) -> ApiError:
+    return ApiError(status, message, param=param, code=code, type=type, extra=extra, headers=headers)
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
 def unavailable(message: str) -> ApiError:
     return ApiError(503, message, code="scheduler_unavailable")
+
+
+def rate_limited(message: str, retry_after_s: int = 1) -> ApiError:
+    """429 with Retry-After: a keyless route's rate is spent; a request with a valid key is not limited."""
+    return ApiError(429, message, code="rate_limited", headers={"Retry-After": str(retry_after_s)})
 
 
 def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
@@ -145,27 +164,37 @@ def check_strings(data: Any) -> None:
                                       param=path or None, code="invalid_utf8")
                 stack.append((item, name))
         elif isinstance(value, list):
-            stack.extend((item, f"{path}.{i}") for i, item in enumerate(value))
+            stack.extend((item, f"{path}.{i}") for i, item in enumerate(value) if isinstance(item, (str, dict, list)))
 
 
-def decode_body(raw: bytes, model: type[ModelT]) -> ModelT:
-    """UTF-8-decodes, depth-checks, JSON-parses, Unicode-checks and validates a body (CPU work: off the loop)."""
+def decode_body(raw: bytes, model: type[ModelT], bounds: RequestBounds | None = None) -> ModelT:
+    """UTF-8-decodes, depth-checks, JSON-parses, size-checks (`bounds`), Unicode-checks and validates a body.
+
+    CPU work: run in a parser process (TokenizerManager.run_parse), so it never holds the event loop's GIL."""
     data = parse_json(raw)
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-    check_strings(data)
+    if bounds is not None:
+        try:
+            check_fields(data, bounds)
+        except BoundError as e:
+            raise bad_request(str(e), param=e.param, code="over_limit") from None
+    if _SURROGATE_ESCAPE.search(raw):  # NOTE: the only way a lone surrogate gets into valid UTF-8 JSON
+        check_strings(data)
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
 
 
-async def parse_request(request: Request, model: type[ModelT], limit: int) -> ModelT:
-    """Reads and size-checks a request body, then decodes it in a worker thread (see decode_body)."""
+async def parse_request(request: Request, model: type[ModelT], limit: int, bounds: RequestBounds | None = None,
+                        offload: Callable[..., Awaitable[Any]] | None = None) -> ModelT:
+    """Reads and size-checks a request body, then decodes it (decode_body): with `offload(fn, *args)`, a body
+    over a few KB in a parser process when its key's turn comes (TokenizerManager.run_parse), never on the loop."""
     raw = await read_body(request, limit)
     if len(raw) < _INLINE_BODY_BYTES:
-        return decode_body(raw, model)
-    return await asyncio.to_thread(decode_body, raw, model)
+        return decode_body(raw, model, bounds)
+    return await (offload or asyncio.to_thread)(decode_body, raw, model, bounds)
 
 
 def validation_error(e: ValidationError) -> ApiError:
@@ -196,7 +225,7 @@ def _json_safe(value: Any) -> bool:
         return False
 
 
-_INLINE_BODY_BYTES = 16 * 1024  # smaller bodies parse in microseconds: a thread hop would cost more
+_INLINE_BODY_BYTES = 4 * 1024  # smaller bodies parse in microseconds: a thread hop would cost more
 
 
 def _is_text(text: str) -> bool:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,14 +22,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints import serving_native
 from radixserve.entrypoints.cache_explorer import register_cache_explorer
-from radixserve.entrypoints.coalesce import Coalesced
+from radixserve.entrypoints.coalesce import Coalesced, TokenBucket
 from radixserve.entrypoints.gateway_api import install_gateway_routes
 from radixserve.entrypoints.http_auth import Auth, Principal
 from radixserve.entrypoints.http_errors import (
     ApiError,
     bad_request,
     install_error_handlers,
+    overloaded,
     parse_request,
+    rate_limited,
     unavailable,
 )
 from radixserve.entrypoints.logprobs import TokenTexts
@@ -56,6 +59,7 @@ from radixserve.entrypoints.serving_openai import OpenAIServing
 from radixserve.managers.scheduler_link import SchedulerLink
 from radixserve.managers.scheduler_process import launch_scheduler_process
 from radixserve.managers.tokenizer_manager import (
+    FrontendBusy,
     FrontendConfig,
     GenerateReq,
     SchedulerUnavailable,
@@ -70,6 +74,7 @@ logger = logging.getLogger(__name__)
 # NOTE: health_generate runs in its own namespace so probes never share KV with user requests.
 _HEALTH_NAMESPACE = (("health", "probe"),)
 _GENERATE_ERRORS = (400, 401, 413, 500, 503)
+_KEYLESS_ERRORS = (429, 503)
 _SCHEMA_MODELS = [CompletionRequest, ChatCompletionRequest, GenerateRequest, AbortRequest, TokenizeRequest,
                   DetokenizeRequest, CompletionResponse, ChatCompletionResponse, GenerateResponse, ModelList,
                   TokenizeResponse, DetokenizeResponse, AbortResponse, FlushCacheResponse, HealthResponse]
@@ -85,6 +90,11 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     app = FastAPI(title="radixserve", version=_version(), lifespan=lifespan,
                   description="OpenAI-compatible and SGLang-native LLM server over a radix prefix cache.")
     install_error_handlers(app)
+
+    @app.exception_handler(FrontendBusy)
+    async def _busy(_: Request, exc: FrontendBusy) -> Response:
+        return overloaded(str(exc)).response()
+
     docs.install(app, _SCHEMA_MODELS)
     auth = Auth(server_args.api_keys, server_args.admin_api_key)
     texts = TokenTexts(tm.tokenizer)
@@ -95,19 +105,39 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     def namespace(principal: Principal, req: Any) -> Any:
         return cache_namespace(principal.key_id, req.cache_salt, req.extra_key)
 
+    def work_key(principal: Principal, request: Request) -> Any:
+        """Whose turn a request's CPU work takes (fair_work): its key, or on an open server (no identities) its
+        connection, so one connection's stack of expensive requests never delays another's."""
+        if principal.key_id is not None:
+            return principal.key_id
+        return ("connection", *(request.client or ()))
+
+    async def parse(request: Request, model: Any, principal: Principal) -> Any:
+        return await parse_request(request, model, limit, tm.config.bounds,
+                                   partial(tm.run_parse, work_key(principal, request)))
+
+    keyless = TokenBucket(tm.config.keyless_rate_limit)
+
+    def keyless_gate(request: Request) -> None:
+        # NOTE: what a call without a valid key may cost is bounded twice: by this rate, and by sharing one run.
+        if not auth.has_key(request) and not keyless.take():
+            raise rate_limited(f"keyless calls to this route are limited to {keyless.rate:g} per second "
+                               "(--keyless-rate-limit); send a valid API key, or retry later",
+                               keyless.retry_after_s())
+
     @app.post("/v1/completions", openapi_extra=docs.json_body(CompletionRequest),
               responses=docs.responses(docs.ref(CompletionResponse), *_GENERATE_ERRORS, 404, stream=True))
     async def completions(request: Request) -> Response:
         principal = auth.principal(request)
-        req = await parse_request(request, CompletionRequest, limit)
-        return await guarded(lambda: openai.completions(req, namespace(principal, req), request))
+        req = await parse(request, CompletionRequest, principal)
+        return await guarded(lambda: openai.completions(req, namespace(principal, req), request, work_key(principal, request)))
 
     @app.post("/v1/chat/completions", openapi_extra=docs.json_body(ChatCompletionRequest),
               responses=docs.responses(docs.ref(ChatCompletionResponse), *_GENERATE_ERRORS, 404, stream=True))
     async def chat_completions(request: Request) -> Response:
         principal = auth.principal(request)
-        req = await parse_request(request, ChatCompletionRequest, limit)
-        return await guarded(lambda: openai.chat(req, namespace(principal, req), request))
+        req = await parse(request, ChatCompletionRequest, principal)
+        return await guarded(lambda: openai.chat(req, namespace(principal, req), request, work_key(principal, request)))
 
     generate_ok = {"anyOf": [docs.ref(GenerateResponse), {"type": "array", "items": docs.ref(GenerateResponse)}]}
 
@@ -115,14 +145,15 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
               responses=docs.responses(generate_ok, *_GENERATE_ERRORS, stream=True))
     async def generate(request: Request) -> Response:
         principal = auth.principal(request)
-        req = await parse_request(request, GenerateRequest, limit)
-        return await guarded(lambda: serving_native.generate(tm, texts, req, namespace(principal, req), request))
+        req = await parse(request, GenerateRequest, principal)
+        return await guarded(lambda: serving_native.generate(tm, texts, req, namespace(principal, req), request,
+                                                                work_key(principal, request)))
 
     @app.post("/abort_request", openapi_extra=docs.json_body(AbortRequest),
               responses=docs.responses(docs.ref(AbortResponse), 400, 401, 413))
     async def abort_request(request: Request) -> JSONResponse:
         principal = auth.principal(request)
-        req = await parse_request(request, AbortRequest, limit)
+        req = await parse(request, AbortRequest, principal)
         if req.rid is None and not req.abort_all:
             raise bad_request("give the 'rid' to abort, or 'abort_all': true", param="rid")
         aborted = tm.abort_request(req.rid, principal.key_id, req.abort_all, admin=principal.admin)
@@ -131,14 +162,16 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.post("/tokenize", openapi_extra=docs.json_body(TokenizeRequest),
               responses=docs.responses(docs.ref(TokenizeResponse), 400, 401, 404, 413))
     async def tokenize(request: Request) -> JSONResponse:
-        auth.principal(request)
-        return JSONResponse(await openai.tokenize(await parse_request(request, TokenizeRequest, limit)))
+        principal = auth.principal(request)
+        req = await parse(request, TokenizeRequest, principal)
+        return JSONResponse(await openai.tokenize(req, work_key(principal, request)))
 
     @app.post("/detokenize", openapi_extra=docs.json_body(DetokenizeRequest),
               responses=docs.responses(docs.ref(DetokenizeResponse), 400, 401, 404, 413))
     async def detokenize(request: Request) -> JSONResponse:
-        auth.principal(request)
-        return JSONResponse(await openai.detokenize(await parse_request(request, DetokenizeRequest, limit)))
+        principal = auth.principal(request)
+        req = await parse(request, DetokenizeRequest, principal)
+        return JSONResponse(await openai.detokenize(req, work_key(principal, request)))
 
     @app.get("/v1/models", responses=docs.responses(docs.ref(ModelList), 401))
     async def models(request: Request) -> JSONResponse:
@@ -156,8 +189,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     # NOTE: keyless, so a flood of probes shares one generation instead of queueing one each.
     probe = Coalesced(lambda: asyncio.wait_for(_one_token(tm), tm.config.control_timeout_s))
 
-    @app.get("/health_generate", responses=docs.responses(docs.ref(HealthResponse), 503))
-    async def health_generate() -> JSONResponse:
+    @app.get("/health_generate", responses=docs.responses(docs.ref(HealthResponse), *_KEYLESS_ERRORS))
+    async def health_generate(request: Request) -> JSONResponse:
+        keyless_gate(request)
         ok, reason = tm.health()
         if not ok:
             raise unavailable(reason)
@@ -194,7 +228,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             pass
         return Response(tm.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
-    install_gateway_routes(app, tm, server_args, auth)  # what SGLang's model gateway calls (docs/scale_out.md)
+    install_gateway_routes(app, tm, server_args, auth, keyless_gate)  # what SGLang's model gateway calls (docs/scale_out.md)
     register_cache_explorer(app, tm, server_args)  # /cache/tree, /cache/view (docs/server.md)
     return app
 

@@ -22,8 +22,9 @@ _ERRORS = {
     404: "unknown model",
     409: "requests hold KV: the cache was not flushed",
     413: "request body over --max-body-bytes",
+    429: "a keyless call over --keyless-rate-limit (with Retry-After); a valid API key is not limited",
     500: "the scheduler aborted the request (a failure while running it; the server goes on)",
-    503: "the scheduler is restarting, dead, or its queue is full (then with Retry-After)",
+    503: "the scheduler is restarting, dead, or its queue (or the front end's) is full (then with Retry-After)",
 }
 
 
@@ -46,8 +47,8 @@ def responses(ok: dict[str, Any], *errors: int, stream: bool = False) -> dict[in
     out: dict[int | str, dict[str, Any]] = {200: {"description": "success", "content": content}}
     for status in errors:
         entry: dict[str, Any] = {"description": _ERRORS[status], "model": ErrorResponse}
-        if status == 503:
-            entry["headers"] = {"Retry-After": {"description": "seconds to wait (queue full only)",
+        if status in (429, 503):
+            entry["headers"] = {"Retry-After": {"description": "seconds to wait (rate spent or queue full only)",
                                                 "schema": {"type": "string"}}}
         out[status] = entry
     return out

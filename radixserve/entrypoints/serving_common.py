@@ -235,39 +235,21 @@ def check_fanout(tm: TokenizerManager, num_prompts: int, n: int, param: str) -> 
                           param="n" if n > 1 else param, code="too_many_sequences")
 
 
-def check_request_bounds(tm: TokenizerManager, *, sequences: int, stop: Any, stop_token_ids: list | None,
-                         logit_bias: dict | None, prefix: str = "", messages: list | None = None,
-                         ids: dict[str, Any] | None = None) -> None:
-    """Every list and string a request sends is bounded before work is done on it: a 400 naming the field,
-    the limit and its flag. Per-sequence items (stop ids, bias entries, stop strings) are copied into every
-    sequence, so their product with the sequences is bounded too."""
-    config = tm.config
+def check_request_items(tm: TokenizerManager, *, sequences: int, stop: Any, stop_token_ids: list | None,
+                        logit_bias: dict | None, prefix: str = "") -> None:
+    """Per-sequence items (stop ids, bias entries, stop strings) are copied into every sequence, so their
+    product with the sequences is bounded (each field alone was bounded before validation: request_bounds.py)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
-    longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
-    _bound(longest, config.max_stop_string_chars, f"{prefix}stop", "characters in a stop string",
-           "--max-stop-string-chars")
-    _bound(len(stop_token_ids or ()), config.max_stop_token_ids, f"{prefix}stop_token_ids", "stop token ids",
-           "--max-stop-token-ids")
-    _bound(len(logit_bias or ()), config.max_logit_bias_entries, f"{prefix}logit_bias", "logit_bias entries",
-           "--max-logit-bias-entries")
-    if messages is not None:
-        _bound(len(messages), config.max_chat_messages, "messages", "messages", "--max-chat-messages")
-    for name, value in (ids or {}).items():
-        for one in value if isinstance(value, list) else [value]:
-            _bound(len(one) if isinstance(one, str) else 0, config.max_id_chars, name, "characters",
-                   "--max-id-chars")
-    items = sequences * (len(stop_token_ids or ()) + len(logit_bias or ()) + len(stops))
-    if items > config.max_request_items:
-        raise bad_request(f"this request copies {items} per-sequence items ({sequences} sequence(s) x stop "
-                          f"token ids, logit_bias entries and stop strings); the server takes at most "
-                          f"{config.max_request_items} (--max-request-items)", param=f"{prefix}stop_token_ids",
-                          code="over_limit")
-
-
-def _bound(size: int, limit: int, param: str, what: str, flag: str) -> None:
-    if size > limit:
-        raise bad_request(f"'{param}' has {size} {what}; the server takes at most {limit} ({flag})", param=param,
-                          code="over_limit")
+    per_sequence = {"stop_token_ids": len(stop_token_ids or ()), "logit_bias": len(logit_bias or ()),
+                    "stop": len(stops)}
+    items = sequences * sum(per_sequence.values())
+    limit = tm.config.bounds.max_request_items
+    if items > limit:
+        largest = max(per_sequence, key=per_sequence.__getitem__)  # NOTE: the param names the biggest part
+        raise bad_request(f"this request copies {items} per-sequence items ({sequences} sequence(s) x "
+                          f"{per_sequence['stop_token_ids']} stop token ids, {per_sequence['logit_bias']} logit_bias "
+                          f"entries and {per_sequence['stop']} stop strings); the server takes at most {limit} "
+                          "(--max-request-items)", param=prefix + largest, code="over_limit")
 
 
 def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:

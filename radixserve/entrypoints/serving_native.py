@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -17,7 +18,7 @@ from radixserve.entrypoints.serving_common import (
     DisconnectWatcher,
     check_fanout,
     check_prompt,
-    check_request_bounds,
+    check_request_items,
     collect,
     generate_all,
     guarded,
@@ -98,7 +99,8 @@ def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float, finish: st
 
 
 async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest, extra_key: Any,
-                   request: Request) -> Response:
+                   request: Request, key: Any = None) -> Response:
+    """`key`: whose turn its CPU work takes (fair_work): the API key's id, or the connection on an open server."""
     started = time.monotonic()
     if req.return_logprob:
         check_top_logprobs(req.top_logprobs_num, "top_logprobs_num")
@@ -106,10 +108,9 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
     top_logprobs = req.top_logprobs_num if req.return_logprob else None
     check_fanout(tm, _num_prompts(req), req.sampling_params.n, "input_ids" if req.text is None else "text")
     given = req.sampling_params
-    check_request_bounds(tm, sequences=_num_prompts(req) * given.n, stop=given.stop,
-                         stop_token_ids=given.stop_token_ids, logit_bias=given.logit_bias, prefix="sampling_params.",
-                         ids={"rid": req.rid, "cache_salt": req.cache_salt, "extra_key": req.extra_key})
-    prompts, batch, param = await tm.run_tokenizer(_prompts, tm, req)
+    check_request_items(tm, sequences=_num_prompts(req) * given.n, stop=given.stop,
+                        stop_token_ids=given.stop_token_ids, logit_bias=given.logit_bias, prefix="sampling_params.")
+    prompts, batch, param = await tm.run_tokenizer(key, _prompts, tm, req)
     start = _logprob_start(req, prompts)
     # NOTE: max_new_tokens 0 computes the prompt and generates nothing: it scores the prompt (with
     # logprob_start_len), or prewarms the radix cache with it (as SGLang allows).
@@ -125,7 +126,7 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
             await outputs.aclose()
             raise bad_request("streaming is supported for one prompt with n = 1", param="stream")
         return await stream_response(request, outputs, _stream_renderer(started, logprob_texts, scored[0]),
-                                     lambda: [])
+                                     lambda: [], partial(tm.run_cpu, key, admit=False))
     watcher = DisconnectWatcher(request.receive)
     try:
         results = await guarded(lambda: watcher.run(collect(outputs, len(prompts) * n)))
@@ -135,6 +136,12 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
         watcher.close()
     for r in results:
         raise_if_aborted(r)
+    # NOTE: built and JSON-encoded on a front-end thread: with prompt logprobs it holds every prompt token.
+    return await tm.run_cpu(key, _response, results, started, logprob_texts, scored, n, batch, admit=False)
+
+
+def _response(results: list[ChoiceResult], started: float, logprob_texts: TokenTexts | None,
+              scored: list[list[int] | None], n: int, batch: bool) -> JSONResponse:
     bodies = [_result_body(r, started, logprob_texts, scored[i // n]) for i, r in enumerate(results)]
     return JSONResponse(bodies if batch or n > 1 else bodies[0])
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -42,7 +43,7 @@ from radixserve.entrypoints.serving_common import (
     check_fanout,
     check_prompt,
     check_prompt_chars,
-    check_request_bounds,
+    check_request_items,
     collect,
     generate_all,
     guarded,
@@ -59,6 +60,7 @@ from radixserve.managers.tokenizer_manager import GenerateOutput, SchedulerUnava
 Render = Callable[[int, GenerateOutput], list[dict[str, Any]]]
 
 CLIENT_CLOSED = CLIENT_ABORT  # nginx's code; nobody reads it, the client is gone
+_INLINE_EVENT_TOKENS = 256  # a stream event with more tokens is rendered off the loop
 
 
 class _Usage:
@@ -108,10 +110,9 @@ class OpenAIServing:
         if req.cache_salt is not None:
             check_text(req.cache_salt, "cache_salt")
 
-    def _check_bounds(self, req: Any, sequences: int, messages: list | None = None) -> None:
-        check_request_bounds(self.tm, sequences=sequences, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                             logit_bias=req.logit_bias, messages=messages,
-                             ids={"rid": req.rid, "cache_salt": req.cache_salt, "extra_key": req.extra_key})
+    def _check_items(self, req: Any, sequences: int) -> None:
+        check_request_items(self.tm, sequences=sequences, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                            logit_bias=req.logit_bias)
 
     def _sampling(self, req: Any, max_new_tokens: int) -> Any:
         return make_sampling_params(
@@ -123,7 +124,8 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------- completions
 
-    async def completions(self, req: CompletionRequest, extra_key: Any, request: Request) -> Response:
+    async def completions(self, req: CompletionRequest, extra_key: Any, request: Request, key: Any = None) -> Response:
+        """`key`: whose turn its CPU work takes (fair_work): the API key's id, or the connection on an open server."""
         self._check_common(req)
         if req.best_of is not None and not (isinstance(req.best_of, int) and req.n <= req.best_of):
             raise bad_request(f"'best_of' must be an integer >= n ({req.n}), got {req.best_of}", param="best_of",
@@ -137,14 +139,14 @@ class OpenAIServing:
             raise bad_request("'max_tokens' 0 (score the prompt, generate nothing) needs 'echo': true",
                               param="max_tokens", code="invalid_value")
         check_fanout(self.tm, _num_prompts(req.prompt), req.n, "prompt")
-        self._check_bounds(req, _num_prompts(req.prompt) * req.n)
-        prompts = await self.tm.run_tokenizer(self._completion_prompts, req.prompt)
+        self._check_items(req, _num_prompts(req.prompt) * req.n)
+        prompts = await self.tm.run_tokenizer(key, self._completion_prompts, req.prompt)
         params = [self._sampling(req, resolve_max_tokens(self.tm, len(p), req.max_tokens, "prompt",
                                                          allow_zero=req.echo)) for p in prompts]
         echo = None
         if req.echo:
-            echo = _Echo(await self.tm.run_tokenizer(self._prompt_texts, req.prompt, prompts), prompts, req.n)
-        return await self._serve(req, request, prompts, params, extra_key, chat=False, top_logprobs=req.logprobs,
+            echo = _Echo(await self.tm.run_tokenizer(key, self._prompt_texts, req.prompt, prompts), prompts, req.n)
+        return await self._serve(req, request, prompts, params, extra_key, key, chat=False, top_logprobs=req.logprobs,
                                  echo=echo)
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
@@ -170,7 +172,7 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------- chat
 
-    async def chat(self, req: ChatCompletionRequest, extra_key: Any, request: Request) -> Response:
+    async def chat(self, req: ChatCompletionRequest, extra_key: Any, request: Request, key: Any = None) -> Response:
         self._check_common(req)
         if req.tools or req.response_format:
             raise bad_request("'tools' and 'response_format' are not supported", code="unsupported_parameter")
@@ -183,13 +185,13 @@ class OpenAIServing:
                                   code="invalid_value")
             check_top_logprobs(req.top_logprobs, "top_logprobs")
         check_fanout(self.tm, 1, req.n, "messages")
-        self._check_bounds(req, req.n, messages=req.messages)
-        ids = await self.tm.run_tokenizer(self.chat_prompt, req.messages)
+        self._check_items(req, req.n)
+        ids = await self.tm.run_tokenizer(key, self.chat_prompt, req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = [self._sampling(req, resolve_max_tokens(self.tm, len(ids), max_tokens, "messages", max_param))]
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._serve(req, request, [ids], params, extra_key, chat=True, top_logprobs=top_logprobs)
+        return await self._serve(req, request, [ids], params, extra_key, key, chat=True, top_logprobs=top_logprobs)
 
     def chat_prompt(self, chat: list[ChatMessage]) -> list[int]:
         if not chat:
@@ -209,26 +211,29 @@ class OpenAIServing:
 
     # -------------------------------------------------------------------------- tokenizer endpoints
 
-    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest, key: Any = None) -> dict[str, Any]:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
         if req.messages is not None:
-            ids = await self.tm.run_tokenizer(self.chat_prompt, req.messages)
+            ids = await self.tm.run_tokenizer(key, self.chat_prompt, req.messages)
         else:
-            ids = await self.tm.run_tokenizer(tokenize_text, self.tm, req.prompt, "prompt", req.add_special_tokens)
+            ids = await self.tm.run_tokenizer(key, tokenize_text, self.tm, req.prompt, "prompt", req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.tm.info.effective_max_context}
 
-    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, req: DetokenizeRequest, key: Any = None) -> dict[str, Any]:
         self.check_model(req.model)
-        if req.tokens:
-            check_prompt(self.tm, req.tokens, "tokens")
-        return {"prompt": await self.tm.run_tokenizer(self.tm.tokenizer.decode, req.tokens)}
+        return {"prompt": await self.tm.run_tokenizer(key, self._decode, req.tokens)}
+
+    def _decode(self, tokens: list[int]) -> str:
+        if tokens:
+            check_prompt(self.tm, tokens, "tokens")  # NOTE: here, on the tokenizer thread: a list of any length
+        return self.tm.tokenizer.decode(tokens)
 
     # -------------------------------------------------------------------------- shared
 
     async def _serve(self, req: Any, request: Request, prompts: list[list[int]], params: list[Any],
-                     extra_key: Any, chat: bool, top_logprobs: int | None, echo: _Echo | None = None) -> Response:
+                     extra_key: Any, key: Any, chat: bool, top_logprobs: int | None, echo: _Echo | None = None) -> Response:
         """`top_logprobs`: None without logprobs, else the alternatives per token."""
         choice_params = [per_choice_params(p, req.n) for p in params]
         if req.rid is not None:
@@ -250,7 +255,7 @@ class OpenAIServing:
                     return []
                 return [chunk_type(id=rid, created=now(), model=self.model_name, choices=[],
                                    usage=usage.info()).model_dump()]
-            return await stream_response(request, outputs, render, finale)
+            return await stream_response(request, outputs, render, finale, partial(self.tm.run_cpu, key, admit=False))
         watcher = DisconnectWatcher(request.receive)
         try:
             results = await guarded(lambda: watcher.run(collect(outputs, len(prompts) * req.n)))
@@ -262,28 +267,30 @@ class OpenAIServing:
             raise_if_aborted(r)
         for i, r in enumerate(results):
             usage.completion[i], usage.cached[i] = r.completion_tokens, r.cached_tokens
+        # NOTE: built and JSON-encoded on a front-end thread: with echo and logprobs it holds every prompt token.
         if chat:
-            body = self._chat_response(rid, results, usage.info(), logprobs)
-        else:
-            body = self._completion_response(rid, results, usage.info(), logprobs, echo)
-        return JSONResponse(body.model_dump())
+            return await self.tm.run_cpu(key, self._chat_response, rid, results, usage.info(), logprobs, admit=False)
+        return await self.tm.run_cpu(key, self._completion_response, rid, results, usage.info(), logprobs, echo,
+                                     admit=False)
 
     def _completion_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo, logprobs: bool,
-                             echo: _Echo | None) -> CompletionResponse:
+                             echo: _Echo | None) -> JSONResponse:
         choices = []
         for i, r in enumerate(results):
             text, ids = echo.prompt(i) if echo is not None else ("", None)
             choices.append(CompletionChoice(
                 index=i, text=text + r.text, finish_reason=r.finish_reason,
                 logprobs=completion_logprobs(self.texts, r, echo=ids) if logprobs else None))
-        return CompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
+        body = CompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump())
 
     def _chat_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo,
-                       logprobs: bool) -> ChatCompletionResponse:
+                       logprobs: bool) -> JSONResponse:
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason,
                               logprobs=chat_logprobs(self.texts, r) if logprobs else None)
                    for i, r in enumerate(results)]
-        return ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
+        body = ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
+        return JSONResponse(body.model_dump())
 
     def _completion_renderer(self, rid: str, usage: _Usage, logprobs: bool, echo: _Echo | None) -> Render:
         offsets: dict[int, int] = {}  # per choice: characters of token text sent so far, for text_offset
@@ -329,8 +336,15 @@ def _num_prompts(prompt: Any) -> int:
 
 
 async def stream_response(request: Request, outputs: AsyncIterator[tuple[int, GenerateOutput]], render: Render,
-                          finale: Callable[[], list[dict[str, Any]]]) -> Response:
-    """SSE whose status line waits for the first output, so a dead scheduler is still a 503."""
+                          finale: Callable[[], list[dict[str, Any]]],
+                          offload: Callable[..., Awaitable[Any]] | None = None) -> Response:
+    """SSE whose status line waits for the first output, so a dead scheduler is still a 503.
+
+    `offload(fn, *args)`: where a big event is rendered (one with prompt logprobs, or many tokens), off the loop."""
+
+    def events_of(index: int, out: GenerateOutput) -> bytes:
+        return b"".join(sse(chunk) for chunk in render(index, out))
+
     watcher = DisconnectWatcher(request.receive)
     try:
         first = await guarded(lambda: watcher.run(anext(outputs, END)))
@@ -350,8 +364,8 @@ async def stream_response(request: Request, outputs: AsyncIterator[tuple[int, Ge
                 while item is not END:
                     index, out = item
                     raise_if_aborted(out)
-                    for chunk in render(index, out):
-                        yield sse(chunk)
+                    big = out.input_logprobs is not None or len(out.token_ids) > _INLINE_EVENT_TOKENS
+                    yield await offload(events_of, index, out) if big and offload else events_of(index, out)
                     item = await anext(outputs, END)
                 for chunk in finale():
                     yield sse(chunk)

@@ -24,10 +24,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from radixserve.managers.fair_admission import FairAdmission, Ticket
+from radixserve.managers.fair_work import FairWork, FrontendBusy
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -38,6 +38,7 @@ from radixserve.managers.io_struct import (
     LogprobSpec,
     TokenizedGenerateReqInput,
 )
+from radixserve.managers.request_bounds import RequestBounds
 from radixserve.managers.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
 from radixserve.managers.scheduler_process import RestartBudget, SchedulerInfo
 from radixserve.managers.scheduler_supervisor import Launcher, SchedulerSupervisorMixin
@@ -45,10 +46,11 @@ from radixserve.managers.tenant_namespace import api_key_id, cache_namespace, na
 from radixserve.managers.text_stream import IncrementalDetokenizer, max_prompt_chars
 from radixserve.managers.tokenizer_metrics import ServerMetrics
 from radixserve.sampling_params import SamplingParams
+from radixserve.server_args import FRONTEND_LIMITS, REQUEST_BOUNDS, ServerArgs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerateOutput", "GenerateReq", "SchedulerBusy", "SchedulerUnavailable", "TokenizerManager",
+__all__ = ["FrontendBusy", "GenerateOutput", "GenerateReq", "SchedulerBusy", "SchedulerUnavailable", "TokenizerManager",
            "api_key_id", "cache_namespace", "namespace_owner"]
 
 
@@ -63,25 +65,25 @@ class FrontendConfig:
     max_scheduler_restarts: int = 3  # within restart_window_s; one more death and the server exits
     restart_window_s: float = 600.0
     restart_wait_s: float = 120.0  # a request arriving during a restart waits this long for it
-    max_request_fanout: int = 256  # prompts x n of one request
-    max_queued_requests: int = 1024  # tickets waiting here or in the scheduler's queue; more: 503
-    fair_share_slice: int = 16  # tickets of one request queued in the scheduler at a time
-    # per-request size bounds (ServerArgs.REQUEST_BOUNDS; serving_common.check_request_bounds)
-    max_stop_string_chars: int = 1024
-    max_stop_token_ids: int = 1024
-    max_logit_bias_entries: int = 1024
-    max_chat_messages: int = 1024
-    max_id_chars: int = 256
-    max_request_items: int = 65536
+    # The limits of ServerArgs that the HTTP process applies (server_args.FRONTEND_LIMITS), same defaults.
+    max_request_fanout: int = ServerArgs.max_request_fanout  # prompts x n of one request
+    max_queued_requests: int = ServerArgs.max_queued_requests  # tickets waiting here or in the scheduler
+    fair_share_slice: int = ServerArgs.fair_share_slice  # tickets of one request queued in the scheduler at a time
+    frontend_workers: int = ServerArgs.frontend_workers  # parser processes, render threads (fair_work)
+    max_frontend_queue: int = ServerArgs.max_frontend_queue  # jobs waiting for a front-end thread; more: 503
+    keyless_rate_limit: float = ServerArgs.keyless_rate_limit  # keyless /health_generate, /get_load per second
+    bounds: RequestBounds = RequestBounds()  # per-request size bounds (request_bounds.py)
 
     @classmethod
     def from_server_args(cls, server_args: Any, **http_flags: Any) -> FrontendConfig:
-        """The HTTP-only flags plus the admission limits and request bounds of `ServerArgs`."""
-        from radixserve.server_args import REQUEST_BOUNDS
+        """The HTTP-only flags plus the limits of `ServerArgs` the HTTP process applies."""
+        limits = {name: getattr(server_args, name) for name in FRONTEND_LIMITS}
+        bounds = RequestBounds(**{name: getattr(server_args, name) for name in REQUEST_BOUNDS})
+        return cls(**limits, bounds=bounds, **http_flags)
 
-        limits = ("max_request_fanout", "max_queued_requests", "fair_share_slice", *REQUEST_BOUNDS)
-        return cls(**{name: getattr(server_args, name) for name in limits}, **http_flags)
 
+# NOTE: what the parser processes need (http_errors.decode_body and the request models), imported at start.
+_PARSER_MODULES = ("radixserve.entrypoints.http_errors", "radixserve.entrypoints.openai_protocol")
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of one position's alternatives, most likely first
 
@@ -162,9 +164,12 @@ class TokenizerManager(SchedulerSupervisorMixin):
         self._probe_pending = False
         self._tasks: list[asyncio.Task] = []
         self._handle_task: asyncio.Task | None = None
-        # NOTE: one thread each, so requests in are never queued behind outputs out, and the detokenizer
-        # thread has its own tokenizer copy (a fast tokenizer is not meant to be shared across threads).
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-tokenize")
+        # NOTE: tokenizing, detokenizing and the other CPU work have threads of their own, so requests in are
+        # never queued behind outputs out; the tokenizer and detokenizer threads have one tokenizer copy each
+        # (a fast tokenizer is not meant to be shared across threads). Work in takes turns by key (fair_work).
+        self.parse_work = FairWork(self.config.frontend_workers, self.config.max_frontend_queue, "parse", True)
+        self.cpu_work = FairWork(self.config.frontend_workers, self.config.max_frontend_queue, "frontend")
+        self.tokenize_work = FairWork(1, self.config.max_frontend_queue, "tokenize")
         self._detokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="radixserve-detokenize")
         self._detok_tokenizer = _private_copy(self.tokenizer)
         self.max_prompt_chars = max_prompt_chars(self.tokenizer, info.context_len)
@@ -173,7 +178,7 @@ class TokenizerManager(SchedulerSupervisorMixin):
 
     async def start(self) -> None:
         """Returns once the scheduler is connected, so the first request can be sent at once."""
-        await self._link.wait_connected()
+        await asyncio.gather(self._link.wait_connected(), self.parse_work.warm(*_PARSER_MODULES))
         self._last_alive = time.monotonic()
         self._ready = asyncio.Event()
         self._ready.set()
@@ -187,12 +192,26 @@ class TokenizerManager(SchedulerSupervisorMixin):
                 task.cancel()
         await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
         self._link.close()
-        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.parse_work.shutdown()
+        self.cpu_work.shutdown()
+        self.tokenize_work.shutdown()
         self._detokenize_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs tokenizer work (encode, chat template) on the tokenizer thread, off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, partial(fn, *args))
+    async def run_tokenizer(self, key: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs tokenizer work (encode, chat template) on the tokenizer thread, off the event loop, when `key`'s
+        turn comes (fair_work). Raises FrontendBusy when too many wait."""
+        return await self.tokenize_work.run(key, fn, *args)
+
+    async def run_parse(self, key: Any, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs `fn(*args)` (a module-level function; arguments and result are pickled) in a parser process when
+        `key`'s turn comes: body parsing and validation. Raises FrontendBusy when too many wait."""
+        return await self.parse_work.run(key, fn, *args)
+
+    async def run_cpu(self, key: Any, fn: Callable[..., Any], *args: Any, admit: bool = True) -> Any:
+        """Runs other CPU work of a request (parsing, validation, rendering a big response) on a front-end thread,
+        off the event loop, when `key`'s turn comes. Raises FrontendBusy when too many wait (unless `admit` is
+        False: the rest of a request already taken in)."""
+        return await self.cpu_work.run(key, fn, *args, admit=admit)
 
     @property
     def link(self) -> SchedulerLink:
