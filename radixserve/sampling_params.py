@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-_MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = 16  # NOTE: also checked on the raw body before validation (managers/request_bounds.py)
 MAX_N = 16
 # NOTE: a temperature below this samples greedily. Dividing logits by a tiny temperature overflows
 # float32 (1e-300 is 0.0 there: inf / inf = NaN logprobs and garbage tokens); 1e-5 keeps |logit| / T
@@ -67,7 +67,7 @@ class SamplingParams:
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {_show(self.min_p)}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_text(s) for s in self.stop), "stop", "must be valid Unicode (no lone surrogates)")
-        _check(len(self.stop) <= _MAX_STOP_STRINGS, "stop", f"at most {_MAX_STOP_STRINGS} stop strings")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
                "stop_token_ids", "must be token ids (integers >= 0)")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", f"must be true or false, got {_show(self.ignore_eos)}")

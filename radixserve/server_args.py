@@ -12,7 +12,7 @@ SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 QUANTIZATIONS = ("none", "int8", "int4")
 # NOTE: the per-request size bounds the HTTP front end checks before any work (FrontendConfig carries them).
-REQUEST_BOUNDS = ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries", "max_chat_messages",
+REQUEST_BOUNDS = ("max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries", "max_chat_messages",
                   "max_id_chars", "max_request_items")
 # NOTE: the other ServerArgs fields the HTTP process applies; FrontendConfig takes their defaults from here.
 FRONTEND_LIMITS = ("max_request_fanout", "max_queued_requests", "fair_share_slice", "frontend_workers",
@@ -62,7 +62,6 @@ class ServerArgs:
     max_request_fanout: int = _opt(256, "most sequences (prompts x n) one request may run; more is a 400")
     max_queued_requests: int = _opt(1024, "most sequences waiting for the scheduler; more get 503 with Retry-After")
     fair_share_slice: int = _opt(16, "sequences of one request queued in the scheduler at a time (fair sharing)")
-    max_stop_strings: int = _opt(1024, "most stop strings of a request; more is a 400")
     max_stop_string_chars: int = _opt(1024, "longest stop string of a request; longer is a 400")
     max_stop_token_ids: int = _opt(1024, "most stop token ids of a request; more is a 400")
     max_logit_bias_entries: int = _opt(1024, "most logit_bias entries of a request; more is a 400")

@@ -156,7 +156,7 @@ _OVER = [  # (path, body, param, flag): each one item over its default bound
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias",
      "--max-logit-bias-entries"),
     (COMPLETIONS, {"prompt": "hi", "stop": ["x" * 1025]}, "stop", "--max-stop-string-chars"),
-    (COMPLETIONS, {"prompt": "hi", "stop": ["x"] * 1025}, "stop", "--max-stop-strings"),
+    (COMPLETIONS, {"prompt": "hi", "stop": ["x"] * 17}, "stop", "at most 16 (fixed)"),
     (COMPLETIONS, {"prompt": "hi", "rid": "r" * 257}, "rid", "--max-id-chars"),
     (CHAT, {"messages": MESSAGES * 1025}, "messages", "--max-chat-messages"),
     (CHAT, {"messages": MESSAGES, "cache_salt": "s" * 257}, "cache_salt", "--max-id-chars"),
@@ -167,8 +167,8 @@ _OVER = [  # (path, body, param, flag): each one item over its default bound
     ("/generate", {"text": ["hi"] * 16, "sampling_params": {"n": 16, "stop_token_ids": [2] * 1000}},
      "sampling_params.stop_token_ids", "--max-request-items"),
     # the param names the largest part of the product
-    (COMPLETIONS, {"prompt": ["hi"] * 16, "n": 16, "stop": ["s"] * 300, "stop_token_ids": [2] * 10}, "stop",
-     "--max-request-items"),
+    (COMPLETIONS, {"prompt": ["hi"] * 16, "n": 16, "logit_bias": {str(i): 1 for i in range(200)},
+                   "stop_token_ids": [2] * 100}, "logit_bias", "--max-request-items"),
 ]
 
 

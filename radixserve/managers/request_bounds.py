@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.sampling_params import MAX_STOP_STRINGS
 from radixserve.server_args import ServerArgs
 
 # The fields that carry sampling options: at the top level (OpenAI routes) and under sampling_params (/generate).
@@ -24,7 +25,6 @@ _ID_FIELDS = ("rid", "cache_salt", "extra_key")
 class RequestBounds:
     """The limits of one request's fields; ServerArgs.REQUEST_BOUNDS names the flags."""
 
-    max_stop_strings: int = ServerArgs.max_stop_strings
     max_stop_string_chars: int = ServerArgs.max_stop_string_chars
     max_stop_token_ids: int = ServerArgs.max_stop_token_ids
     max_logit_bias_entries: int = ServerArgs.max_logit_bias_entries
@@ -50,7 +50,7 @@ def check_fields(body: dict[str, Any], bounds: RequestBounds) -> None:
             continue
         stop = holder.get("stop")
         stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-        _bound(len(stops), bounds.max_stop_strings, f"{prefix}stop", "stop strings", "--max-stop-strings")
+        _bound(len(stops), MAX_STOP_STRINGS, f"{prefix}stop", "stop strings", "fixed")
         longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
         _bound(longest, bounds.max_stop_string_chars, f"{prefix}stop", "characters in a stop string",
                "--max-stop-string-chars")
