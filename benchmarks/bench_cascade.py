@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 from bench_forward import time_rounds
+from direct import DirectDriver, DirectRequest
 
 from radixserve.bench.docs import cpu_header, write_doc_section
 from radixserve.layers.attention import cascade, create_attention_backend
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.model_executor.direct_driver import DirectDriver, DirectRequest
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs

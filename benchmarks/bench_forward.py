@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 import torch
+from direct import DirectDriver, DirectRequest
 from forward_profile import StepProfile, linear_flops, machine_limits, profile_step, render_profiles
 
 from radixserve.bench.docs import cpu_header, write_doc_section
-from radixserve.model_executor.direct_driver import DirectDriver, DirectRequest
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 

@@ -64,8 +64,8 @@ def rss_mib() -> float:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
+    from direct import DirectDriver
 
-    from radixserve.model_executor.direct_driver import DirectDriver
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
 

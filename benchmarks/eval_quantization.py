@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from direct import DirectDriver
 
 from radixserve.bench.docs import write_doc_section
-from radixserve.model_executor.direct_driver import DirectDriver
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models.gguf_loader import gguf_to_hf_folder
 from radixserve.models.loader import embedded_model_path

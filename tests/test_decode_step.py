@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from direct_driver import DirectDriver
 from test_model_support import save_tiny_tokenizer
 
 from radixserve.layers.gemv import load_gemv_kernel
-from radixserve.model_executor.direct_driver import DirectDriver
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models import decode_step
 from radixserve.server_args import ServerArgs

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from direct_driver import DirectDriver
 from test_model_support import make_tiny_model, one_torch_thread, rel_err
 
 from radixserve.layers import aot_cache
 from radixserve.layers.fused_ops import AddRMSNorm, RotaryKV, SiluAndMul, load_fused_ops
 from radixserve.mem_cache.memory_pool import SLOT_DTYPE
-from radixserve.model_executor.direct_driver import DirectDriver
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 

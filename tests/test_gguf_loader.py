@@ -42,7 +42,8 @@ def tiny_models(tmp_path_factory):
 
 def _forward_logits(model, token_ids: list[int]) -> torch.Tensor:
     """Our model on one prompt without a KV pool: attention over the prompt only (prefix 0)."""
-    from radixserve.model_executor.direct_driver import DirectDriver
+    from direct_driver import DirectDriver
+
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
 

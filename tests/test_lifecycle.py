@@ -42,7 +42,7 @@ class World:
         self.slot_kv: dict[int, tuple] = {}  # slot -> (namespace, tokens up to and including its position)
 
     def check(self) -> dict:
-        report = check_conservation(self.alloc, self.cache, self.pool, self.active)
+        report = check_conservation(self.alloc, self.cache, self.pool, [r.kv for r in self.active])
         for req in self.active:
             row = self.pool.req_to_token[req.kv.req_pool_idx, :req.kv.kv_allocated_len].tolist()
             for pos, slot in enumerate(row):
@@ -69,7 +69,7 @@ class World:
         self.check()
 
     def next_chunk(self, req: Req, chunk: int) -> None:
-        self.kv.cache_unfinished(req, chunked=True)
+        self.kv.cache_unfinished_req(req, chunked=True)
         self.check()
         req.fill_ids = seq(req)[:len(req.fill_ids) + chunk]
         self.extend([req])
@@ -80,7 +80,7 @@ class World:
         if finished:
             self.finish(req)
         else:
-            self.kv.cache_unfinished(req)
+            self.kv.cache_unfinished_req(req)
             self.check()
 
     def launch_decode(self, reqs: list[Req]) -> list[int]:

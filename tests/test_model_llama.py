@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from direct_driver import DirectDriver
 from test_model_support import hf_last_logits, make_tiny_model, one_torch_thread, rel_err
 
 from radixserve.mem_cache.conservation import check_conservation
-from radixserve.model_executor.direct_driver import DirectDriver
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from direct_driver import DirectDriver
 from test_model_support import one_torch_thread
 
 from radixserve.mem_cache.conservation import check_conservation
-from radixserve.model_executor.direct_driver import DirectDriver
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models.loader import embedded_model_path
 from radixserve.server_args import ServerArgs

@@ -88,7 +88,7 @@ def run_scheduler(loaded, work, overlap: bool, device: str = "cpu", **kw):
         nonlocal steps
         steps += 1
         check_conservation(sched.token_to_kv_pool_allocator, sched.tree_cache, sched.req_to_token_pool,
-                           sched.active_requests())
+                           [r.kv for r in sched.active_requests()])
         if steps in aborts:
             sched.input_queue.put(AbortReq(aborts.pop(steps)))
 

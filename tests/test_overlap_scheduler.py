@@ -128,7 +128,7 @@ def make_scheduler(pool_tokens=512, page_size=1, max_running=8, chunk=-1, comput
 
 def conserve(sched: Scheduler) -> None:
     check_conservation(sched.token_to_kv_pool_allocator, sched.tree_cache, sched.req_to_token_pool,
-                       sched.active_requests())
+                       [r.kv for r in sched.active_requests()])
 
 
 def mixed_workload(n: int, seed: int = 0, max_new: int = 24) -> list[tuple[str, list[int], SamplingParams]]:

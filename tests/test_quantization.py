@@ -163,7 +163,8 @@ def test_gguf_tensor_with_a_k_not_divisible_by_32_is_refused():
 # ---- whole (tiny) models ----
 
 def _logits(loaded, prompt: list[int]) -> torch.Tensor:
-    from radixserve.model_executor.direct_driver import DirectDriver
+    from direct_driver import DirectDriver
+
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
 

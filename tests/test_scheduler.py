@@ -47,7 +47,8 @@ class Harness:
 
     def conserve(self) -> None:
         s = self.sched
-        check_conservation(s.token_to_kv_pool_allocator, s.tree_cache, s.req_to_token_pool, s.active_requests())
+        check_conservation(s.token_to_kv_pool_allocator, s.tree_cache, s.req_to_token_pool,
+                           [r.kv for r in s.active_requests()])
 
     def step(self) -> None:
         self.sched.run_step(block_when_idle=False)

@@ -34,7 +34,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 def _conserve(sched: Scheduler) -> None:
     check_conservation(sched.token_to_kv_pool_allocator, sched.tree_cache, sched.req_to_token_pool,
-                       sched.active_requests())
+                       [r.kv for r in sched.active_requests()])
 
 
 def _run_big_after_evictable(loaded, overlap: bool, big_len: int,

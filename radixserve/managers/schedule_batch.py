@@ -65,6 +65,7 @@ class Req:
         self.sampling_params = sampling_params
         self.max_new_tokens = sampling_params.max_new_tokens  # may be clamped to the context at admission
         self.extra_key = extra_key
+        self.priority = 0  # of the tree nodes it publishes (--radix-eviction-policy priority)
         self.stream = stream
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)

@@ -134,7 +134,7 @@ class Scheduler(SchedulerLoopMixin, SchedulerInputProcessorMixin, SchedulerOutpu
                 self.chunked_req = None
                 self.finish_now(chunked, chunked.to_abort)
             else:
-                self.kv_manager.cache_unfinished(chunked, chunked=True)
+                self.kv_manager.cache_unfinished_req(chunked, chunked=True)
         last = self.last_batch
         self.in_flight_prefill = []
         if last is not None and last.forward_mode.is_extend():
@@ -308,7 +308,7 @@ class Scheduler(SchedulerLoopMixin, SchedulerInputProcessorMixin, SchedulerOutpu
 
         try:
             return check_conservation(self.token_to_kv_pool_allocator, self.tree_cache,
-                                      self.req_to_token_pool, self.active_requests())
+                                      self.req_to_token_pool, [r.kv for r in self.active_requests()])
         except ConservationError as e:
             logger.error("KV pool leak detected: %s", e)
             if self.strict_checks if strict is None else strict:

@@ -136,7 +136,7 @@ class SchedulerFailuresMixin:
         from radixserve.mem_cache.conservation import check_conservation
 
         check_conservation(self.token_to_kv_pool_allocator, self.tree_cache, self.req_to_token_pool,
-                           self.active_requests())
+                           [r.kv for r in self.active_requests()])
 
 
 def _stream_failed(pipeline: Any) -> bool:

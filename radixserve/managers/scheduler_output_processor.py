@@ -113,7 +113,7 @@ class SchedulerOutputProcessorMixin:
             if req.finished():
                 self.release_finished_req(req)
             else:
-                self.kv_manager.cache_unfinished(req)
+                self.kv_manager.cache_unfinished_req(req)
         self.stream_output(batch.reqs)
 
     def process_batch_result_decode(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:

@@ -174,7 +174,8 @@ def kv_accounting(scheduler: Any) -> dict[str, Any]:
     pool = scheduler.req_to_token_pool
     active = scheduler.active_requests()
     try:
-        report = check_conservation(scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, pool, active)
+        report = check_conservation(scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, pool,
+                                    [r.kv for r in active])
         holds, error = True, None
     except ConservationError as e:
         report, holds, error = e.report, False, str(e)

@@ -12,9 +12,12 @@ a KV handle `kv` (a `ReqKV`): `Req`, or a `ReqKV` itself.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.kv_manager import ReqKV
 
 
 class ConservationError(AssertionError):
@@ -28,11 +31,10 @@ class ConservationError(AssertionError):
         self.report = report or {}
 
 
-def _unique_active(active_reqs: Sequence[Any]) -> list[Any]:
-    """The KV handles of the requests that hold a row, each once."""
-    seen: dict[int, Any] = {}
-    for req in active_reqs:
-        kv = getattr(req, "kv", req)
+def _unique_active(active: Sequence[ReqKV]) -> list[ReqKV]:
+    """The KV handles that hold a row, each once."""
+    seen: dict[int, ReqKV] = {}
+    for kv in active:
         if kv.req_pool_idx is not None:
             seen.setdefault(id(kv), kv)
     return list(seen.values())
@@ -55,13 +57,15 @@ def _recount_tree(nodes: list[Any], tree_cache: Any) -> None:
 
 
 def check_conservation(allocator: Any, tree_cache: Any, req_to_token_pool: Any,
-                       active_reqs: Sequence[Any] = ()) -> dict[str, int]:
+                       active: Sequence[ReqKV] = ()) -> dict[str, int]:
     """Check the identity and single ownership; returns the terms, raises ConservationError otherwise.
+
+    `active`: the KV handles (`req.kv`) of the requests that may hold KV.
 
     With no active requests it also requires every request row free and no tree lock held.
     """
     ps = allocator.page_size
-    reqs = _unique_active(active_reqs)
+    reqs = _unique_active(active)
     nodes = _tree_nodes(tree_cache)
     if tree_cache is not None and not tree_cache.disable:
         _recount_tree(nodes, tree_cache)

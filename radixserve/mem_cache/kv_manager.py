@@ -9,6 +9,10 @@ A request's KV goes through: `match_prefix` (waiting: an unlocked match) → `lo
 `alloc_extend` (a row, the matched slots and new ones written into it) → `commit` (a forward's
 result was processed) → `cache_unfinished` (computed tokens published, still locked) →
 `alloc_decode` … → `release` (finished: handed to the tree; retracted or aborted: freed).
+
+Every change of who owns a request's slots is in this file: the tree (`RadixCache`) takes keys and
+slots only, and `cache_unfinished_req` / `cache_finished_req` (SGLang's names, on its RadixCache) are
+here, where the request's row is. What the manager reads of a request is `KVRequest`.
 """
 
 from __future__ import annotations
@@ -16,11 +20,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from radixserve.mem_cache.radix_key import RadixKey
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+    from radixserve.mem_cache.memory_pool import ReqToTokenPool
+    from radixserve.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode
 
 
 @dataclass(eq=False)
@@ -35,7 +44,7 @@ class ReqKV:
     """
 
     req_pool_idx: int | None = None
-    last_node: Any = None
+    last_node: TreeNode | None = None
     locked: bool = False
     cache_protected_len: int = 0
     kv_committed_len: int = 0
@@ -50,6 +59,20 @@ class ReqKV:
         return self.kv_allocated_len if self.req_pool_idx is not None else self.cache_protected_len
 
 
+class KVRequest(Protocol):
+    """What the KV manager reads of a request (`Req` is one); it writes only `kv`."""
+
+    kv: ReqKV
+    origin_input_ids: Sequence[int]
+    output_ids: Sequence[int]
+    fill_ids: Sequence[int]  # the tokens this round computes: matched and published as a prefix
+    extra_key: Any  # the cache namespace (RadixKey.extra_key)
+    priority: int  # of the tree nodes it publishes (the priority eviction policy)
+
+    @property
+    def prefix_match_limit(self) -> int: ...
+
+
 class KVManager:
     """The tree, the allocator and `req_to_token` behind one object; the only writer of `ReqKV`.
 
@@ -57,7 +80,8 @@ class KVManager:
     cache operations.
     """
 
-    def __init__(self, req_to_token_pool: Any, allocator: Any, tree_cache: Any, stats: Any = None) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree_cache: RadixCache,
+                 stats: Any = None) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
@@ -78,7 +102,7 @@ class KVManager:
         return self.stats.timing("cache_ops_s") if self.stats is not None else nullcontext()
 
     # ---- before a row: match and lock -----------------------------------------------------------
-    def match_prefix(self, req: Any) -> int:
+    def match_prefix(self, req: KVRequest) -> int:
         """Match the cacheable head of `req.fill_ids` (see Req.prefix_match_limit); locks nothing.
 
         The match is remembered on the handle and replaced by the next one; returns its length."""
@@ -89,13 +113,13 @@ class KVManager:
         kv.cache_protected_len = len(match.device_indices)
         return kv.cache_protected_len
 
-    def forget_match(self, req: Any) -> None:
+    def forget_match(self, req: KVRequest) -> None:
         """Drop a waiting request's unlocked match (after the tree was flushed)."""
         kv = req.kv
         assert not kv.locked and kv.req_pool_idx is None
         kv.prefix_indices, kv.last_node, kv.cache_protected_len = None, None, 0
 
-    def lock(self, req: Any) -> None:
+    def lock(self, req: KVRequest) -> None:
         """Keep the matched prefix from eviction until the request releases its KV."""
         kv = req.kv
         assert not kv.locked
@@ -103,7 +127,7 @@ class KVManager:
         kv.locked = True
 
     @contextmanager
-    def locked_while(self, req: Any) -> Iterator[None]:
+    def locked_while(self, req: KVRequest) -> Iterator[None]:
         """Lock the match only for the block: its evictable tokens count as protected meanwhile."""
         node = req.kv.last_node
         self.tree_cache.inc_lock_ref(node)
@@ -124,7 +148,7 @@ class KVManager:
             self.stats.evicted_tokens += evicted
         return evicted
 
-    def alloc_extend(self, reqs: Sequence[Any], seq_lens: Sequence[int]) -> torch.Tensor:
+    def alloc_extend(self, reqs: Sequence[KVRequest], seq_lens: Sequence[int]) -> torch.Tensor:
         """Give each request a row (if it has none) and slots for positions [prefix_len, seq_len).
 
         The row gets the matched prefix's slots, then the new ones; returns the new slots of all
@@ -178,7 +202,7 @@ class KVManager:
             return int(kv.prefix_indices[position])
         return int(self.req_to_token_pool.req_to_token[kv.req_pool_idx, position])
 
-    def alloc_decode(self, reqs: Sequence[Any]) -> torch.Tensor:
+    def alloc_decode(self, reqs: Sequence[KVRequest]) -> torch.Tensor:
         """One slot per request, for the token it feeds next, at row position `kv_allocated_len`."""
         kvs = [r.kv for r in reqs]
         positions = [kv.kv_allocated_len for kv in kvs]
@@ -197,13 +221,13 @@ class KVManager:
             kv.kv_allocated_len += 1
         return out
 
-    def decode_slots_needed(self, reqs: Sequence[Any]) -> int:
+    def decode_slots_needed(self, reqs: Sequence[KVRequest]) -> int:
         """Free slots the next decode step takes: one per request, or a page per request at a page start."""
         if self.page_size == 1:
             return len(reqs)
         return self.page_size * sum(1 for r in reqs if r.kv.kv_allocated_len % self.page_size == 0)
 
-    def can_decode(self, reqs: Sequence[Any]) -> bool:
+    def can_decode(self, reqs: Sequence[KVRequest]) -> bool:
         """Evict the shortfall, then say whether the next decode step of `reqs` fits."""
         needed = self.decode_slots_needed(reqs)
         self.evict(needed)
@@ -214,30 +238,74 @@ class KVManager:
                             f"({self.tree_cache.available_and_evictable_str()}); the admission budget was wrong")
 
     # ---- after a forward ------------------------------------------------------------------------
-    def commit(self, req: Any, computed_len: int) -> None:
+    def commit(self, req: KVRequest, computed_len: int) -> None:
         """A forward that wrote KV up to `computed_len` has had its result processed."""
         req.kv.kv_committed_len = computed_len
 
-    def cache_unfinished(self, req: Any, chunked: bool = False) -> None:
-        """Publish the request's computed tokens in the tree (deduplicated), keeping them locked."""
+    def cache_unfinished_req(self, req: KVRequest, chunked: bool = False) -> None:
+        """Publish a running request's computed tokens (`fill_ids`) in the tree, keeping them locked.
+
+        Inserts the page-aligned prefix, frees the request's duplicates `[cache_protected_len, prefix_len)`
+        (the tree held those tokens already), points the row at the tree's slots, locks the new last node
+        and unlocks the old one. With the cache disabled nothing is published."""
+        tree = self.tree_cache
+        if tree.disable:
+            return
         kv = req.kv
         with self.timing():
-            match = self.tree_cache.cache_unfinished_req(req, chunked=chunked)
-            if match is None:
-                return
-            # NOTE: the tree just freed this row's duplicates; the row must name the tree's slots before
-            # anything is allocated again, or a live row would reference a free slot.
-            cpl, key_len = kv.cache_protected_len, len(match.device_indices)
-            self.req_to_token_pool.req_to_token[kv.req_pool_idx, cpl:key_len] = match.device_indices[cpl:]
-            kv.cache_protected_len, kv.last_node, kv.locked = key_len, match.last_node, True
+            row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+            key = tree.key_of(req.fill_ids, req.extra_key)
+            prefix_len = tree.insert(key, row[: len(key)], req.priority, chunked=chunked)
+            _check_protected_prefix(kv, prefix_len)
+            self._free_row(row, [(kv.cache_protected_len, prefix_len)])
+            match = self._rematch(key)
+            # NOTE: the row must name the tree's slots before anything is allocated again, or a live row
+            # would reference the duplicates just freed.
+            row[kv.cache_protected_len: len(key)] = match.device_indices[kv.cache_protected_len:]
+            tree.inc_lock_ref(match.last_node)
+            if kv.locked:
+                tree.dec_lock_ref(kv.last_node)
+            kv.cache_protected_len, kv.last_node, kv.locked = len(key), match.last_node, True
 
-    def release(self, req: Any, insert: bool) -> None:
+    def _rematch(self, key: RadixKey) -> MatchResult:
+        match = self.tree_cache.match_prefix(key)
+        if len(match.device_indices) != len(key):
+            raise RuntimeError(f"re-match found {len(match.device_indices)} of {len(key)} just-inserted tokens")
+        return match
+
+    def cache_finished_req(self, req: KVRequest, is_insert: bool = True) -> None:
+        """Hand a finished request's KV to the tree (with is_insert=False, a retracted or aborted one's: none).
+
+        Inserts the page-aligned first `kv_committed_len` tokens, frees the request's duplicates
+        `[cache_protected_len, prefix_len)` and everything else it holds privately (the unaligned tail and
+        any slot allocated beyond the committed tokens), and unlocks; then frees the row."""
+        kv, tree = req.kv, self.tree_cache
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
+        cpl, allocated = kv.cache_protected_len, kv.kv_allocated_len
+        # NOTE: [0, cpl) are tree slots the request only referenced; they stay.
+        to_free = [(cpl, allocated)]
+        if is_insert and not tree.disable:
+            key = tree.key_of(_prefix_of(req.origin_input_ids, req.output_ids, kv.kv_committed_len), req.extra_key)
+            prefix_len = tree.insert(key, row[: len(key)], req.priority)
+            _check_protected_prefix(kv, prefix_len)
+            to_free = [(cpl, prefix_len), (len(key), allocated)]  # [prefix_len, len(key)) went to the tree
+        self._free_row(row, to_free)
+        if kv.locked:
+            tree.dec_lock_ref(kv.last_node)
+        self.req_to_token_pool.free(kv.req_pool_idx)
+
+    def _free_row(self, row: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+        """Free the slots at these row positions in one call, so that each page is freed once."""
+        pieces = [row[lo:hi] for lo, hi in ranges if hi > lo]
+        if pieces:
+            self.allocator.free(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
+
+    def release(self, req: KVRequest, insert: bool) -> None:
         """Give up all of the request's KV: hand it to the tree (finished) or free it (retracted, aborted)."""
         kv = req.kv
         with self.timing():
             if kv.req_pool_idx is not None:
-                self.tree_cache.cache_finished_req(req, is_insert=insert)
-                self.req_to_token_pool.free(kv.req_pool_idx)
+                self.cache_finished_req(req, is_insert=insert)
             elif kv.locked:
                 self.tree_cache.dec_lock_ref(kv.last_node)
         req.kv = ReqKV()
@@ -247,6 +315,19 @@ class KVManager:
         freed = self.tree_cache.evict(self.tree_cache.evictable_size())
         self.tree_cache.reset()
         return freed
+
+
+def _check_protected_prefix(kv: ReqKV, prefix_len: int) -> None:
+    if prefix_len < kv.cache_protected_len:
+        raise RuntimeError(f"request's protected prefix ({kv.cache_protected_len} tokens) is no longer in the tree "
+                           f"(found {prefix_len}); was the cache reset while it ran?")
+
+
+def _prefix_of(origin: Sequence[int], output: Sequence[int], length: int) -> Sequence[int]:
+    """(origin + output)[:length], without a list copy when both are array('q')."""
+    if type(origin) is type(output):
+        return (origin + output)[:length]  # type: ignore[operator]
+    return (list(origin) + list(output))[:length]
 
 
 def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,10 @@
 
 Ownership: a KV slot is either free (in the allocator), owned by the tree (in exactly one node's
 `value`), or private to one request (row positions `[cache_protected_len, kv_allocated_len)` of its
-`req_to_token` row). The tree frees a slot only when it evicts the node holding it, or when a
-request hands it KV the tree already holds (a duplicate); a request frees only its private positions.
-`cache_finished_req` / `cache_unfinished_req` read a request's KV handle (`req.kv`, see
-`kv_manager.py`) and change only the tree and the allocator: `KVManager`, their only caller in the
-server, writes the request's row and handle.
+`req_to_token` row). The tree frees a slot only when it evicts the node holding it. It knows keys and slots, not requests:
+`insert` returns how much of a key it already held (the caller frees its duplicates), and the request
+side of SGLang's `cache_finished_req` / `cache_unfinished_req` (which row positions to free, lock moves)
+is `KVManager`'s (`kv_manager.py`), so every change of a request's slot ownership is in that one file.
 """
 
 from __future__ import annotations
@@ -380,74 +379,13 @@ class RadixCache:
         node.parent = None
         self._update_leaf_status(parent)
 
-    # ------------------------------------------------------------------ requests
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
-        """Take a finished request's KV (with is_insert=False, a retracted or aborted one's: none of it).
+    # ------------------------------------------------------------------ keys of requests
+    def key_of(self, tokens: Any, extra_key: Any) -> RadixKey:
+        """The page-aligned key under which a request's tokens are published (bigram view with `is_eagle`).
 
-        Inserts the page-aligned first `kv_committed_len` tokens, frees the request's duplicates
-        `[cache_protected_len, prefix_len)` and everything else it holds privately (the unaligned tail
-        and any slot allocated beyond the committed tokens), and releases its lock. It reads the
-        request; the caller frees the request's row and clears its handle.
-        """
-        kv = req.kv
-        row = self._pools()[0].req_to_token[kv.req_pool_idx]
-        cpl, allocated = kv.cache_protected_len, kv.kv_allocated_len
-        # NOTE: [0, cpl) are tree slots the request only referenced; they stay.
-        to_free = [(cpl, allocated)]
-        if is_insert and not self.disable:
-            key = RadixKey(_prefix_of(req.origin_input_ids, req.output_ids, kv.kv_committed_len), req.extra_key,
-                           self.is_eagle).page_aligned(self.page_size)
-            prefix_len = self.insert(key, row[: len(key)], getattr(req, "priority", 0) or 0)
-            self._check_protected_prefix(kv, prefix_len)
-            to_free = [(cpl, prefix_len), (len(key), allocated)]  # [prefix_len, len(key)) went to the tree
-        self._free_ranges(row, to_free)
-        if kv.locked:
-            self.dec_lock_ref(kv.last_node)
-
-    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> MatchResult | None:
-        """Publish a running request's computed tokens (`fill_ids`) mid-flight, keeping them locked.
-
-        Inserts the page-aligned prefix, frees the request's duplicates `[cache_protected_len,
-        prefix_len)`, locks the new last node and unlocks the old one. Returns the tree's slots for the
-        whole aligned prefix and its last node, which the caller must write into the request's row
-        before any slot is allocated again (the row still names the freed duplicates). None when the
-        cache is disabled: nothing is published and the request keeps its row as its prefix.
-        """
-        if self.disable:
-            return None
-        kv = req.kv
-        row = self._pools()[0].req_to_token[kv.req_pool_idx]
-        cpl = kv.cache_protected_len
-        key = RadixKey(req.fill_ids, req.extra_key, self.is_eagle).page_aligned(self.page_size)
-        prefix_len = self.insert(key, row[: len(key)], getattr(req, "priority", 0) or 0, chunked=chunked)
-        self._check_protected_prefix(kv, prefix_len)
-        self._free_ranges(row, [(cpl, prefix_len)])
-        match = self.match_prefix(key)
-        if len(match.device_indices) != len(key):
-            raise RuntimeError(f"re-match found {len(match.device_indices)} of {len(key)} just-inserted tokens")
-        self.inc_lock_ref(match.last_node)
-        if kv.locked:
-            self.dec_lock_ref(kv.last_node)
-        return match
-
-    def _free_ranges(self, row: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
-        """Free the slots at these row positions in one call, so that each page is freed once."""
-        pieces = [row[lo:hi] for lo, hi in ranges if hi > lo]
-        if pieces:
-            self._pools()[1].free(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
-
-    def _pools(self) -> tuple[Any, Any]:
-        if self.req_to_token_pool is None or self.token_to_kv_pool_allocator is None:
-            raise RuntimeError("this RadixCache has no pools; request caching needs both")
-        return self.req_to_token_pool, self.token_to_kv_pool_allocator
-
-    @staticmethod
-    def _check_protected_prefix(kv: Any, prefix_len: int) -> None:
-        if prefix_len < kv.cache_protected_len:
-            raise RuntimeError(
-                f"request's protected prefix ({kv.cache_protected_len} tokens) is no longer in the tree "
-                f"(found {prefix_len}); was the cache reset while it ran?"
-            )
+        NOTE: SGLang's cache_finished_req / cache_unfinished_req are KVManager's here: they decide which
+        of a request's slots to free, so the tree only takes keys and slots (insert, match_prefix, locks)."""
+        return RadixKey(tokens, extra_key, self.is_eagle).page_aligned(self.page_size)
 
     # ------------------------------------------------------------------ debug
     def pretty_print(self, max_tokens: int | None = 10, tokenizer: Any = None, reveal_namespace: bool = False,
@@ -482,10 +420,3 @@ class RadixCache:
         alloc = self.token_to_kv_pool_allocator
         available = alloc.available_size() if alloc is not None else 0
         return f"available={available}, evictable={self.evictable_size_}, protected={self.protected_size_}"
-
-
-def _prefix_of(origin: Any, output: Any, length: int) -> Any:
-    """(origin + output)[:length], without a list copy when both are array('q')."""
-    if type(origin) is type(output):
-        return (origin + output)[:length]
-    return (list(origin) + list(output))[:length]
