@@ -201,8 +201,9 @@ def test_detection_thresholds_and_flag():
     fb.extend_prefix_lens_cpu = [39, 50]  # P is capped by the shortest cached prefix: queries see all of it
     assert cascade.plan_extend(fb, policy()) is None
     assert cascade.plan_extend(fb, policy(min_prefix=8)).prefix_slots.shape == (39,)
-    flagged = TorchAttnBackend(SimpleNamespace(server_args=ServerArgs(disable_cascade_attention=True)))
-    default = TorchAttnBackend(SimpleNamespace(server_args=ServerArgs()))
+    flagged = create_attention_backend("torch", torch.device("cpu"),
+                                       cascade=not ServerArgs(disable_cascade_attention=True).disable_cascade_attention)
+    default = TorchAttnBackend()
     assert flagged.cascade is None and default.cascade == cascade.CascadePolicy()
     own = [3, 5, 1, 2] * (default.cascade.min_decode_batch // 4)
     long_prefix = _decode_batch(default.cascade.min_prefix + 10, own, 1, 2, 16, torch.float32)[3]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,7 +70,7 @@ def _decode_batch(seq_lens, kv_heads, heads, dtype=torch.float32, dim=DIM):
 def test_decode_paths_match_reference(kv_heads, heads):
     seq_lens = [1, 37, 9, 70]
     q, k_new, v_new, fb, ref = _decode_batch(seq_lens, kv_heads, heads)
-    backend = TorchAttnBackend(None)
+    backend = TorchAttnBackend()
     backend.init_forward_metadata(fb)
     layer = RadixAttention(0, heads, kv_heads, DIM, DIM**-0.5)
     got = backend.forward(q, k_new, v_new, layer, fb).view(len(seq_lens), heads, DIM)
@@ -92,7 +91,7 @@ def test_native_decode_kernel_matches_reference(isa, dtype, atol, kv_heads, head
     select_everything(monkeypatch)
     seq_lens = [3, 130, 64, 65, 1]  # across and exactly at the kernel's 64-token chunks
     q, k_new, v_new, fb, ref = _decode_batch(seq_lens, kv_heads, heads, dtype, dim)
-    backend = create_attention_backend("cpu", SimpleNamespace(device=torch.device("cpu")))
+    backend = create_attention_backend("cpu", torch.device("cpu"))
     assert backend.decode_kernel is not None and backend.decode_kernel.isa == isa
     backend.init_forward_metadata(fb)
     got = backend.forward(q, k_new, v_new, RadixAttention(0, heads, kv_heads, dim, dim**-0.5), fb)
@@ -126,7 +125,7 @@ def test_extend_with_and_without_prefix_matches_reference():
     k_new, v_new = pool.k_buffer[0][locs].clone(), pool.v_buffer[0][locs].clone()
     fb = ForwardBatch.for_extend([5] * len(locs), rows, prefix_lens, extend_lens, locs, "cpu")
     fb.req_to_token_pool, fb.token_to_kv_pool = table, pool
-    backend = TorchAttnBackend(None)
+    backend = TorchAttnBackend()
     backend.init_forward_metadata(fb)
     got = backend.forward(q, k_new, v_new, RadixAttention(0, heads, kv_heads, DIM, DIM**-0.5), fb)
     got = got.view(-1, heads, DIM).double()
@@ -140,6 +139,7 @@ def test_extend_with_and_without_prefix_matches_reference():
 def test_registry():
     assert {"auto", "torch", "cpu"} <= set(attention_backend_names())
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
-        create_attention_backend("flash", None)
-    cuda_like = SimpleNamespace(device=torch.device("meta"))
-    assert type(create_attention_backend("auto", cuda_like)) is TorchAttnBackend
+        create_attention_backend("flash", torch.device("cpu"))
+    assert type(create_attention_backend("auto", torch.device("meta"))) is TorchAttnBackend
+    assert create_attention_backend("torch", torch.device("cpu")).cascade is not None
+    assert create_attention_backend("torch", torch.device("cpu"), cascade=False).cascade is None

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from radixserve.managers.schedule_batch import ScheduleBatch
+    from radixserve.managers.scheduler_runner import SchedulerRunner
     from radixserve.model_executor.forward_batch import ForwardBatch
 
 
@@ -82,7 +83,7 @@ class PipelineCounters:
 class ForwardPipeline:
     """Streams, the future-token relay and the batches in flight of one event loop."""
 
-    def __init__(self, runner: Any, streams: DeviceStreams, lag: int, debug: OverlapDebug,
+    def __init__(self, runner: SchedulerRunner, streams: DeviceStreams, lag: int, debug: OverlapDebug,
                  counters: PipelineCounters) -> None:
         self.runner = runner
         self.streams = streams

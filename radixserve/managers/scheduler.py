@@ -32,6 +32,7 @@ from radixserve.managers.scheduler_input_processor import SchedulerInputProcesso
 from radixserve.managers.scheduler_loop import SchedulerLoopMixin
 from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, prefill_log_line
 from radixserve.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from radixserve.managers.scheduler_runner import SchedulerRunner
 from radixserve.mem_cache.kv_manager import KVManager
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.server_args import ServerArgs
@@ -43,7 +44,7 @@ class Scheduler(SchedulerLoopMixin, SchedulerInputProcessorMixin, SchedulerOutpu
                 SchedulerFailuresMixin):
     """Owns the waiting queue, the running batch, the KV manager and the model runner."""
 
-    def __init__(self, server_args: ServerArgs, model_runner: Any = None,
+    def __init__(self, server_args: ServerArgs, model_runner: SchedulerRunner | None = None,
                  output_sink: Callable[[Any], None] | None = None) -> None:
         if model_runner is None:
             from radixserve.model_executor.model_runner import ModelRunner
@@ -51,7 +52,7 @@ class Scheduler(SchedulerLoopMixin, SchedulerInputProcessorMixin, SchedulerOutpu
             model_runner = ModelRunner(server_args)
         self.server_args = server_args
         self.model_runner = model_runner
-        self.tokenizer = getattr(model_runner, "tokenizer", None)
+        self.tokenizer = model_runner.tokenizer
         self.device = model_runner.device
         self.page_size = model_runner.page_size
         self.context_len = model_runner.context_len

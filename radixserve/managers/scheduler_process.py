@@ -20,9 +20,12 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from radixserve.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -186,11 +189,10 @@ def kv_accounting(scheduler: Any) -> dict[str, Any]:
             "req_rows_in_use": pool.size - pool.available_size(), "idle": scheduler.is_idle()}
 
 
-def _info_from_runner(server_args: ServerArgs, runner: Any) -> SchedulerInfo:
+def _info_from_runner(server_args: ServerArgs, runner: ModelRunner) -> SchedulerInfo:
     config = runner.model_config
-    loaded_name = getattr(getattr(runner, "loaded", None), "name", None)
-    name = server_args.served_model_name or loaded_name or _name_from_path(server_args.model_path)
-    eos = getattr(config, "eos_token_ids", None) or ()
+    name = server_args.served_model_name or runner.loaded.name or _name_from_path(server_args.model_path)
+    eos = config.eos_token_ids or ()
     return SchedulerInfo(
         model_name=str(name),
         tokenizer=runner.tokenizer,
@@ -203,7 +205,7 @@ def _info_from_runner(server_args: ServerArgs, runner: Any) -> SchedulerInfo:
         dtype=str(runner.dtype).replace("torch.", ""),
         device=str(runner.device),
         pid=os.getpid(),
-        platform=runner.platform_info() if hasattr(runner, "platform_info") else {},
+        platform=runner.platform_info(),
     )
 
 

@@ -83,7 +83,8 @@ class ModelRunner:
         self.max_running_requests = server_args.max_running_requests or min(
             MAX_RUNNING_REQUESTS_CAP, max(1, self.max_total_num_tokens // TOKENS_PER_RUNNING_REQUEST))
         self._init_pools()
-        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self.device,
+                                                     cascade=not server_args.disable_cascade_attention)
         self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
         self._log_startup()
 

@@ -6,6 +6,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from radixserve.layers.attention.base import AttentionBackend
 
 _BACKENDS: dict[str, str] = {
@@ -24,12 +26,13 @@ def attention_backend_names() -> list[str]:
     return [AUTO, *sorted(_BACKENDS)]
 
 
-def create_attention_backend(name: str, runner: object) -> AttentionBackend:
-    """Builds the backend for a ModelRunner (it reads the runner's pools, dtype and device)."""
+def create_attention_backend(name: str, device: torch.device, cascade: bool = True) -> AttentionBackend:
+    """Builds the named backend (auto: the C kernels on a CPU, torch elsewhere); `cascade`: may split attention
+    over a prefix the whole batch shares (off with --disable-cascade-attention)."""
     if name == AUTO:
-        name = "cpu" if getattr(runner, "device", None) is not None and runner.device.type == "cpu" else "torch"
+        name = "cpu" if device.type == "cpu" else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(attention_backend_names())}")
     module_name, class_name = _BACKENDS[name].split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
-    return backend_cls(runner)
+    return backend_cls(use_cascade=cascade)

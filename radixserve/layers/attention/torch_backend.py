@@ -81,7 +81,7 @@ EXTEND_KERNEL_MAX_NEW_TOKENS = 512
 
 
 class TorchAttnBackend(AttentionBackend):
-    def __init__(self, runner: object) -> None:
+    def __init__(self, use_cascade: bool = True) -> None:
         self.decode_meta: DecodeMetadata | None = None
         self.extend_meta: ExtendMetadata | None = None
         self.cascade_decode_meta: cascade.CascadeDecodeMetadata | None = None
@@ -89,10 +89,8 @@ class TorchAttnBackend(AttentionBackend):
         self.decode_kernel = None  # set by CpuAttnBackend
         self.extend_kernel: DecodeKernel | None = None  # set by CpuAttnBackend unless switched off
         self.amx_extend: AmxExtendKernel | None = None  # bf16 extend on AMX tiles (CpuAttnBackend, AMX CPUs)
-        args = getattr(runner, "server_args", None)
         # None: cascade attention off (--disable-cascade-attention)
-        self.cascade: cascade.CascadePolicy | None = (
-            None if getattr(args, "disable_cascade_attention", False) else cascade.CascadePolicy())
+        self.cascade: cascade.CascadePolicy | None = cascade.CascadePolicy() if use_cascade else None
         self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention
         self.extend_kernel_fits = False  # this extend batch is short enough for the C kernel
 
@@ -186,11 +184,11 @@ class CpuAttnBackend(TorchAttnBackend):
     pool in place, at the kernel level of `platform.kernel_isa()`; each kernel only where `native.SELECTED`
     says it beat torch's op on that level (else that part stays on torch)."""
 
-    def __init__(self, runner: object) -> None:
+    def __init__(self, use_cascade: bool = True) -> None:
         from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
         from radixserve.layers.attention.native import load_decode_kernel
 
-        super().__init__(runner)
+        super().__init__(use_cascade)
         self.decode_kernel = load_decode_kernel()
         self.extend_kernel = self.decode_kernel if prefill_kernel_enabled() else None
         self.amx_extend = load_amx_extend_kernel() if prefill_kernel_enabled() else None
