@@ -320,7 +320,7 @@ def launch_server(server_args: ServerArgs, config: FrontendConfig | None = None)
     def stop(reason: str) -> None:
         server.should_exit = True
 
-    tm.on_fatal = stop
+    tm.supervisor.on_fatal = stop
     try:
         server.run()
     finally:

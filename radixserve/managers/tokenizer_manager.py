@@ -10,7 +10,8 @@ backpressure instead (`SchedulerBusy`, HTTP 503 with Retry-After).
 Liveness: a watchdog probes the scheduler with `GetInternalStateReq`. If the process dies, every
 request in flight fails with `SchedulerUnavailable` (HTTP 503) and the scheduler is restarted with
 fresh pools (requests arriving meanwhile wait for it), within a restart budget; once it is spent the
-server is told to exit (`on_fatal`). `health()` says which of these states it is in.
+server is told to exit (`supervisor.on_fatal`). `health()` says which of these states it is in. That
+watch is a part of its own (scheduler_supervisor.py); the request and output types are frontend_io.py's.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 from radixserve.managers.fair_admission import FairAdmission, Ticket
 from radixserve.managers.fair_work import FairWork, FrontendBusy
+from radixserve.managers.frontend_io import FrontendConfig, GenerateOutput, GenerateReq, TopLogprobs
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -38,86 +40,21 @@ from radixserve.managers.io_struct import (
     LogprobSpec,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.request_bounds import RequestBounds
 from radixserve.managers.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
-from radixserve.managers.scheduler_process import RestartBudget, SchedulerInfo
-from radixserve.managers.scheduler_supervisor import Launcher, SchedulerSupervisorMixin
+from radixserve.managers.scheduler_process import SchedulerInfo
+from radixserve.managers.scheduler_supervisor import Launcher, SchedulerSupervisor
 from radixserve.managers.tenant_namespace import api_key_id, cache_namespace, namespace_owner
 from radixserve.managers.text_stream import IncrementalDetokenizer, max_prompt_chars
 from radixserve.managers.tokenizer_metrics import ServerMetrics
-from radixserve.sampling_params import SamplingParams
-from radixserve.server_args import FRONTEND_LIMITS, REQUEST_BOUNDS, ServerArgs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FrontendBusy", "GenerateOutput", "GenerateReq", "SchedulerBusy", "SchedulerUnavailable", "TokenizerManager",
-           "api_key_id", "cache_namespace", "namespace_owner"]
-
-
-@dataclass(frozen=True)
-class FrontendConfig:
-    """HTTP-side knobs: the HTTP-only flags, and the limits of ServerArgs the HTTP process applies."""
-
-    max_body_bytes: int = 4 * 1024 * 1024
-    health_timeout_s: float = 30.0  # /health fails when the scheduler has been silent this long
-    heartbeat_interval_s: float = 1.0
-    control_timeout_s: float = 30.0  # flush_cache, get_server_info, health_generate
-    max_scheduler_restarts: int = 3  # within restart_window_s; one more death and the server exits
-    restart_window_s: float = 600.0
-    restart_wait_s: float = 120.0  # a request arriving during a restart waits this long for it
-    # The limits of ServerArgs that the HTTP process applies (server_args.FRONTEND_LIMITS), same defaults.
-    max_request_fanout: int = ServerArgs.max_request_fanout  # prompts x n of one request
-    max_queued_requests: int = ServerArgs.max_queued_requests  # tickets waiting here or in the scheduler
-    fair_share_slice: int = ServerArgs.fair_share_slice  # tickets of one request queued in the scheduler at a time
-    frontend_workers: int = ServerArgs.frontend_workers  # parser processes, render threads (fair_work)
-    max_frontend_queue: int = ServerArgs.max_frontend_queue  # jobs waiting for a front-end thread; more: 503
-    keyless_rate_limit: float = ServerArgs.keyless_rate_limit  # keyless /health_generate, /get_load per second
-    bounds: RequestBounds = RequestBounds()  # per-request size bounds (request_bounds.py)
-
-    @classmethod
-    def from_server_args(cls, server_args: Any, **http_flags: Any) -> FrontendConfig:
-        """The HTTP-only flags plus the limits of `ServerArgs` the HTTP process applies."""
-        limits = {name: getattr(server_args, name) for name in FRONTEND_LIMITS}
-        bounds = RequestBounds(**{name: getattr(server_args, name) for name in REQUEST_BOUNDS})
-        return cls(**limits, bounds=bounds, **http_flags)
+__all__ = ["FrontendBusy", "FrontendConfig", "GenerateOutput", "GenerateReq", "SchedulerBusy", "SchedulerUnavailable",
+           "TokenizerManager", "TopLogprobs", "api_key_id", "cache_namespace", "namespace_owner"]
 
 
 # NOTE: what the parser processes need (http_errors.decode_body and the request models), imported at start.
 _PARSER_MODULES = ("radixserve.entrypoints.http_errors", "radixserve.entrypoints.openai_protocol")
-
-TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of one position's alternatives, most likely first
-
-
-@dataclass
-class GenerateReq:
-    input_ids: list[int]
-    sampling_params: SamplingParams
-    extra_key: Any = None
-    return_logprob: bool = False
-    top_logprobs_num: int = 0  # with return_logprob: alternatives per token, at most MAX_TOP_LOGPROBS
-    logprob_start_len: int = -1  # with return_logprob: also score the prompt from this position (-1: no)
-    client_rid: str | None = None  # the client's name for it (SGLang's rid), for /abort_request
-    group: Any = None  # the HTTP request it belongs to (fair admission); None: its own
-
-
-@dataclass
-class GenerateOutput:
-    rid: str
-    text_delta: str
-    token_ids: list[int]  # new token ids of this step
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    finish_message: str | None
-    finish_status: int | None  # an abort's HTTP-like status from the scheduler (400, 499, 500)
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    # With return_logprob: one entry per token of `token_ids` (a matched stop token included).
-    logprobs: list[float] | None = None
-    top_logprobs: list[TopLogprobs] | None = None
-    # With logprob_start_len >= 0, in one output only (the first after the prompt was computed): one
-    # entry per prompt position from logprob_start_len on (None and [] at position 0); else None.
-    input_logprobs: list[float | None] | None = None
-    input_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass
@@ -138,7 +75,10 @@ class _ReqState:
     owner: str | None = None
 
 
-class TokenizerManager(SchedulerSupervisorMixin):
+class TokenizerManager:
+    """The scheduler's client on the HTTP side: requests in (fair admission), outputs out (detokenized),
+    control messages and their replies; its `supervisor` watches the scheduler process."""
+
     def __init__(self, info: SchedulerInfo, link: SchedulerLink, process: Any = None,
                  config: FrontendConfig | None = None, launcher: Launcher | None = None) -> None:
         self.info = info
@@ -148,21 +88,12 @@ class TokenizerManager(SchedulerSupervisorMixin):
         self.metrics = ServerMetrics(lambda: self.scheduler_state, lambda: self.health()[0])
         self.scheduler_state: dict[str, Any] = {}
         self.admission = FairAdmission(info.max_running_requests, self.config.fair_share_slice)
-        self.on_fatal: Callable[[str], None] | None = None  # the server exits when this is called
-        self.fatal: str | None = None
+        self.supervisor = SchedulerSupervisor(self, self.config, launcher)
         self._link = link
-        self._launcher = launcher
-        self._budget = RestartBudget(self.config.max_scheduler_restarts, self.config.restart_window_s)
         self._states: dict[str, _ReqState] = {}
         self._flush_waiters: deque[asyncio.Future] = deque()
         self._state_waiters: deque[asyncio.Future] = deque()
         self._reply_waiters: dict[type, deque[asyncio.Future]] = {}  # request_reply, by reply type
-        self._dead: str | None = None
-        self._restart_task: asyncio.Task | None = None
-        self._ready: asyncio.Event | None = None
-        self._last_alive = time.monotonic()
-        self._probe_pending = False
-        self._tasks: list[asyncio.Task] = []
         self._handle_task: asyncio.Task | None = None
         # NOTE: tokenizing, detokenizing and the other CPU work have threads of their own, so requests in are
         # never queued behind outputs out; the tokenizer and detokenizer threads have one tokenizer copy each
@@ -179,19 +110,12 @@ class TokenizerManager(SchedulerSupervisorMixin):
     async def start(self) -> None:
         """Returns once the scheduler is connected, so the first request can be sent at once."""
         await asyncio.gather(self._link.wait_connected(), self.parse_work.warm(*_PARSER_MODULES))
-        self._last_alive = time.monotonic()
-        self._ready = asyncio.Event()
-        self._ready.set()
         self._handle_task = asyncio.create_task(self._handle_loop(self._link))
-        self._tasks = [asyncio.create_task(self._watchdog_loop()), asyncio.create_task(self._outbox_loop())]
+        self.supervisor.start()
 
     async def shutdown(self) -> None:
-        tasks = [*self._tasks, self._handle_task, self._restart_task]
-        for task in tasks:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in tasks if t is not None), return_exceptions=True)
-        self._link.close()
+        await self.supervisor.stop()
+        await self.detach()
         self.parse_work.shutdown()
         self.cpu_work.shutdown()
         self.tokenize_work.shutdown()
@@ -216,6 +140,47 @@ class TokenizerManager(SchedulerSupervisorMixin):
     @property
     def link(self) -> SchedulerLink:
         return self._link
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, why): the scheduler is serving, or stuck, restarting, dead, or the server is exiting."""
+        return self.supervisor.health()
+
+    @property
+    def fatal(self) -> str | None:
+        """Why the server must exit (the scheduler's restart budget is spent), else None."""
+        return self.supervisor.fatal
+
+    # ------------------------------------------------------------------------------ supervised (SupervisedClient)
+
+    async def probe(self, timeout_s: float) -> Any:
+        return await self.get_internal_state(timeout_s=timeout_s)
+
+    def fail_in_flight(self, error: SchedulerUnavailable) -> None:
+        logger.error("%s; failing %d request(s) in flight", error, len(self._states))
+        for state in list(self._states.values()):
+            if state.held is not None and not state.held.done():
+                state.held.set_exception(error)
+                continue
+            if not state.done:
+                state.done = True
+                self._observe_finished(state, aborted=True)
+            state.queue.put_nowait(error)
+        for waiters in (self._flush_waiters, self._state_waiters, *self._reply_waiters.values()):
+            while waiters:
+                future = waiters.popleft()
+                if not future.done():
+                    future.set_exception(error)
+
+    async def detach(self) -> None:
+        if self._handle_task is not None:
+            self._handle_task.cancel()
+            await asyncio.gather(self._handle_task, return_exceptions=True)
+            self._handle_task = None
+        self._link.close()
+
+    def attach(self, link: SchedulerLink, process: Any, info: SchedulerInfo) -> None:
+        self._link, self.process, self.info = link, process, info
+        self._handle_task = asyncio.create_task(self._handle_loop(link))
 
     @property
     def num_in_flight(self) -> int:
@@ -247,7 +212,7 @@ class TokenizerManager(SchedulerSupervisorMixin):
 
     async def generate(self, req: GenerateReq) -> AsyncIterator[GenerateOutput]:
         """Yields the outputs of one request. Close it (aclosing) to abort the request early."""
-        await self._wait_ready()
+        await self.supervisor.wait_ready()
         rid = uuid.uuid4().hex
         owner = namespace_owner(req.extra_key)
         # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
@@ -261,7 +226,7 @@ class TokenizerManager(SchedulerSupervisorMixin):
                 self._observe_finished(state, aborted=True)
                 yield GenerateOutput(rid, "", [], "abort", "aborted by the client", 499, state.prompt_len, 0, 0)
                 return
-            self._ensure_alive()
+            self.supervisor.ensure_alive()
             state.link = self._link
             self._link.send_request(TokenizedGenerateReqInput(
                 rid, list(req.input_ids), req.sampling_params, req.extra_key, stream=True,
@@ -325,7 +290,7 @@ class TokenizerManager(SchedulerSupervisorMixin):
 
     def _send_abort(self, state: _ReqState) -> None:
         # NOTE: only to the scheduler that got the request; a restarted one never heard of it.
-        if state.sent and state.link is self._link and self._dead is None:
+        if state.sent and state.link is self._link and self.supervisor.dead is None:
             try:
                 self._link.send_control(AbortReq(state.rid))
             except SchedulerUnavailable:
@@ -344,7 +309,7 @@ class TokenizerManager(SchedulerSupervisorMixin):
         return await self._control(msg, self._reply_waiters.setdefault(reply_type, deque()), timeout_s)
 
     async def _control(self, msg: Any, waiters: deque, timeout_s: float | None = None) -> Any:
-        self._ensure_alive()
+        self.supervisor.ensure_alive()
         future = asyncio.get_running_loop().create_future()
         waiters.append(future)
         try:
@@ -365,7 +330,7 @@ class TokenizerManager(SchedulerSupervisorMixin):
         loop = asyncio.get_running_loop()
         while True:
             out = await link.outputs.recv_pyobj()
-            self._last_alive = time.monotonic()
+            self.supervisor.heard_from()
             if isinstance(out, BatchTokenIDOut):
                 deltas = await loop.run_in_executor(self._detokenize_pool, self._detokenize, out)
                 self._dispatch(out, deltas)
