@@ -1,5 +1,6 @@
 """The front end's CPU work (managers/fair_work.py): a bounded number of threads, turns taken by key, a bounded
-queue with a share per key; and the keyless routes' rate (entrypoints/coalesce.py TokenBucket)."""
+queue with a share per key; the keyless routes' rate (entrypoints/coalesce.py TokenBucket); and a long
+decode that leaves the GIL free (text_stream.decode_all)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,17 @@ def test_the_token_bucket_allows_its_rate_and_burst_then_refuses() -> None:
     assert slow.take() and not slow.take() and slow.retry_after_s() == 10
     unlimited = TokenBucket(0)
     assert all(unlimited.take() for _ in range(1000))
+
+
+def test_decode_all_matches_the_tokenizer_s_decode() -> None:
+    import random
+
+    from radixserve.managers.text_stream import decode_all
+    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.models.loader import embedded_model_path, load_tokenizer
+
+    tokenizer = load_tokenizer(gguf_to_hf_folder(embedded_model_path(), None))  # config and tokenizer only
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(0, 60))]
+        assert decode_all(tokenizer, ids) == tokenizer.decode(ids), ids

@@ -55,6 +55,7 @@ from radixserve.entrypoints.serving_common import (
     token_id_keys,
     tokenize_text,
 )
+from radixserve.managers.text_stream import decode_all
 from radixserve.managers.tokenizer_manager import GenerateOutput, SchedulerUnavailable, TokenizerManager
 
 Render = Callable[[int, GenerateOutput], list[dict[str, Any]]]
@@ -168,7 +169,7 @@ class OpenAIServing:
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        return [self.tm.tokenizer.decode(ids) for ids in prompts]
+        return [decode_all(self.tm.tokenizer, ids) for ids in prompts]
 
     # -------------------------------------------------------------------------- chat
 
@@ -228,7 +229,7 @@ class OpenAIServing:
     def _decode(self, tokens: list[int]) -> str:
         if tokens:
             check_prompt(self.tm, tokens, "tokens")  # NOTE: here, on the tokenizer thread: a list of any length
-        return self.tm.tokenizer.decode(tokens)
+        return decode_all(self.tm.tokenizer, tokens)
 
     # -------------------------------------------------------------------------- shared
 
