@@ -140,9 +140,12 @@ def test_a_stalled_scheduler_loses_no_abort_and_no_flush(server: ServerHandle) -
 
     def send_big() -> None:
         try:
-            server.post("/generate", json=big, timeout=httpx.Timeout(30, read=3.0))
+            r = server.post("/generate", json=big, timeout=httpx.Timeout(30, read=3.0))
+            outcome["big"] = f"answered {r.status_code}: {r.text[:300]}"
         except httpx.ReadTimeout:
             outcome["big"] = "client left"
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            outcome["big"] = repr(e)
 
     def flush() -> None:
         outcome["flush"] = server.post("/flush_cache", headers=_as(ADMIN_KEY), timeout=60)
@@ -158,7 +161,10 @@ def test_a_stalled_scheduler_loses_no_abort_and_no_flush(server: ServerHandle) -
     finally:
         os.kill(pid, signal.SIGCONT)
     flusher.join(60)
-    assert outcome["big"] == "client left"
+    # NOTE: either the client gave up, or the link's backpressure refused it first (503, scheduler busy):
+    # both are right; what matters is below, that nothing runs for the departed client after SIGCONT.
+    big_outcome = str(outcome.get("big"))
+    assert big_outcome == "client left" or big_outcome.startswith("answered 503"), big_outcome
     # answered after the resume (200, or 409 if the aborted slice still held KV at that step), not a 503
     assert outcome["flush"].status_code in (200, 409), outcome["flush"].text
     state = wait_idle(server, timeout_s=60)
