@@ -20,7 +20,7 @@ import torch
 from test_overlap_parity import PRESSURE, assert_same_outputs, mixed_requests, run_scheduler
 
 import radixserve.managers.forward_pipeline as forward_pipeline
-import radixserve.managers.scheduler_loop as scheduler_loop
+import radixserve.managers.step_pipelines as step_pipelines
 from radixserve.managers.overlap_utils import CudaStream, create_device_streams
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
         cuda.device_streams.append(streams)
         return streams
 
-    monkeypatch.setattr(scheduler_loop, "create_device_streams", cuda_streams)
+    monkeypatch.setattr(step_pipelines, "create_device_streams", cuda_streams)
     real_copy = forward_pipeline._copy_to_host
 
     def traced_copy(forward_done):

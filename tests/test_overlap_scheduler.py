@@ -219,8 +219,8 @@ def test_both_loops_leave_the_same_tree_behind():
 def test_request_finished_in_batch_k_and_scheduled_in_k_plus_1_is_released_once():
     sched, outputs = make_scheduler(pool_tokens=4096, max_running=4)
     releases: list[str] = []
-    original = sched.release_finished_req
-    sched.release_finished_req = lambda req: (releases.append(req.rid), original(req))[1]
+    original = sched.output.release_finished_req
+    sched.output.release_finished_req = lambda req: (releases.append(req.rid), original(req))[1]
     work = [(f"r{i}", [5, 6, 7, i], SamplingParams(max_new_tokens=3 + i, temperature=0, ignore_eos=True))
             for i in range(4)]
     run(sched, work, overlap=True)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from radixserve.managers.schedule_batch import ScheduleBatch
-from radixserve.managers.scheduler_failures import MAX_CONSECUTIVE_FAILURES, SchedulerFailuresMixin
+from radixserve.managers.scheduler_failures import MAX_CONSECUTIVE_FAILURES, FailureContainment
 from radixserve.mem_cache.conservation import ConservationError
 
 POISON = 424242  # a request with this seed makes its batch fail (injected below)
@@ -104,23 +104,27 @@ def test_a_failure_while_building_a_batch_aborts_the_requests_being_scheduled(en
 # ---------------------------------------------------------------------------------- escalation
 
 
-class _Stub(SchedulerFailuresMixin):
-    """Just the state the mixin reads, with no requests: the rules of escalation alone."""
+class _Step:
+    """Just the step state containment reads, with no requests: the rules of escalation alone."""
 
-    def __init__(self, broken: bool = False) -> None:
+    def __init__(self, broken: bool) -> None:
         self.cur_batch = None
         self.running_batch = SimpleNamespace(reqs=[], filter_batch=lambda: None)
         self.last_batch = None
-        self.chunked_req = None
-        self.waiting_queue: list = []
-        self.reqs: dict = {}
-        self.in_flight_prefill: list = []
-        self.batch_is_full = True
         self.broken = broken
 
-    def _check_state_after_failure(self) -> None:
+    def check_conservation(self) -> dict:
         if self.broken:
             raise ConservationError("leaked slots", {})
+        return {}
+
+
+def _Stub(broken: bool = False) -> FailureContainment:  # noqa: N802 - reads as the stub it builds
+    pipelines = SimpleNamespace(drop_in_flight=lambda: ([], False))
+    queue = SimpleNamespace(waiting=[], live={})
+    prefill = SimpleNamespace(chunked_req=None, forget=lambda involved: None)
+    output = SimpleNamespace(finish_now=lambda req, reason: None)
+    return FailureContainment(_Step(broken), pipelines, queue, prefill, output)
 
 
 def _fail() -> None:

@@ -80,7 +80,7 @@ class SchedulePolicy:
             self._scratch.insert(RadixKey(req.fill_ids, req.extra_key))
         for req in waiting_queue:
             req.init_next_round_input()
-            req.num_matched_prefix_tokens = self.kv_manager.match_prefix(req)
+            req.note_match(self.kv_manager.match_prefix(req))
             if req.num_matched_prefix_tokens > IN_BATCH_CHECK_THRESHOLD:
                 continue
             key = RadixKey(req.fill_ids, req.extra_key)
@@ -198,7 +198,7 @@ class PrefillAdder:
         if truncated:
             end = (prefix_len + int(rem)) // self.page_size * self.page_size
             new_len = max(end - prefix_len, self.page_size)
-        req.fill_ids = req.fill_ids[:prefix_len + new_len]
+        req.cut_round(prefix_len + new_len)
         self.can_run_list.append(req)
         max_new = 0 if truncated else min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
         self._update_prefill_budget(0, new_len, max_new)
@@ -227,7 +227,7 @@ class PrefillAdder:
                 trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
                 if trunc_len <= 0:
                     return AddReqResult.OTHER
-                req.fill_ids = req.fill_ids[:prefix_len + trunc_len]
+                req.cut_round(prefix_len + trunc_len)
                 self.can_run_list.append(req)
                 self.new_chunked_req = req
                 self.kv_manager.lock(req)

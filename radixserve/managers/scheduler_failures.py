@@ -1,6 +1,7 @@
 """A failure stays with its requests: one scheduler step that raises aborts the requests it involved.
 
-A mixin of `Scheduler`. Both event loops run each step through `run_step_contained(step)`. When a
+`FailureContainment` is a part of `Scheduler` with that one job. Both event loops run each step
+through `run_step_contained(step)`. When a
 step raises an `Exception` (building a batch, running its forward and sampling, or processing its
 result), `contain_failure`:
 
@@ -26,13 +27,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from radixserve.managers.schedule_batch import FinishReason
+from radixserve.managers.req import FinishReason
 
 if TYPE_CHECKING:
-    from radixserve.managers.schedule_batch import Req
-    from radixserve.managers.scheduler import Scheduler
+    from radixserve.managers.prefill_planner import PrefillPlanner
+    from radixserve.managers.req import Req
+    from radixserve.managers.request_queue import RequestQueue
+    from radixserve.managers.schedule_batch import ScheduleBatch
+    from radixserve.managers.scheduler_output_processor import OutputProcessor
+    from radixserve.managers.step_pipelines import Pipelines
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +45,32 @@ MAX_CONSECUTIVE_FAILURES = 8
 FAILURE_STATUS = 500
 
 
-class SchedulerFailuresMixin:
-    failed_steps: int = 0  # steps whose failure was contained, since start
-    _consecutive_failures: int = 0
+class StepState(Protocol):
+    """What containment reads and resets of the scheduler's step: its batches and its KV check."""
 
-    def run_step_contained(self: Scheduler, step: Callable[[], Any]) -> Any:
+    cur_batch: ScheduleBatch | None  # chosen by the step that failed (None: it failed before choosing)
+    last_batch: ScheduleBatch | None
+    running_batch: ScheduleBatch
+
+    def check_conservation(self) -> dict[str, Any]:
+        """Raises ConservationError when the pool no longer adds up."""
+
+
+class FailureContainment:
+    def __init__(self, step: StepState, pipelines: Pipelines, queue: RequestQueue, prefill: PrefillPlanner,
+                 output: OutputProcessor) -> None:
+        self.step = step
+        self.pipelines = pipelines
+        self.queue = queue
+        self.prefill = prefill
+        self.output = output
+        self.failed_steps = 0  # steps whose failure was contained, since start
+        self._consecutive_failures = 0
+
+    def run_step_contained(self, step: Callable[[], Any]) -> Any:
         """Runs one step; a failure aborts the requests it involved and the loop goes on (see module doc)."""
         # NOTE: set by the step once it has chosen its batch; None after a failure means "before".
-        self.cur_batch = None
+        self.step.cur_batch = None
         try:
             result = step()
         except Exception as error:  # noqa: BLE001 - contained here, or re-raised as the scheduler's own failure
@@ -60,87 +83,52 @@ class SchedulerFailuresMixin:
         self._consecutive_failures = 0
         return result
 
-    def contain_failure(self: Scheduler, error: Exception) -> list[Req]:
+    def contain_failure(self, error: Exception) -> list[Req]:
         """Aborts the requests the failed step involved, checks conservation; returns them."""
         logger.error("a scheduler step failed; aborting the requests it involved", exc_info=error)
-        in_flight = self._drain_in_flight()
+        in_flight, dropped_overlap = self.pipelines.drop_in_flight()
+        if dropped_overlap:
+            in_flight.extend(self.step.running_batch.reqs)
         involved = self._involved_requests(in_flight)
         message = f"internal error while running this request's batch: {type(error).__name__}: {error}"
         for req in involved:
-            self.finish_now(req, FinishReason.abort(message[:500], status_code=FAILURE_STATUS))
+            self.output.finish_now(req, FinishReason.abort(message[:500], status_code=FAILURE_STATUS))
         self._forget_batches(involved)
         self.failed_steps += 1
-        self._check_state_after_failure()
+        # NOTE: the scheduler's own state must still add up; if not, the failure is not contained.
+        self.step.check_conservation()
         logger.error("aborted %d request(s) after the failure; the scheduler goes on", len(involved))
         return involved
 
     # ---- internals ------------------------------------------------------------------------------
-    def _drain_in_flight(self: Scheduler) -> list[Req]:
-        """Waits for launched batches and drops them; returns their requests. Under the overlap loop the
-        stream state is dropped too (rebuilt on the next step) and every running request is returned."""
-        reqs: list[Req] = []
-        for name in ("overlap", "_normal_pipeline"):  # NOTE: the latter where the normal loop has a pipeline
-            state = getattr(self, name, None)
-            if state is None or not (state.pending or _stream_failed(state)):
-                continue  # NOTE: nothing launched and no failed work: its streams and future map are sound
-            for launched in state.pending:
-                reqs.extend(launched.batch.reqs)
-                try:
-                    launched.copy_done.synchronize()  # NOTE: no forward may still write KV we are about to free
-                except Exception:  # noqa: BLE001 - the failure being contained, seen again
-                    pass
-            state.pending.clear()
-            if name == "overlap":
-                self.close_overlap(drain=False)
-                reqs.extend(self.running_batch.reqs)
-        return reqs
-
-    def _involved_requests(self: Scheduler, in_flight: list[Req]) -> list[Req]:
-        chosen = self.cur_batch
+    def _involved_requests(self, in_flight: list[Req]) -> list[Req]:
+        chosen, chunked = self.step.cur_batch, self.prefill.chunked_req
         if chosen is not None:
             candidates = [*chosen.reqs, *in_flight]
-            if self.chunked_req is not None and any(r is self.chunked_req for r in chosen.reqs):
-                candidates.append(self.chunked_req)
+            if chunked is not None and any(r is chunked for r in chosen.reqs):
+                candidates.append(chunked)
         else:
-            candidates = [*self._unplaced_requests(), *self.running_batch.reqs, *in_flight]
-            if self.chunked_req is not None:
-                candidates.append(self.chunked_req)
+            candidates = [*self._unplaced_requests(), *self.step.running_batch.reqs, *in_flight]
+            if chunked is not None:
+                candidates.append(chunked)
         seen: dict[int, Req] = {}
         for req in candidates:
             if not req.finished():
                 seen.setdefault(id(req), req)
         return list(seen.values())
 
-    def _unplaced_requests(self: Scheduler) -> list[Req]:
+    def _unplaced_requests(self) -> list[Req]:
         """Live requests in no queue and no batch: taken out of the waiting queue by an interrupted build."""
-        placed = {id(r) for r in self.waiting_queue}
-        for batch in (self.running_batch, self.last_batch):
+        placed = {id(r) for r in self.queue.waiting}
+        for batch in (self.step.running_batch, self.step.last_batch):
             if batch is not None:
                 placed.update(id(r) for r in batch.reqs)
-        if self.chunked_req is not None:
-            placed.add(id(self.chunked_req))
-        return [r for r in self.reqs.values() if id(r) not in placed and not r.finished()]
+        if self.prefill.chunked_req is not None:
+            placed.add(id(self.prefill.chunked_req))
+        return [r for r in self.queue.live.values() if id(r) not in placed and not r.finished()]
 
-    def _forget_batches(self: Scheduler, involved: list[Req]) -> None:
-        gone = {id(r) for r in involved}
-        if self.chunked_req is not None and id(self.chunked_req) in gone:
-            self.chunked_req = None
-        self.running_batch.filter_batch()
-        self.cur_batch = None
-        self.last_batch = None
-        self.in_flight_prefill = []
-        self.batch_is_full = False
-
-    def _check_state_after_failure(self: Scheduler) -> None:
-        """The scheduler's own state must still add up; if not, the failure is not contained."""
-        from radixserve.mem_cache.conservation import check_conservation
-
-        check_conservation(self.token_to_kv_pool_allocator, self.tree_cache, self.req_to_token_pool,
-                           [r.kv for r in self.active_requests()])
-
-
-def _stream_failed(pipeline: Any) -> bool:
-    """A CPU worker stream whose work raised skips everything after it: the pipeline must be rebuilt,
-    even when the failed batch was the last one in flight (already taken off `pending`)."""
-    streams = pipeline.streams
-    return any(getattr(s, "failed", None) is not None for s in (streams.forward, streams.copy))
+    def _forget_batches(self, involved: list[Req]) -> None:
+        self.prefill.forget(involved)
+        self.step.running_batch.filter_batch()
+        self.step.cur_batch = None
+        self.step.last_batch = None

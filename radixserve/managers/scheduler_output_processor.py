@@ -1,22 +1,28 @@
 """Turning a forward's sampled tokens into request progress, finishes and output messages.
 
-A mixin of `Scheduler` (as in SGLang): it reads and writes the scheduler's state directly.
+`OutputProcessor` is a part of `Scheduler` with one job: a launched batch's result in, request
+progress and `BatchTokenIDOut` messages out. It also ends requests outside a result (`finish_now`:
+aborts, rejections, out of memory), so every finish releases KV and tells the client the same way.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from radixserve.managers.io_struct import BatchTokenIDOut, TokenIDOut
-from radixserve.managers.schedule_batch import FinishReason, Req, ScheduleBatch
-from radixserve.managers.scheduler_metrics import decode_log_line
+from radixserve.managers.io_struct import BatchTokenIDOut
+from radixserve.managers.req import FinishReason, Req
+from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, decode_log_line
 
 if TYPE_CHECKING:
     from radixserve.layers.sampler import TokenLogprobs
-    from radixserve.managers.forward_pipeline import LaunchedBatch, StepOutput
-    from radixserve.managers.scheduler import Scheduler
+    from radixserve.managers.forward_pipeline import LaunchedBatch, PipelineCounters, StepOutput
+    from radixserve.managers.prefill_planner import PrefillPlanner
+    from radixserve.managers.request_queue import RequestQueue
+    from radixserve.managers.schedule_batch import ScheduleBatch
+    from radixserve.mem_cache.kv_manager import KVManager
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +66,20 @@ def host_logprobs(lp: TokenLogprobs | None) -> tuple[list[float] | None, list[li
     return lp.token_logprobs.tolist(), top
 
 
-class SchedulerOutputProcessorMixin:
-    def process_batch_result(self: Scheduler, launched: LaunchedBatch) -> None:
+class OutputProcessor:
+    def __init__(self, kv_manager: KVManager, queue: RequestQueue, planner: PrefillPlanner, stats: SchedulerStats,
+                 tokenizer: Any, output_sink: Callable[[Any], None], log_interval: int, pool_tokens: int) -> None:
+        self.kv_manager = kv_manager
+        self.pool_tokens = pool_tokens
+        self.queue = queue
+        self.planner = planner
+        self.stats = stats
+        self.tokenizer = tokenizer
+        self.output_sink = output_sink
+        self.log_interval = max(log_interval, 1)
+        self.decode_throughput = DecodeThroughput()
+
+    def process_batch_result(self, launched: LaunchedBatch, counters: PipelineCounters) -> None:
         """Wait for a launched batch's tokens, then process them for the requests that still own their rows."""
         launched.copy_done.synchronize()
         output: StepOutput = launched.host_output.result()
@@ -83,7 +101,6 @@ class SchedulerOutputProcessorMixin:
             self.kv_manager.commit(req, launched.seq_lens[i])
             live.append(req)
             keep.append(i)
-        counters = self.pipeline_counters
         counters.processed += 1
         counters.dropped_tokens += len(result.next_token_ids) - len(live)
         batch, result = launched.batch.empty_copy(live), result.select(keep)
@@ -92,21 +109,17 @@ class SchedulerOutputProcessorMixin:
         else:
             self.process_batch_result_decode(batch, result)
 
-    def process_batch_result_prefill(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if result.input_logprobs is not None and result.input_logprobs[i] is not None and not req.finished():
-                values, tops = result.input_logprobs[i]
-                req.input_token_logprobs.extend(values)
-                req.input_top_logprobs.extend(top[: req.logprob.top_logprobs_num] for top in tops)
-            if req.is_chunked > 0:
-                # NOTE: a non-final chunk samples nothing; its KV is stashed at the next step.
-                req.is_chunked -= 1
-                continue
+                req.add_input_logprobs(*result.input_logprobs[i])
+            if req.end_chunk():
+                continue  # NOTE: a non-final chunk samples nothing; its KV is stashed at the next step.
             if req.finished():
                 continue
             if req.to_abort is not None or req.max_new_tokens == 0:
                 # NOTE: an abort that arrived while the batch ran ends it without the sampled token.
-                req.finished_reason = req.to_abort or FinishReason("length", length=0)
+                req.finish(req.to_abort or FinishReason("length", length=0))
             else:
                 self.append_output_token(req, token, result, i)
                 req.check_finished(self.tokenizer)
@@ -116,7 +129,7 @@ class SchedulerOutputProcessorMixin:
                 self.kv_manager.cache_unfinished_req(req)
         self.stream_output(batch.reqs)
 
-    def process_batch_result_decode(self: Scheduler, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if req.finished():
                 continue
@@ -127,60 +140,41 @@ class SchedulerOutputProcessorMixin:
                 self.release_finished_req(req)
         self.decode_throughput.add(len(batch.reqs))
         self.stats.num_decode_batches += 1
-        if self.stats.num_decode_batches % max(self.server_args.log_interval, 1) == 0:
+        if self.stats.num_decode_batches % self.log_interval == 0:
             self.log_decode_stats(len(batch.reqs))
         self.stream_output(batch.reqs)
 
-    def append_output_token(self: Scheduler, req: Req, token: int, result: GenerationBatchResult, row: int) -> None:
-        req.output_ids.append(token)
+    def append_output_token(self, req: Req, token: int, result: GenerationBatchResult, row: int) -> None:
         self.stats.generated_tokens += 1
-        if req.logprob.return_logprob:
-            # NOTE: one entry per output token, so output_token_logprobs stays aligned with output_ids.
-            req.output_token_logprobs.append(result.logprobs[row])
-            req.output_top_logprobs.append(result.top_logprobs[row][: req.logprob.top_logprobs_num])
+        wants = req.logprob.return_logprob
+        req.append_token(token, result.logprobs[row] if wants else None, result.top_logprobs[row] if wants else None)
 
-    def log_decode_stats(self: Scheduler, running_req: int) -> None:
-        used = self.max_total_num_tokens - self.free_and_evictable()
-        logger.info(decode_log_line(running_req, used, used / self.max_total_num_tokens,
-                                    self.decode_throughput.take(), len(self.waiting_queue)))
+    def log_decode_stats(self, running_req: int) -> None:
+        total = self.pool_tokens
+        used = total - self.kv_manager.free_and_evictable()
+        logger.info(decode_log_line(running_req, used, used / total, self.decode_throughput.take(),
+                                    len(self.queue)))
 
     # ---- finishing ------------------------------------------------------------------------------
-    def release_finished_req(self: Scheduler, req: Req) -> None:
+    def release_finished_req(self, req: Req) -> None:
         """Hand a finished request's KV to the tree (not an aborted one's), free the rest, count it."""
         aborted = req.finished_reason.type == "abort"
         self.kv_manager.release(req, insert=not aborted)
-        self.reqs.pop(req.rid, None)
-        self.batch_is_full = False
+        self.queue.forget(req)
+        self.planner.room_freed()
         if aborted:
             self.stats.num_aborts += 1
         else:
             self.stats.num_finished += 1
 
-    def finish_now(self: Scheduler, req: Req, reason: FinishReason) -> None:
+    def finish_now(self, req: Req, reason: FinishReason) -> None:
         """End a request outside a batch result (abort, rejection, OOM), release its KV, tell the client."""
-        req.finished_reason = reason
+        req.finish(reason)
         self.release_finished_req(req)
         self.stream_output([req])
 
-    def stream_output(self: Scheduler, reqs: list[Req]) -> None:
+    def stream_output(self, reqs: list[Req]) -> None:
         """Send new tokens of streaming requests, and the rest of every finished request."""
-        out = BatchTokenIDOut([self._take_output(req) for req in reqs if not req.finish_sent and (
-            req.finished() or (req.stream and len(req.output_ids) > req.sent_output_len))])
+        out = BatchTokenIDOut([req.take_output() for req in reqs if req.has_output_to_send()])
         if out.outputs:
             self.output_sink(out)
-
-    @staticmethod
-    def _take_output(req: Req) -> TokenIDOut:
-        """What `req` has not sent yet, marked as sent."""
-        sent, logprobs = req.sent_output_len, req.logprob.return_logprob
-        req.finish_sent = req.finished()
-        req.sent_output_len = len(req.output_ids)
-        send_input = req.input_logprobs_complete() and not req.input_logprobs_sent
-        req.input_logprobs_sent |= send_input
-        return TokenIDOut(
-            req.rid, req.output_ids[sent:], req.finished_reason.to_json() if req.finished() else None,
-            len(req.origin_input_ids), len(req.output_ids), req.cached_tokens,
-            req.output_token_logprobs[sent:] if logprobs else None,
-            req.output_top_logprobs[sent:] if logprobs else None,
-            req.input_token_logprobs if send_input else None,
-            req.input_top_logprobs if send_input else None)

@@ -1,0 +1,74 @@
+"""The next decode step of the running batch, retracting requests when the KV pool is short.
+
+`DecodePlanner` is a part of `Scheduler` with one job: make the running batch fit one more token
+per request. When it does not, requests are retracted (their KV released, outputs kept; they go
+back to the front of the waiting queue) and, if even one request alone cannot fit, aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from radixserve import envs
+from radixserve.managers.prefill_planner import PrefillPlanner
+from radixserve.managers.req import FinishReason
+from radixserve.managers.request_queue import RequestQueue
+from radixserve.managers.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBatch
+from radixserve.managers.schedule_policy import NewTokenRatio
+from radixserve.managers.scheduler_metrics import SchedulerStats
+from radixserve.managers.scheduler_output_processor import OutputProcessor
+
+logger = logging.getLogger(__name__)
+
+
+class DecodePlanner:
+    def __init__(self, queue: RequestQueue, prefill: PrefillPlanner, output: OutputProcessor,
+                 new_token_ratio: NewTokenRatio, stats: SchedulerStats, pool_tokens: int) -> None:
+        self.queue = queue
+        self.prefill = prefill
+        self.output = output
+        self.new_token_ratio = new_token_ratio
+        self.stats = stats
+        self.pool_tokens = pool_tokens
+        # Test hook (SGLang's SGLANG_TEST_RETRACT): retract one request every N decode steps.
+        self.test_retract_interval = envs.TEST_RETRACT_INTERVAL.get()
+        self.decode_steps = 0
+
+    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
+        """Prepare a decode step of the running batch, retracting requests if the pool is short."""
+        batch.filter_batch()
+        if batch.is_empty():
+            return None
+        self.decode_steps += 1
+        forced = self.test_retract_interval > 0 and self.decode_steps % self.test_retract_interval == 0
+        if batch.check_decode_mem() and not (forced and batch.batch_size() > 1):
+            self.new_token_ratio.on_decode_step()
+        else:
+            self._retract(batch)
+            if not batch.check_decode_mem():
+                self._abort_out_of_memory(batch)
+                return None
+        batch.prepare_for_decode()
+        return batch
+
+    def _retract(self, batch: ScheduleBatch) -> None:
+        old_ratio = self.new_token_ratio.value
+        retracted = batch.retract_decode()
+        if not retracted:
+            return
+        self.new_token_ratio.on_retract(batch.reqs, RETRACT_DECODE_STEPS)
+        self.stats.num_retractions += len(retracted)
+        self.prefill.room_freed()
+        # NOTE: they keep their outputs and resume first; their prompts are still in the tree, unlocked.
+        self.queue.push_front(retracted)
+        logger.info("KV cache pool is full. Retract requests. #retracted_reqs: %d, #new_token_ratio: %.4f -> %.4f",
+                    len(retracted), old_ratio, self.new_token_ratio.value)
+
+    def _abort_out_of_memory(self, batch: ScheduleBatch) -> None:
+        for req in list(batch.reqs):
+            needed = req.kv.kv_allocated_len + 1
+            message = (f"out of memory even after retracting every other request: this request needs "
+                       f"{needed} KV slots, the pool has {self.pool_tokens}")
+            logger.error("Abort %s: %s", req.rid, message)
+            self.output.finish_now(req, FinishReason.abort(message, status_code=500))
+        batch.filter_batch()

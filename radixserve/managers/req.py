@@ -1,0 +1,251 @@
+"""A request as the scheduler sees it: its tokens, its logprob state, and its lifecycle.
+
+The lifecycle is one explicit phase (`Req.phase`) whose transitions are the methods below; nothing
+outside this module writes a lifecycle field (`ScheduleBatch` writes the per-forward progress:
+`input_logprob_next`, `cached_tokens`, `penalty_reset`). Its KV is a `ReqKV` handle (`req.kv`) that
+only the `KVManager` writes.
+
+    WAITING   -- admitted into a prefill (a row, slots, a lock) -->  RUNNING
+    RUNNING   -- retract (KV released, outputs kept) ------------>  WAITING
+    RUNNING   -- mark_abort (applied at its next step) ---------->  ABORTING
+    any       -- finish (KV released by KVManager.release) ------>  FINISHED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.managers.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
+from radixserve.mem_cache.kv_manager import ReqKV
+from radixserve.sampling_params import SamplingParams
+
+
+class ReqPhase(enum.Enum):
+    WAITING = "waiting"  # queued: holds no row and no lock (a retracted request is back here)
+    RUNNING = "running"  # admitted: holds a row, its KV and a tree lock (a prefill chunk, or decoding)
+    ABORTING = "aborting"  # running, with an abort to apply at its next step
+    FINISHED = "finished"  # ended: its KV released (cached in the tree unless aborted)
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended: `stop` (a stop/EOS token or a stop string), `length`, or `abort`."""
+
+    type: str
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+    status_code: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = self.length
+        else:
+            out["message"] = self.message
+            out["status_code"] = self.status_code
+        return out
+
+    @staticmethod
+    def abort(message: str, status_code: int = 400) -> FinishReason:
+        return FinishReason("abort", message=message, status_code=status_code)
+
+
+class Req:
+    """One generation request. Its KV (row, slots, tree lock) is `self.kv`, written by KVManager only."""
+
+    def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
+                 extra_key: Any = None, stream: bool = False, eos_token_ids: Iterable[int] = (),
+                 logprob: LogprobSpec = NO_LOGPROBS) -> None:
+        self.rid = rid
+        self.origin_input_ids: list[int] = list(origin_input_ids)
+        self.output_ids: list[int] = []
+        self.fill_ids: list[int] = []  # (origin + output)[:end of the tokens computed this round]
+        self.sampling_params = sampling_params
+        self.max_new_tokens = sampling_params.max_new_tokens  # may be clamped to the context at admission
+        self.extra_key = extra_key
+        self.priority = 0  # of the tree nodes it publishes (--radix-eviction-policy priority)
+        self.stream = stream
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.stop_str_max_len = max((len(s) for s in sampling_params.stop), default=0)
+        self.logprob = logprob
+        self.output_token_logprobs: list[float] = []  # with return_logprob: one per output id
+        self.output_top_logprobs: list[list[tuple[int, float]]] = []
+        # Input logprobs of prompt positions [logprob_start_len, n) (-1: none). Position 0 has no context.
+        start = logprob.logprob_start_len
+        self.input_token_logprobs: list[float | None] = [None] if start == 0 else []
+        self.input_top_logprobs: list[list[tuple[int, float]]] = [[]] if start == 0 else []
+        self.input_logprob_next = max(start, 1)  # next prompt position a forward will score
+        self.input_logprobs_sent = False
+        self.penalty_reset = False  # a new row: its penalty history must be rebuilt in the next forward
+        self.kv = ReqKV()
+        # Lifecycle.
+        self.finished_reason: FinishReason | None = None
+        self.to_abort: FinishReason | None = None
+        self.is_chunked = 0  # > 0 while a non-final prefill chunk is in flight
+        self.is_retracted = False
+        self.retracted_stain = False
+        self.retraction_count = 0
+        self.cached_tokens = 0
+        self.already_computed = 0
+        self.num_matched_prefix_tokens = 0
+        self.wait_since = time.monotonic()
+        self.sent_output_len = 0  # output ids already sent to the front end
+        self.finish_sent = False
+        self.stats_counted = False  # prompt/cached tokens counted (at the first prefill)
+
+    def __repr__(self) -> str:
+        kv = self.kv
+        return (f"Req(rid={self.rid!r}, input={len(self.origin_input_ids)}, output={len(self.output_ids)}, "
+                f"row={kv.req_pool_idx}, cpl={kv.cache_protected_len}, kv={kv.kv_allocated_len})")
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def extend_input_len(self) -> int:
+        """Tokens this round computes: `fill_ids` beyond the prefix whose KV exists."""
+        return len(self.fill_ids) - self.kv.prefix_len
+
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def phase(self) -> ReqPhase:
+        if self.finished_reason is not None:
+            return ReqPhase.FINISHED
+        if self.kv.req_pool_idx is None:
+            return ReqPhase.WAITING
+        return ReqPhase.RUNNING if self.to_abort is None else ReqPhase.ABORTING
+
+    # ---- lifecycle transitions (the only writers of the lifecycle fields) -------------------------
+    def admit(self, context_len: int) -> None:
+        """Accepted into the waiting queue: its output may not run past the context."""
+        self.max_new_tokens = min(self.max_new_tokens, context_len - len(self.origin_input_ids))
+
+    def mark_abort(self, reason: FinishReason) -> None:
+        """Abort a request that is running (or in a batch being run): it ends at its next step."""
+        self.to_abort = reason
+
+    def finish(self, reason: FinishReason) -> None:
+        self.finished_reason = reason
+
+    def note_match(self, matched: int) -> None:
+        """The length of its cached prefix, as the cache-aware policy last matched it."""
+        self.num_matched_prefix_tokens = matched
+
+    def cut_round(self, length: int) -> None:
+        """This round computes only `fill_ids[:length]` (a prefill chunk)."""
+        self.fill_ids = self.fill_ids[:length]
+
+    def begin_chunk(self) -> None:
+        """A non-final prefill chunk of it was launched; its result samples nothing."""
+        self.is_chunked += 1
+
+    def end_chunk(self) -> bool:
+        """The result of a chunk arrived: True if it was a non-final chunk (nothing to sample)."""
+        if self.is_chunked <= 0:
+            return False
+        self.is_chunked -= 1
+        return True
+
+    def count_once(self) -> bool:
+        """True the first time it is prefilled (not after a retraction): its prompt counts in the stats."""
+        if self.stats_counted or self.retracted_stain:
+            return False
+        self.stats_counted = True
+        return True
+
+    def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
+        self.output_ids.append(token)
+        if self.logprob.return_logprob:
+            # NOTE: one entry per output token, so output_token_logprobs stays aligned with output_ids.
+            self.output_token_logprobs.append(logprob)
+            self.output_top_logprobs.append(top[: self.logprob.top_logprobs_num])
+
+    def add_input_logprobs(self, values: list[float], tops: list[list[tuple[int, float]]]) -> None:
+        self.input_token_logprobs.extend(values)
+        self.input_top_logprobs.extend(top[: self.logprob.top_logprobs_num] for top in tops)
+
+    def has_output_to_send(self) -> bool:
+        return not self.finish_sent and (self.finished() or (self.stream and len(self.output_ids) > self.sent_output_len))
+
+    def take_output(self) -> TokenIDOut:
+        """What it has not sent to the front end yet, marked as sent."""
+        sent, logprobs = self.sent_output_len, self.logprob.return_logprob
+        self.finish_sent = self.finished()
+        self.sent_output_len = len(self.output_ids)
+        send_input = self.input_logprobs_complete() and not self.input_logprobs_sent
+        self.input_logprobs_sent |= send_input
+        return TokenIDOut(
+            self.rid, self.output_ids[sent:], self.finished_reason.to_json() if self.finished() else None,
+            len(self.origin_input_ids), len(self.output_ids), self.cached_tokens,
+            self.output_token_logprobs[sent:] if logprobs else None,
+            self.output_top_logprobs[sent:] if logprobs else None,
+            self.input_token_logprobs if send_input else None,
+            self.input_top_logprobs if send_input else None)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Some prompt position still has to be scored by a forward."""
+        return self.logprob.logprob_start_len >= 0 and self.input_logprob_next < len(self.origin_input_ids)
+
+    def input_logprobs_complete(self) -> bool:
+        start = self.logprob.logprob_start_len
+        return start >= 0 and len(self.input_token_logprobs) == len(self.origin_input_ids) - start
+
+    def init_next_round_input(self) -> None:
+        """This round covers the whole sequence (the prefill adder may cut it to a chunk)."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+
+    @property
+    def prefix_match_limit(self) -> int:
+        """How many leading `fill_ids` a cached prefix may cover."""
+        # NOTE: at least one token is always computed, so the forward has logits to sample from.
+        limit = max(len(self.fill_ids) - 1, 0)
+        if self.wants_input_logprobs:
+            # NOTE: the logits at position p score prompt token p + 1, and a cached prefix has no
+            # logits: positions from input_logprob_next - 1 on are computed, never matched.
+            limit = min(limit, self.input_logprob_next - 1)
+        return limit
+
+    def check_finished(self, tokenizer: Any = None) -> None:
+        """Set `finished_reason` after a token was appended: abort, length, stop token, then stop string."""
+        if self.finished_reason is not None:
+            return
+        if self.to_abort is not None:
+            self.finished_reason = self.to_abort
+            return
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finished_reason = FinishReason("length", length=self.max_new_tokens)
+            return
+        last = self.output_ids[-1]
+        if last in self.stop_token_ids or (not self.sampling_params.ignore_eos and last in self.eos_token_ids):
+            self.finished_reason = FinishReason("stop", matched=last)
+            return
+        if self.stop_str_max_len and tokenizer is not None:
+            tail = tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 1):], skip_special_tokens=True)
+            for stop in self.sampling_params.stop:
+                if stop in tail:
+                    self.finished_reason = FinishReason("stop", matched=stop)
+                    return
+
+    def reset_for_retract(self) -> None:
+        """After its KV was released: keep the outputs, so the request resumes where it was."""
+        self.is_chunked = 0
+        self.is_retracted = True
+        self.retracted_stain = True
+        self.retraction_count += 1
+        start = self.logprob.logprob_start_len
+        if start >= 0:
+            # NOTE: under overlap the prefill that scored the prompt may still be in flight; its result is
+            # dropped with the retraction, so scoring resumes after what has really arrived.
+            self.input_logprob_next = max(start + len(self.input_token_logprobs), 1)

@@ -1,0 +1,103 @@
+"""The shape of the scheduler, checked on the source: composed parts, not mixins; one place for a
+request's lifecycle; and the phase that the lifecycle methods move."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+
+from radixserve.managers.io_struct import LogprobSpec
+from radixserve.managers.req import FinishReason, Req, ReqPhase
+from radixserve.managers.scheduler import Scheduler
+from radixserve.sampling_params import SamplingParams
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "radixserve"
+
+# What a request's lifecycle is made of: written only by req.py and (a forward's progress) schedule_batch.py.
+LIFECYCLE_FIELDS = {
+    "finished_reason", "to_abort", "is_chunked", "is_retracted", "retracted_stain", "retraction_count",
+    "wait_since", "sent_output_len", "finish_sent", "stats_counted", "input_logprobs_sent", "max_new_tokens",
+    "num_matched_prefix_tokens", "fill_ids", "already_computed", "input_logprob_next", "penalty_reset",
+    "output_ids", "output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs",
+}
+MUTATORS = {"append", "extend", "insert", "pop", "clear", "remove"}
+
+
+def _modules() -> list[tuple[pathlib.Path, ast.Module]]:
+    return [(p, ast.parse(p.read_text())) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _writes_outside_other_classes(tree: ast.Module) -> list[str]:
+    """Writes to a lifecycle field of some object (not `self` of a class other than Req)."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, cls: str | None) -> None:
+        if isinstance(node, ast.ClassDef):
+            cls = node.name
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+            targets = [node.func.value]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr in LIFECYCLE_FIELDS:
+                on_self = isinstance(t.value, ast.Name) and t.value.id == "self"
+                if not on_self or cls == "Req":
+                    found.append(ast.unparse(t))
+        for child in ast.iter_child_nodes(node):
+            visit(child, cls)
+
+    visit(tree, None)
+    return found
+
+
+def test_no_class_in_the_package_is_a_mixin() -> None:
+    for path, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                assert "Mixin" not in node.name and not any("Mixin" in b for b in bases), (path, node.name)
+    assert Scheduler.__bases__ == (object,)
+
+
+def test_the_scheduler_is_composed_of_parts_given_their_dependencies() -> None:
+    params = inspect.signature(Scheduler._compose_parts).parameters
+    assert list(params) == ["self", "args"]
+    source = inspect.getsource(Scheduler._compose_parts)
+    for part in ("RequestQueue", "PrefillPlanner", "DecodePlanner", "OutputProcessor", "InputProcessor",
+                 "Pipelines", "FailureContainment"):
+        assert f"{part}(" in source
+
+
+def test_request_lifecycle_fields_are_written_from_at_most_two_modules() -> None:
+    writers = {path.relative_to(PACKAGE).as_posix(): w for path, tree in _modules()
+               if (w := _writes_outside_other_classes(tree))}
+    assert set(writers) <= {"managers/req.py", "managers/schedule_batch.py"}, writers
+    batch_writes = {w.split(".", 1)[1].split(".")[0] for w in writers.get("managers/schedule_batch.py", [])}
+    # NOTE: a batch writes only a forward's progress, never a lifecycle transition
+    assert batch_writes <= {"already_computed", "input_logprob_next", "penalty_reset"}, batch_writes
+
+
+def test_the_lifecycle_methods_move_the_phase() -> None:
+    req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=50), logprob=LogprobSpec(return_logprob=True,
+                                                                                       top_logprobs_num=1))
+    assert req.phase is ReqPhase.WAITING
+    req.admit(context_len=10)
+    assert req.max_new_tokens == 7  # clamped to the context
+    req.kv.req_pool_idx = 0  # what KVManager does when it admits the request into a prefill
+    assert req.phase is ReqPhase.RUNNING
+    req.begin_chunk()
+    assert req.end_chunk() and not req.end_chunk()  # one non-final chunk, then a sampling result
+    req.append_token(9, -0.5, [(9, -0.5), (4, -1.0)])
+    assert req.output_token_logprobs == [-0.5] and req.output_top_logprobs == [[(9, -0.5)]]
+    out = req.take_output()
+    assert out.new_token_ids == [9] and not req.has_output_to_send()
+    req.mark_abort(FinishReason.abort("gone", 499))
+    assert req.phase is ReqPhase.ABORTING
+    req.check_finished()
+    assert req.phase is ReqPhase.FINISHED and req.finished_reason.status_code == 499
+    assert req.has_output_to_send() and req.take_output().finished_reason["type"] == "abort"
+    assert req.count_once() and not req.count_once()  # its prompt is counted once
