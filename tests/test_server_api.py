@@ -151,7 +151,7 @@ def test_native_generate_text_ids_stream_and_meta_info(server: ServerHandle) -> 
     body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
     first = server.post("/generate", json=body).json()
     assert len(first["output_ids"]) == 6 and first["meta_info"]["completion_tokens"] == 6
-    assert first["meta_info"]["finish_reason"] == {"type": "length"}
+    assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 6}  # SGLang's shape, whole
     meta = server.post("/generate", json=body).json()["meta_info"]
     assert meta["cached_tokens"] == meta["prompt_tokens"] - 1
     with server.client() as c, c.stream("POST", "/generate", json=body | {"stream": True}) as r:

@@ -14,6 +14,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixserve.client.requests import per_choice_params
 from radixserve.entrypoints.http_errors import ApiError, parse_json
 from radixserve.entrypoints.logprobs import (
     LOGPROB_FLOOR,
@@ -23,7 +24,7 @@ from radixserve.entrypoints.logprobs import (
     completion_logprobs,
     native_logprobs,
 )
-from radixserve.entrypoints.serving_common import per_choice_params, resolve_max_tokens
+from radixserve.entrypoints.serving_common import resolve_max_tokens
 from radixserve.entrypoints.serving_openai import _Usage
 from radixserve.managers.io_struct import GetInternalStateOut, GetInternalStateReq
 from radixserve.managers.scheduler_link import SchedulerLink

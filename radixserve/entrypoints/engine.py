@@ -1,5 +1,8 @@
 """The offline Engine: the scheduler in a background thread of this process, driven through its queue.
 
+It is the scheduler's client (radixserve/client/, shared with the HTTP server) over an in-process
+transport: the scheduler's `input_queue` in, its `output_sink` called on the scheduler thread out.
+
     from radixserve import Engine
     engine = Engine(max_total_tokens=4096)
     out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
@@ -9,15 +12,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
+from radixserve.client.replies import ControlReplies
+from radixserve.client.requests import check_request, generate_message, per_choice_params
+from radixserve.client.tracker import RequestTracker
 from radixserve.entrypoints.request_state import RequestHandle, RequestState
 from radixserve.managers.io_struct import (
     NO_LOGPROBS,
@@ -28,9 +33,7 @@ from radixserve.managers.io_struct import (
     GetInternalStateOut,
     GetInternalStateReq,
     LogprobSpec,
-    TokenizedGenerateReqInput,
 )
-from radixserve.managers.schedule_batch import Req
 from radixserve.sampling_params import SamplingParams, check_input_ids
 from radixserve.server_args import ServerArgs
 
@@ -48,22 +51,19 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, *, loaded_model: Any = None, **kwargs: Any) -> None:
-        from radixserve.managers.scheduler import Scheduler
-        from radixserve.model_executor.cpu_threads import build_on_short_lived_thread
-        from radixserve.model_executor.model_runner import ModelRunner
+        from radixserve.managers.scheduler_process import build_scheduler
 
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         _configure_logging(self.server_args.log_level)
-        self.model_runner = build_on_short_lived_thread(ModelRunner, self.server_args, loaded_model)
-        self.tokenizer = self.model_runner.tokenizer
-        self._states: dict[str, RequestState] = {}
-        self._lock = threading.Lock()
+        self._tracker: RequestTracker[RequestState] = RequestTracker()
+        self._replies = ControlReplies()
         self._control_lock = threading.Lock()
-        self._control_reply: list[Any] = []
-        self._control_event = threading.Event()
         self._error: BaseException | None = None
-        self.scheduler = build_on_short_lived_thread(Scheduler, self.server_args, self.model_runner,
-                                                     output_sink=self._on_output)
+        self.scheduler, self.info = build_scheduler(self.server_args, self._on_output, loaded_model)
+        self.model_runner = self.scheduler.model_runner
+        self.tokenizer = self.info.tokenizer
+        self.limits = self.info.limits
+        self._send = self.scheduler.input_queue.put  # NOTE: the transport; the rest is the shared client
         self._thread = threading.Thread(target=self._run_scheduler, name="radixserve-scheduler", daemon=True)
         self._thread.start()
 
@@ -106,36 +106,31 @@ class Engine:
         """Queue one request and return at once; the handle waits for, streams or aborts it."""
         self._raise_if_dead()
         params = SamplingParams.from_any(sampling_params)
-        # NOTE: the server's rules (sampling_params.py): token ids checked against this model's vocabulary.
-        check_input_ids(input_ids, self.scheduler.vocab_size)
-        params.verify_for_model(self.scheduler.vocab_size)
-        rid = rid or uuid.uuid4().hex
-        error = self.scheduler.validate_request(Req(rid, input_ids, params, extra_key, logprob=logprob))
+        # NOTE: the server's rules (sampling_params.py, client/requests.py), with this model's numbers.
+        check_input_ids(input_ids, self.limits.vocab_size)
+        params.verify_for_model(self.limits.vocab_size)
+        error = check_request(input_ids, logprob, extra_key, self.limits)
         if error is not None:
             raise ValueError(error)
+        rid = rid or uuid.uuid4().hex
         state = RequestState(rid, list(input_ids), params, self.tokenizer, stream, logprob)
-        with self._lock:
-            if rid in self._states:
-                raise ValueError(f"request id {rid!r} is already in use")
-            self._states[rid] = state
-        # NOTE: always streamed from the scheduler, so the time of the first token is known (TTFT).
-        self.scheduler.input_queue.put(TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True,
-                                                                 logprob))
+        self._tracker.add(rid, state)
+        self._send(generate_message(rid, input_ids, params, extra_key, logprob))
         return RequestHandle(state, self)
 
     def abort(self, rid: str) -> None:
         """Abort a request at any stage; its KV is released within one scheduler step."""
-        self.scheduler.input_queue.put(AbortReq(rid))
+        self._send(AbortReq(rid))
 
     def flush_cache(self) -> dict[str, Any]:
         """Empty the radix cache when no request holds KV; says whether it did."""
-        out: FlushCacheOut = self._control(FlushCacheReq())
+        out: FlushCacheOut = self._control(FlushCacheReq(), FlushCacheOut)
         return {"success": out.success, "tokens_freed": out.tokens_freed, "message": out.message,
                 "cache_epoch": out.cache_epoch}
 
     def get_internal_state(self) -> dict[str, Any]:
         """Scheduler counters and pool sizes (prompt/cached/generated/evicted tokens, retractions...)."""
-        out: GetInternalStateOut = self._control(GetInternalStateReq())
+        out: GetInternalStateOut = self._control(GetInternalStateReq(), GetInternalStateOut)
         return out.state
 
     def shutdown(self) -> None:
@@ -174,56 +169,45 @@ class Engine:
 
     def _submit_n(self, ids: list[int], params: SamplingParams, extra_key: Any,
                   logprob: LogprobSpec) -> list[RequestHandle]:
-        if params.n == 1:
-            return [self.submit(ids, params, extra_key, logprob=logprob)]
-        # NOTE: n samples are n requests; the 2nd..nth hit the first's prompt in the radix cache.
-        seeds = itertools.count(params.seed) if params.seed is not None else itertools.repeat(None)
-        return [self.submit(ids, dataclasses.replace(params, n=1, seed=next(seeds)), extra_key, logprob=logprob)
-                for _ in range(params.n)]
+        return [self.submit(ids, p, extra_key, logprob=logprob) for p in per_choice_params(params)]
 
-    def _control(self, msg: Any) -> Any:
-        with self._control_lock:
+    def _control(self, msg: Any, reply_type: type) -> Any:
+        with self._control_lock:  # NOTE: one at a time, so a reply cannot outrun the shutdown check
             self._raise_if_dead()
-            self._control_event.clear()
-            self.scheduler.input_queue.put(msg)
-            while not self._control_event.wait(timeout=0.5):
+            future: Future = Future()
+            self._replies.expect(reply_type, future)
+            self._send(msg)
+            while True:
+                try:
+                    return future.result(timeout=0.5)
+                except TimeoutError:
+                    pass
+                except BaseException:
+                    self._raise_if_dead()  # NOTE: the scheduler died or the engine shut down: say which
+                    raise
                 self._raise_if_dead()
-            self._raise_if_dead()
-            return self._control_reply.pop()
 
     def _on_output(self, out: Any) -> None:
         """Called on the scheduler thread for every message it sends."""
         if isinstance(out, BatchTokenIDOut):
             now = time.perf_counter()
-            for record in out.outputs:
-                with self._lock:
-                    state = self._states.get(record.rid)
-                    if state is not None and record.finished_reason is not None:
-                        del self._states[record.rid]
-                if state is not None:
-                    state.on_output(record, now)
-        else:
-            self._control_reply.append(out)
-            self._control_event.set()
+            for state, record in self._tracker.route(out):
+                state.on_output(record, now)
+        elif not self._replies.resolve(out):
+            logger.warning("unexpected message from the scheduler: %r", type(out).__name__)
 
     def _run_scheduler(self) -> None:
-        scheduler = self.scheduler
-        loop = scheduler.event_loop_normal
-        if not self.server_args.disable_overlap_schedule and hasattr(scheduler, "event_loop_overlap"):
-            loop = scheduler.event_loop_overlap
         try:
-            loop()
+            self.scheduler.event_loop()
         except BaseException as e:  # noqa: BLE001 - reported to every waiting caller
             logger.exception("scheduler thread died")
             self._error = e
             self._fail_all(e)
-            self._control_event.set()
 
     def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            states, self._states = list(self._states.values()), {}
-        for state in states:
+        for state in self._tracker.take_all():
             state.fail(error)
+        self._replies.fail_all(error)
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:

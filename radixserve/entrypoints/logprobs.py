@@ -18,6 +18,8 @@ from dataclasses import replace
 from itertools import accumulate
 from typing import Any, Protocol
 
+from radixserve.client import shaping
+from radixserve.client.shaping import LOGPROB_FLOOR, finite, maybe_finite  # noqa: F401 - LOGPROB_FLOOR re-exported
 from radixserve.entrypoints.http_errors import bad_request
 from radixserve.entrypoints.openai_protocol import (
     ChatLogprobs,
@@ -27,9 +29,6 @@ from radixserve.entrypoints.openai_protocol import (
 )
 from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
 from radixserve.managers.tokenizer_manager import GenerateOutput, TopLogprobs
-
-# NOTE: JSON has no -inf; a logprob below this (an underflow) is reported as this floor.
-LOGPROB_FLOOR = -9999.0
 
 
 class HasLogprobs(Protocol):
@@ -94,14 +93,6 @@ class TokenTexts:
         return list(text.encode())
 
 
-def _finite(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
-
-
-def _maybe_finite(logprob: float | None) -> float | None:
-    return None if logprob is None else _finite(logprob)
-
-
 def _entries(out: HasLogprobs) -> list[tuple[int, float, TopLogprobs]]:
     """(token id, logprob, alternatives) per token; the scheduler sends one of each per token id."""
     logprobs = out.logprobs or []
@@ -120,9 +111,9 @@ def _prompt_entries(ids: list[int], out: HasLogprobs) -> list[tuple[int, float |
 def chat_logprobs(texts: TokenTexts, out: HasLogprobs) -> ChatLogprobs:
     """OpenAI chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def entry(token: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=texts.text(token), logprob=_finite(logprob), bytes=texts.utf8(token))
+        return TopLogprob(token=texts.text(token), logprob=finite(logprob), bytes=texts.utf8(token))
 
-    content = [ChatTokenLogprob(token=texts.text(token), logprob=_finite(lp), bytes=texts.utf8(token),
+    content = [ChatTokenLogprob(token=texts.text(token), logprob=finite(lp), bytes=texts.utf8(token),
                                 top_logprobs=[entry(t, v) for t, v in top])
                for token, lp, top in _entries(out)]
     return ChatLogprobs(content=content)
@@ -131,7 +122,7 @@ def chat_logprobs(texts: TokenTexts, out: HasLogprobs) -> ChatLogprobs:
 def _alternatives(texts: TokenTexts, top: TopLogprobs) -> dict[str, float]:
     alternatives: dict[str, float] = {}
     for t, v in top:
-        alternatives.setdefault(texts.text(t), _finite(v))  # two tokens with one text: the likelier
+        alternatives.setdefault(texts.text(t), finite(v))  # two tokens with one text: the likelier
     return alternatives
 
 
@@ -147,26 +138,16 @@ def completion_logprobs(texts: TokenTexts, out: HasLogprobs, offset: int = 0,
     tokens = [texts.text(t) for t, _, _ in entries]
     offsets = list(accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else []
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=[_maybe_finite(lp) for _, lp, _ in entries],
+        tokens=tokens, token_logprobs=[maybe_finite(lp) for _, lp, _ in entries],
         top_logprobs=[None if top is None else _alternatives(texts, top) for _, _, top in entries],
         text_offset=offsets)
 
 
 def native_logprobs(texts: TokenTexts, out: HasLogprobs, input_ids: list[int] | None = None) -> dict[str, Any]:
-    """SGLang's `meta_info` fields: [logprob, token id, text] per token, and per token its alternatives.
-
-    With `input_ids` (the prompt from logprob_start_len on) also `input_token_logprobs` (logprob null at
-    position 0) and `input_top_logprobs`; both empty until the scheduler sent them."""
-    entries = _entries(out)
-    info: dict[str, Any] = {}
-    if input_ids is not None:
-        scored = zip(input_ids, out.input_logprobs, strict=True) if out.input_logprobs is not None else []
-        info["input_token_logprobs"] = [[_maybe_finite(lp), t, texts.text(t)] for t, lp in scored]
-        info["input_top_logprobs"] = [[[_finite(v), t, texts.text(t)] for t, v in top]
-                                      for top in out.input_top_logprobs or []]
-    info["output_token_logprobs"] = [[_finite(lp), t, texts.text(t)] for t, lp, _ in entries]
-    info["output_top_logprobs"] = [[[_finite(v), t, texts.text(t)] for t, v in top] for _, _, top in entries]
-    return info
+    """SGLang's `meta_info` fields (client/shaping.py, the Engine's too): [logprob, token id, text] per token, and
+    per token its alternatives; with `input_ids` (the prompt from logprob_start_len on) also the prompt's."""
+    return shaping.native_logprobs(texts.text, out.token_ids, out.logprobs, out.top_logprobs, input_ids,
+                                   out.input_logprobs, out.input_top_logprobs)
 
 
 async def share_prompt_logprobs(outputs: AsyncIterator[tuple[int, GenerateOutput]],

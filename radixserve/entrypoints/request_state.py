@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from radixserve.client.shaping import native_logprobs
 from radixserve.managers.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
 from radixserve.managers.text_stream import IncrementalDetokenizer, final_text
 from radixserve.sampling_params import SamplingParams
@@ -82,24 +83,19 @@ class RequestState:
             "e2e_latency": end - self.submitted_at,
             "ttft": ttft,
         }
-        if self.logprob.return_logprob:
-            info["output_token_logprobs"] = self.token_logprobs(start, end_index)
-            info["output_top_logprobs"] = self.position_top_logprobs(start, end_index)
-        if self.logprob.logprob_start_len >= 0 and start == 0:
-            ids = self.input_ids[self.logprob.logprob_start_len:]
-            # NOTE: empty until the prompt was computed (a request aborted earlier never gets them).
-            info["input_token_logprobs"] = [(lp, t, self._text(t))
-                                            for lp, t in zip(self.input_logprobs, ids, strict=False)]
-            info["input_top_logprobs"] = [[(lp, t, self._text(t)) for t, lp in top] for top in self.input_top_logprobs]
+        spec = self.logprob
+        if spec.return_logprob:
+            prompt = self.input_ids[spec.logprob_start_len:] if spec.logprob_start_len >= 0 and start == 0 else None
+            # NOTE: the prompt's are empty until it was computed (a request aborted earlier never gets them).
+            info |= native_logprobs(self._text, self.output_ids[start:end_index], self.logprobs[start:end_index],
+                                    self.top_logprobs[start:end_index], prompt, self.input_logprobs,
+                                    self.input_top_logprobs)
         return info
 
-    def token_logprobs(self, start: int = 0, end: int | None = None) -> list[tuple[float, int, str]]:
-        """(logprob, token id, token text) of each output token, as SGLang's `output_token_logprobs`."""
-        ids = self.output_ids[start:end]
-        return [(lp, t, self._text(t)) for lp, t in zip(self.logprobs[start:end], ids, strict=True)]
-
-    def position_top_logprobs(self, start: int = 0, end: int | None = None) -> list[list[tuple[float, int, str]]]:
-        return [[(lp, t, self._text(t)) for t, lp in top] for top in self.top_logprobs[start:end]]
+    def token_logprobs(self, start: int = 0, end: int | None = None) -> list[list[Any]]:
+        """[logprob, token id, token text] of each output token, as SGLang's `output_token_logprobs`."""
+        return native_logprobs(self._text, self.output_ids[start:end], self.logprobs[start:end],
+                               self.top_logprobs[start:end])["output_token_logprobs"]
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -141,6 +141,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     finish_message: str | None = None
     finish_status: int | None = None
+    finish: dict[str, Any] | None = None  # the scheduler's finish reason, whole
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -156,6 +157,7 @@ class ChoiceResult:
         self.finish_reason = out.finish_reason
         self.finish_message = out.finish_message
         self.finish_status = out.finish_status
+        self.finish = out.finish
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
@@ -250,15 +252,6 @@ def check_request_items(tm: TokenizerManager, *, sequences: int, stop: Any, stop
                           f"{per_sequence['stop_token_ids']} stop token ids, {per_sequence['logit_bias']} logit_bias "
                           f"entries and {per_sequence['stop']} stop strings); the server takes at most {limit} "
                           "(--max-request-items)", param=prefix + largest, code="over_limit")
-
-
-def per_choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n samples become n requests; with a seed, choice i uses seed + i so the choices differ."""
-    choices = []
-    for i in range(n):
-        seed = None if params.seed is None else params.seed + i
-        choices.append(SamplingParams(**{**params.__dict__, "n": 1, "seed": seed}))
-    return choices
 
 
 def tokenize_text(tm: TokenizerManager, text: str, param: str, add_special_tokens: bool = True) -> list[int]:

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from radixserve.client.requests import per_choice_params
 from radixserve.entrypoints.http_errors import bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, check_top_logprobs, native_logprobs
 from radixserve.entrypoints.openai_protocol import GenerateRequest, NativeSamplingParams
@@ -23,7 +24,6 @@ from radixserve.entrypoints.serving_common import (
     generate_all,
     guarded,
     make_sampling_params,
-    per_choice_params,
     raise_if_aborted,
     resolve_max_tokens,
     token_id_keys,
@@ -91,11 +91,11 @@ def _num_prompts(req: GenerateRequest) -> int:
     return 1
 
 
-def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float, finish: str | None,
-          message: str | None) -> dict[str, Any]:
-    reason = None if finish is None else {"type": finish} | ({"message": message} if message else {})
+def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float) -> dict[str, Any]:
+    # NOTE: the scheduler's finish reason as it is (SGLang's: the stop token or string matched, the length
+    # reached, an abort's message and status), the same dict the Engine returns.
     return {"id": rid, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "cached_tokens": r.cached_tokens, "finish_reason": reason, "e2e_latency": time.monotonic() - started}
+            "cached_tokens": r.cached_tokens, "finish_reason": r.finish, "e2e_latency": time.monotonic() - started}
 
 
 async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest, extra_key: Any,
@@ -148,7 +148,7 @@ def _response(results: list[ChoiceResult], started: float, logprob_texts: TokenT
 
 def _result_body(r: ChoiceResult, started: float, logprob_texts: TokenTexts | None,
                  scored: list[int] | None) -> dict[str, Any]:
-    meta = _meta(r.rid, r, started, r.finish_reason, r.finish_message)
+    meta = _meta(r.rid, r, started)
     if logprob_texts is not None:
         meta |= native_logprobs(logprob_texts, r, scored)
     return {"text": r.text, "output_ids": r.token_ids, "meta_info": meta}
@@ -160,7 +160,7 @@ def _stream_renderer(started: float, logprob_texts: TokenTexts | None, scored: l
     def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
         # NOTE: like SGLang, each event carries the whole text, ids and logprobs so far, not a delta.
         acc.add(out)
-        meta = _meta(out.rid, out, started, out.finish_reason, out.finish_message)
+        meta = _meta(out.rid, out, started)
         if logprob_texts is not None:
             meta |= native_logprobs(logprob_texts, acc, scored)
         return [{"text": acc.text, "output_ids": list(acc.token_ids), "meta_info": meta}]

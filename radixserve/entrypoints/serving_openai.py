@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from radixserve.client.requests import per_choice_params
 from radixserve.entrypoints.gateway_api import GATEWAY_UNSET_MODEL
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, unavailable
 from radixserve.entrypoints.logprobs import TokenTexts, chat_logprobs, check_top_logprobs, completion_logprobs
@@ -48,7 +49,6 @@ from radixserve.entrypoints.serving_common import (
     generate_all,
     guarded,
     make_sampling_params,
-    per_choice_params,
     raise_if_aborted,
     resolve_max_tokens,
     sse,

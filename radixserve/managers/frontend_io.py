@@ -73,3 +73,4 @@ class GenerateOutput:
     # entry per prompt position from logprob_start_len on (None and [] at position 0); else None.
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[TopLogprobs] | None = None
+    finish: dict[str, Any] | None = None  # the scheduler's finish reason, whole (SGLang's native meta_info)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixserve import envs
+from radixserve.client.requests import RequestLimits
 from radixserve.managers.cache_observer import cache_tree_snapshot
 from radixserve.managers.decode_planner import DecodePlanner
 from radixserve.managers.forward_pipeline import ForwardPipeline, LaunchedBatch
@@ -47,7 +48,7 @@ from radixserve.managers.request_queue import RequestQueue
 from radixserve.managers.schedule_batch import ScheduleBatch, penalty_info
 from radixserve.managers.schedule_policy import NewTokenRatio, SchedulePolicy
 from radixserve.managers.scheduler_failures import FailureContainment
-from radixserve.managers.scheduler_input_processor import InputProcessor, RequestLimits
+from radixserve.managers.scheduler_input_processor import InputProcessor
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor, logprob_top_k
 from radixserve.managers.scheduler_runner import SchedulerRunner
@@ -117,6 +118,13 @@ class Scheduler:
         self.failures = FailureContainment(self, self.pipelines, self.queue, self.prefill, self.output)
 
     # ---- loops ----------------------------------------------------------------------------------
+    def event_loop(self) -> None:
+        """The loop the server arguments choose: overlap unless --disable-overlap-schedule (both front ends)."""
+        if self.server_args.disable_overlap_schedule:
+            self.event_loop_normal()
+        else:
+            self.event_loop_overlap()
+
     def event_loop_normal(self) -> None:
         """Run steps until `stop_event` is set; each processes the batch it has just launched."""
         while not self.stop_event.is_set():

@@ -7,27 +7,15 @@ arrival (with the numbers), so it never blocks the queue; an abort ends a reques
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
-from radixserve.managers.io_struct import MAX_TOP_LOGPROBS, TokenizedGenerateReqInput
+from radixserve.client.requests import RequestLimits, check_request
+from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.managers.req import FinishReason, Req
 from radixserve.managers.request_queue import RequestQueue
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor
-from radixserve.mem_cache.radix_key import check_namespace
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What every request must fit: the model's context and vocabulary, the KV pool."""
-
-    context_len: int
-    pool_tokens: int
-    page_size: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 class InputProcessor:
@@ -54,31 +42,9 @@ class InputProcessor:
         self.stats.num_requests += 1
 
     def validate_request(self, req: Req) -> str | None:
-        """Why `req` can never run (with the numbers), or None. Checked on arrival, so it never blocks the queue."""
-        limits = self.limits
-        n = len(req.origin_input_ids)
-        ps = limits.page_size
-        if n == 0:
-            return "the prompt is empty"
-        if n >= limits.context_len:
-            return f"the prompt has {n} tokens, the context length is {limits.context_len}: it must be shorter"
-        pool_need = -(-n // ps) * ps + ps
-        if pool_need > limits.pool_tokens:
-            return (f"the prompt has {n} tokens and needs {pool_need} KV slots, but the KV pool holds "
-                    f"{limits.pool_tokens} tokens")
-        bad = [t for t in req.origin_input_ids if not 0 <= t < limits.vocab_size]
-        if bad:
-            return f"token id {bad[0]} is outside the vocabulary (size {limits.vocab_size})"
-        logprob = req.logprob
-        if not -1 <= logprob.logprob_start_len < n:
-            return f"logprob_start_len must be -1 or a prompt position (0 to {n - 1}), got {logprob.logprob_start_len}"
-        if not 0 <= logprob.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            return f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got {logprob.top_logprobs_num}"
-        try:
-            check_namespace(req.extra_key)
-        except TypeError as e:
-            return str(e)
-        return None
+        """Why `req` can never run (with the numbers), or None. Checked on arrival, so it never blocks the queue;
+        the front ends check the same rule (client/requests.py) before they send."""
+        return check_request(req.origin_input_ids, req.logprob, req.extra_key, self.limits)
 
     def abort_request(self, rid: str) -> None:
         """Abort at any stage; unknown or already finished ids are ignored (abort is idempotent)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from radixserve.client.requests import RequestLimits
 from radixserve.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -69,6 +70,12 @@ class SchedulerInfo:
         # NOTE: a request alone must fit the pool, in whole pages, or it would be aborted mid-decode.
         pool = self.max_total_num_tokens // self.page_size * self.page_size
         return min(self.context_len, pool)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What every request must fit (the rule the scheduler checks on arrival)."""
+        return RequestLimits(self.context_len, self.max_total_num_tokens, self.page_size, self.vocab_size,
+                             self.eos_token_ids)
 
     def describe(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("tokenizer", "platform")} | {
@@ -128,13 +135,14 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(0)  # the HTTP process is gone; nobody can read our outputs
 
 
-def build_scheduler(server_args: ServerArgs, output_sink: Any) -> tuple[Any, SchedulerInfo]:
-    """Loads the model and builds C's Scheduler around it (runs in the child)."""
+def build_scheduler(server_args: ServerArgs, output_sink: Any, loaded_model: Any = None) -> tuple[Any, SchedulerInfo]:
+    """Loads the model and builds the Scheduler around it: the one bootstrap of both front ends (the server's
+    child process and the offline Engine's thread). `loaded_model` reuses weights already in memory."""
     from radixserve.managers.scheduler import Scheduler
     from radixserve.model_executor.cpu_threads import build_on_short_lived_thread
     from radixserve.model_executor.model_runner import ModelRunner
 
-    runner = build_on_short_lived_thread(ModelRunner, server_args)
+    runner = build_on_short_lived_thread(ModelRunner, server_args, loaded_model)
     scheduler = build_on_short_lived_thread(Scheduler, server_args, model_runner=runner, output_sink=output_sink)
     _report_kv_accounting(scheduler)
     return scheduler, _info_from_runner(server_args, runner)
@@ -216,14 +224,6 @@ def _name_from_path(model_path: str | None) -> str:
     return base.rsplit(".gguf", 1)[0] if base.endswith(".gguf") else base
 
 
-def _run_event_loop(scheduler: Any, server_args: ServerArgs) -> None:
-    overlap = getattr(scheduler, "event_loop_overlap", None)
-    if overlap is not None and not server_args.disable_overlap_schedule:
-        overlap()
-    else:
-        scheduler.event_loop_normal()
-
-
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready: Connection) -> None:
     """Entry point of the child: load, report ready (or the error), then run the event loop forever."""
     import zmq
@@ -245,7 +245,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready: C
     ready.send({"info": info})
     threading.Thread(target=_forward_requests, args=(requests, scheduler.input_queue), daemon=True).start()
     try:
-        _run_event_loop(scheduler, server_args)
+        scheduler.event_loop()
     except BaseException:
         logger.exception("scheduler event loop crashed")
         os._exit(1)

@@ -21,12 +21,13 @@ import copy
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.client.replies import ControlReplies
+from radixserve.client.tracker import RequestTracker
 from radixserve.managers.fair_admission import FairAdmission, Ticket
 from radixserve.managers.fair_work import FairWork, FrontendBusy
 from radixserve.managers.frontend_io import FrontendConfig, GenerateOutput, GenerateReq, TopLogprobs
@@ -90,10 +91,10 @@ class TokenizerManager:
         self.admission = FairAdmission(info.max_running_requests, self.config.fair_share_slice)
         self.supervisor = SchedulerSupervisor(self, self.config, launcher)
         self._link = link
-        self._states: dict[str, _ReqState] = {}
-        self._flush_waiters: deque[asyncio.Future] = deque()
-        self._state_waiters: deque[asyncio.Future] = deque()
-        self._reply_waiters: dict[type, deque[asyncio.Future]] = {}  # request_reply, by reply type
+        # NOTE: the scheduler's client (radixserve/client/), shared with the Engine: requests in flight and
+        # control replies; this class adds the ZMQ transport, fair admission and asyncio.
+        self._states: RequestTracker[_ReqState] = RequestTracker()
+        self._replies = ControlReplies()
         self._handle_task: asyncio.Task | None = None
         # NOTE: tokenizing, detokenizing and the other CPU work have threads of their own, so requests in are
         # never queued behind outputs out; the tokenizer and detokenizer threads have one tokenizer copy each
@@ -157,7 +158,7 @@ class TokenizerManager:
 
     def fail_in_flight(self, error: SchedulerUnavailable) -> None:
         logger.error("%s; failing %d request(s) in flight", error, len(self._states))
-        for state in list(self._states.values()):
+        for _, state in self._states.items():
             if state.held is not None and not state.held.done():
                 state.held.set_exception(error)
                 continue
@@ -165,11 +166,7 @@ class TokenizerManager:
                 state.done = True
                 self._observe_finished(state, aborted=True)
             state.queue.put_nowait(error)
-        for waiters in (self._flush_waiters, self._state_waiters, *self._reply_waiters.values()):
-            while waiters:
-                future = waiters.popleft()
-                if not future.done():
-                    future.set_exception(error)
+        self._replies.fail_all(error)
 
     async def detach(self) -> None:
         if self._handle_task is not None:
@@ -218,13 +215,15 @@ class TokenizerManager:
         # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
         detok = IncrementalDetokenizer(self._detok_tokenizer, req.sampling_params.stop)
         state = _ReqState(rid, len(req.input_ids), detok, client_rid=req.client_rid, owner=owner)
-        self._states[rid] = state
+        self._states.add(rid, state)
         try:
             state.ticket = await self._admit(state, rid if req.group is None else req.group)
             if state.ticket is None:  # aborted while it waited: it never reaches the scheduler
                 state.done = True
                 self._observe_finished(state, aborted=True)
-                yield GenerateOutput(rid, "", [], "abort", "aborted by the client", 499, state.prompt_len, 0, 0)
+                message = "aborted by the client"
+                yield GenerateOutput(rid, "", [], "abort", message, 499, state.prompt_len, 0, 0,
+                                     finish={"type": "abort", "message": message, "status_code": 499})
                 return
             self.supervisor.ensure_alive()
             state.link = self._link
@@ -240,7 +239,7 @@ class TokenizerManager:
                 if item.finish_reason is not None:
                     return
         finally:
-            self._states.pop(rid, None)
+            self._states.pop(rid)
             if state.held is not None and not state.held.done():
                 state.held.cancel()
             if state.sent and not state.done:
@@ -273,7 +272,7 @@ class TokenizerManager:
         """Ask the scheduler to abort `owner`'s requests named `client_rid` (all of them with `abort_all`);
         `admin` reaches every owner's. They end as usual, with finish reason abort (status 499), and
         their partial output; returns how many."""
-        hits = [s for s in self._states.values()
+        hits = [s for _, s in self._states.items()
                 if not s.done and (admin or s.owner == owner) and (abort_all or s.client_rid == client_rid)]
         for state in hits:
             if state.held is not None and not state.held.done():
@@ -299,23 +298,21 @@ class TokenizerManager:
     # ------------------------------------------------------------------------------ control
 
     async def flush_cache(self) -> FlushCacheOut:
-        return await self._control(FlushCacheReq(), self._flush_waiters)
+        return await self.request_reply(FlushCacheReq(), FlushCacheOut)
 
     async def get_internal_state(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return await self._control(GetInternalStateReq(), self._state_waiters, timeout_s)
+        out: GetInternalStateOut = await self.request_reply(GetInternalStateReq(), GetInternalStateOut, timeout_s)
+        return out.state
 
     async def request_reply(self, msg: Any, reply_type: type, timeout_s: float | None = None) -> Any:
         """Send a control message that the scheduler answers with one `reply_type` message (in order)."""
-        return await self._control(msg, self._reply_waiters.setdefault(reply_type, deque()), timeout_s)
-
-    async def _control(self, msg: Any, waiters: deque, timeout_s: float | None = None) -> Any:
         self.supervisor.ensure_alive()
         future = asyncio.get_running_loop().create_future()
-        waiters.append(future)
+        self._replies.expect(reply_type, future)
         try:
             self._link.send_control(msg)
         except SchedulerUnavailable:
-            waiters.remove(future)  # NOTE: a waiter whose message never left would take a later answer
+            self._replies.withdraw(reply_type, future)
             raise
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s or self.config.control_timeout_s)
@@ -334,15 +331,11 @@ class TokenizerManager:
             if isinstance(out, BatchTokenIDOut):
                 deltas = await loop.run_in_executor(self._detokenize_pool, self._detokenize, out)
                 self._dispatch(out, deltas)
-            elif isinstance(out, GetInternalStateOut):
-                self.scheduler_state = out.state
-                _resolve_oldest(self._state_waiters, out.state)
-            elif isinstance(out, FlushCacheOut):
-                _resolve_oldest(self._flush_waiters, out)
-            elif type(out) in self._reply_waiters:
-                _resolve_oldest(self._reply_waiters[type(out)], out)
             else:
-                logger.warning("unexpected message from the scheduler: %r", type(out).__name__)
+                if isinstance(out, GetInternalStateOut):
+                    self.scheduler_state = out.state
+                if not self._replies.resolve(out):
+                    logger.warning("unexpected message from the scheduler: %r", type(out).__name__)
 
     def _detokenize(self, out: BatchTokenIDOut) -> list[str | None]:
         """On the detokenizer thread: each request's text delta (None for requests no longer here)."""
@@ -375,7 +368,7 @@ class TokenizerManager:
                 prompt_tokens=state.prompt_len, completion_tokens=record.completion_tokens,
                 cached_tokens=record.cached_tokens, logprobs=record.output_logprobs,
                 top_logprobs=record.output_top_logprobs, input_logprobs=record.input_token_logprobs,
-                input_top_logprobs=record.input_top_logprobs))
+                input_top_logprobs=record.input_top_logprobs, finish=finished))
             if finished is not None:
                 state.done = True
                 self._observe_finished(state, aborted=finished.get("type") == "abort")
@@ -393,15 +386,6 @@ class TokenizerManager:
     def _observe_finished(self, state: _ReqState, aborted: bool) -> None:
         self.metrics.observe_finished(state.prompt_len, state.cached_tokens, time.monotonic() - state.created,
                                       aborted)
-
-def _resolve_oldest(waiters: deque, value: Any) -> None:
-    # NOTE: the scheduler answers control messages in the order it received them.
-    while waiters:
-        future = waiters.popleft()
-        if not future.done():
-            future.set_result(value)
-            return
-
 
 def _private_copy(tokenizer: Any) -> Any:
     if tokenizer is None:

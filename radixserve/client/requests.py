@@ -1,0 +1,69 @@
+"""What a request may be, checked the same way by every front end and by the scheduler, and the message
+that carries one choice of it to the scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.managers.io_struct import MAX_TOP_LOGPROBS, LogprobSpec, TokenizedGenerateReqInput
+from radixserve.mem_cache.radix_key import check_namespace
+from radixserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What every request must fit: the model's context and vocabulary, the KV pool."""
+
+    context_len: int
+    pool_tokens: int
+    page_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    @staticmethod
+    def of_runner(runner: Any) -> RequestLimits:
+        return RequestLimits(runner.context_len, runner.max_total_num_tokens, runner.page_size,
+                             runner.model_config.vocab_size, tuple(runner.model_config.eos_token_ids))
+
+
+def check_request(input_ids: list[int], logprob: LogprobSpec, extra_key: Any, limits: RequestLimits) -> str | None:
+    """Why a request can never run (with the numbers), or None."""
+    n = len(input_ids)
+    ps = limits.page_size
+    if n == 0:
+        return "the prompt is empty"
+    if n >= limits.context_len:
+        return f"the prompt has {n} tokens, the context length is {limits.context_len}: it must be shorter"
+    pool_need = -(-n // ps) * ps + ps
+    if pool_need > limits.pool_tokens:
+        return (f"the prompt has {n} tokens and needs {pool_need} KV slots, but the KV pool holds "
+                f"{limits.pool_tokens} tokens")
+    bad = [t for t in input_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary (size {limits.vocab_size})"
+    if not -1 <= logprob.logprob_start_len < n:
+        return f"logprob_start_len must be -1 or a prompt position (0 to {n - 1}), got {logprob.logprob_start_len}"
+    if not 0 <= logprob.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS}, got {logprob.top_logprobs_num}"
+    try:
+        check_namespace(extra_key)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def per_choice_params(params: SamplingParams, n: int | None = None) -> list[SamplingParams]:
+    """n samples become n requests (the 2nd..nth hit the first's prompt in the radix cache); with a seed,
+    choice i uses seed + i so the choices differ."""
+    count = params.n if n is None else n
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(count)]
+
+
+def generate_message(rid: str, input_ids: list[int], params: SamplingParams, extra_key: Any,
+                     logprob: LogprobSpec) -> TokenizedGenerateReqInput:
+    """The scheduler's message for one choice. NOTE: always streamed from the scheduler, so a front end
+    knows the time of the first token (TTFT) and can stream or collect as its caller asked."""
+    return TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True, logprob)
