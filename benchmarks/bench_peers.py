@@ -78,7 +78,7 @@ def model_folder(dtype: str) -> Path:
 
 def build_spec(folder: Path) -> dict:
     from radixserve.bench.workloads import build_probes, build_w1, build_w2, build_w3
-    from radixserve.models.loader import load_tokenizer
+    from radixserve.models.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(folder)
     ids = lambda prompt: list(prompt.input_ids)  # noqa: E731

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from radixserve.managers.tokenizer_manager import FrontendConfig
+from radixserve.frontend.tokenizer_manager import FrontendConfig
 from radixserve.server_args import ServerArgs
 
 _DEFAULTS = FrontendConfig()

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_STOP_STRINGS = 16  # NOTE: also checked on the raw body before validation (managers/request_bounds.py)
+MAX_STOP_STRINGS = 16  # NOTE: also checked on the raw body before validation (frontend/request_bounds.py)
 MAX_N = 16
 # NOTE: a temperature below this samples greedily. Dividing logits by a tiny temperature overflows
 # float32 (1e-300 is 0.0 there: inf / inf = NaN logprobs and garbage tokens); 1e-5 keeps |logit| / T

@@ -18,7 +18,7 @@ from server_harness import ServerHandle, check_idle_conservation, start_server
 
 from radixserve import envs
 from radixserve.entrypoints.cli import main as cli_main
-from radixserve.managers.tokenizer_manager import api_key_id
+from radixserve.frontend.tokenizer_manager import api_key_id
 
 pytestmark = pytest.mark.slow
 

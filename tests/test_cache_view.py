@@ -13,7 +13,7 @@ from radixserve.entrypoints.cache_explorer import parse_query, presented_key, pu
 from radixserve.entrypoints.http_errors import ApiError
 from radixserve.examples.lesson import WordTokenizer
 from radixserve.examples.lesson import main as lesson_main
-from radixserve.managers.tokenizer_manager import api_key_id, cache_namespace
+from radixserve.frontend.tokenizer_manager import api_key_id, cache_namespace
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.cache_events import CacheEventLog
 from radixserve.mem_cache.cache_view import NamespaceLabels, format_events, tree_snapshot

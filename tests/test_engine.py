@@ -193,7 +193,7 @@ def test_shutdown_refuses_new_work(engine):
 
 
 def test_incremental_detokenizer_never_splits_a_character_or_shows_a_stop(engine):
-    from radixserve.managers.text_stream import IncrementalDetokenizer
+    from radixserve.client.text_stream import IncrementalDetokenizer
 
     tok = engine.tokenizer
     text = "Crème brûlée 🙂 costs 5€. END"  # a generation that stopped on the stop string "END"

@@ -1,4 +1,4 @@
-"""The front end's CPU work (managers/fair_work.py): a bounded number of threads, turns taken by key, a bounded
+"""The front end's CPU work (frontend/fair_work.py): a bounded number of threads, turns taken by key, a bounded
 queue with a share per key; the keyless routes' rate (entrypoints/coalesce.py TokenBucket); and a long
 decode that leaves the GIL free (text_stream.decode_all)."""
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from radixserve.entrypoints.coalesce import TokenBucket
-from radixserve.managers.fair_work import FairWork, FrontendBusy
+from radixserve.frontend.fair_work import FairWork, FrontendBusy
 
 
 def _sleeper(order: list[str], name: str, seconds: float = 0.02):
@@ -124,9 +124,10 @@ def test_the_token_bucket_allows_its_rate_and_burst_then_refuses() -> None:
 def test_decode_all_matches_the_tokenizer_s_decode() -> None:
     import random
 
-    from radixserve.managers.text_stream import decode_all
+    from radixserve.client.text_stream import decode_all
     from radixserve.models.gguf_loader import gguf_to_hf_folder
-    from radixserve.models.loader import embedded_model_path, load_tokenizer
+    from radixserve.models.loader import embedded_model_path
+    from radixserve.models.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(gguf_to_hf_folder(embedded_model_path(), None))  # config and tokenizer only
     rng = random.Random(0)

@@ -10,9 +10,9 @@ import random
 
 import pytest
 
+from radixserve.client.text_stream import final_text
 from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from radixserve.managers.scheduler import Scheduler
-from radixserve.managers.text_stream import final_text
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.sampling_params import SamplingParams

@@ -26,16 +26,16 @@ from radixserve.entrypoints.logprobs import (
 )
 from radixserve.entrypoints.serving_common import resolve_max_tokens
 from radixserve.entrypoints.serving_openai import _Usage
-from radixserve.managers.io_struct import GetInternalStateOut, GetInternalStateReq
-from radixserve.managers.scheduler_link import SchedulerLink
-from radixserve.managers.scheduler_process import PortArgs, SchedulerInfo
-from radixserve.managers.tokenizer_manager import (
+from radixserve.frontend.scheduler_link import SchedulerLink
+from radixserve.frontend.tokenizer_manager import (
     GenerateOutput,
     SchedulerUnavailable,
     TokenizerManager,
     api_key_id,
     cache_namespace,
 )
+from radixserve.managers.io_struct import GetInternalStateOut, GetInternalStateReq
+from radixserve.managers.scheduler_process import PortArgs, SchedulerInfo
 from radixserve.mem_cache.radix_key import check_namespace
 from radixserve.sampling_params import SamplingParams
 

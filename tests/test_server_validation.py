@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from radixserve.entrypoints.http_errors import ApiError, decode_body
 from radixserve.entrypoints.openai_protocol import CompletionRequest, GenerateRequest
 from radixserve.entrypoints.serving_common import token_id_keys
-from radixserve.managers.fair_admission import FairAdmission
+from radixserve.frontend.fair_admission import FairAdmission
+from radixserve.frontend.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
 from radixserve.managers.io_struct import AbortReq, FlushCacheReq
-from radixserve.managers.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
 from radixserve.managers.scheduler_process import RestartBudget
 from radixserve.sampling_params import TEMPERATURE_FLOOR, SamplingParams, SamplingParamsError, check_input_ids
 

@@ -101,3 +101,97 @@ def test_the_lifecycle_methods_move_the_phase() -> None:
     assert req.phase is ReqPhase.FINISHED and req.finished_reason.status_code == 499
     assert req.has_output_to_send() and req.take_output().finished_reason["type"] == "abort"
     assert req.count_once() and not req.count_once()  # its prompt is counted once
+
+
+def _package_imports() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Each module's imports of other package modules (module- and function-level), and its type-only ones."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in names}
+    type_only: dict[str, set[str]] = {m: set() for m in names}
+    for module, path in names.items():
+        tree = ast.parse(path.read_text())
+        guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                   ast.unparse(node.test) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                found = resolve(target) if target.startswith("radixserve") else None
+                if found is not None and found != module:
+                    (type_only if id(node) in guarded else edges)[module].add(found)
+    return edges, type_only
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (iterative Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_among_the_package_modules() -> None:
+    edges, _ = _package_imports()
+    assert _cycles(edges) == []
+    # NOTE: the checker finds one when there is one
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_scheduler_process_and_the_http_process_live_in_separate_folders() -> None:
+    edges, _ = _package_imports()
+    scheduler_side = {m for m in edges if m.startswith("radixserve.managers.")}
+    assert not {m for m in scheduler_side for dep in edges[m] if dep.startswith("radixserve.frontend.")}, \
+        "the scheduler process imports HTTP-process code"
+    assert "radixserve.frontend.tokenizer_manager" in edges
+
+
+def test_no_module_is_over_500_lines() -> None:
+    sizes = {path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert {name: n for name, n in sizes.items() if n > 500} == {}

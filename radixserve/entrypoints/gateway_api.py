@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints.coalesce import Coalesced
 from radixserve.entrypoints.http_auth import Principal
-from radixserve.managers.tokenizer_manager import SchedulerUnavailable, TokenizerManager
+from radixserve.frontend.tokenizer_manager import SchedulerUnavailable, TokenizerManager
 from radixserve.server_args import ServerArgs
 
 # NOTE: /get_load is polled by the gateway without the client's key (it sends only a key it was

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from radixserve.entrypoints.http_errors import ApiError
-from radixserve.managers.tokenizer_manager import api_key_id
+from radixserve.frontend.tokenizer_manager import api_key_id
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from radixserve.managers.request_bounds import BoundError, RequestBounds, check_fields
+from radixserve.frontend.request_bounds import BoundError, RequestBounds, check_fields
 
 logger = logging.getLogger(__name__)
 

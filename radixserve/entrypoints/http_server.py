@@ -56,9 +56,8 @@ from radixserve.entrypoints.openai_protocol import (
 )
 from radixserve.entrypoints.serving_common import guarded
 from radixserve.entrypoints.serving_openai import OpenAIServing
-from radixserve.managers.scheduler_link import SchedulerLink
-from radixserve.managers.scheduler_process import launch_scheduler_process
-from radixserve.managers.tokenizer_manager import (
+from radixserve.frontend.scheduler_link import SchedulerLink
+from radixserve.frontend.tokenizer_manager import (
     FrontendBusy,
     FrontendConfig,
     GenerateReq,
@@ -66,6 +65,7 @@ from radixserve.managers.tokenizer_manager import (
     TokenizerManager,
     cache_namespace,
 )
+from radixserve.managers.scheduler_process import launch_scheduler_process
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 

@@ -27,8 +27,8 @@ from radixserve.entrypoints.openai_protocol import (
     CompletionLogprobs,
     TopLogprob,
 )
+from radixserve.frontend.tokenizer_manager import GenerateOutput, TopLogprobs
 from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
-from radixserve.managers.tokenizer_manager import GenerateOutput, TopLogprobs
 
 
 class HasLogprobs(Protocol):

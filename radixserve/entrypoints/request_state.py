@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from radixserve.client.shaping import native_logprobs
+from radixserve.client.text_stream import IncrementalDetokenizer, final_text
 from radixserve.managers.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
-from radixserve.managers.text_stream import IncrementalDetokenizer, final_text
 from radixserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, overloaded, unavailable
 from radixserve.entrypoints.logprobs import share_prompt_logprobs
-from radixserve.managers.tokenizer_manager import (
+from radixserve.frontend.tokenizer_manager import (
     GenerateOutput,
     GenerateReq,
     SchedulerBusy,

@@ -30,7 +30,7 @@ from radixserve.entrypoints.serving_common import (
     tokenize_text,
 )
 from radixserve.entrypoints.serving_openai import CLIENT_CLOSED, stream_response
-from radixserve.managers.tokenizer_manager import GenerateOutput, TokenizerManager
+from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
 from radixserve.sampling_params import SamplingParams
 
 _MAX_PARAM = "sampling_params.max_new_tokens"

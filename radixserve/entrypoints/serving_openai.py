@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.client.requests import per_choice_params
+from radixserve.client.text_stream import decode_all
 from radixserve.entrypoints.gateway_api import GATEWAY_UNSET_MODEL
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, unavailable
 from radixserve.entrypoints.logprobs import TokenTexts, chat_logprobs, check_top_logprobs, completion_logprobs
@@ -55,8 +56,7 @@ from radixserve.entrypoints.serving_common import (
     token_id_keys,
     tokenize_text,
 )
-from radixserve.managers.text_stream import decode_all
-from radixserve.managers.tokenizer_manager import GenerateOutput, SchedulerUnavailable, TokenizerManager
+from radixserve.frontend.tokenizer_manager import GenerateOutput, SchedulerUnavailable, TokenizerManager
 
 Render = Callable[[int, GenerateOutput], list[dict[str, Any]]]
 

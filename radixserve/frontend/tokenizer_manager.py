@@ -27,10 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.client.replies import ControlReplies
+from radixserve.client.text_stream import IncrementalDetokenizer, max_prompt_chars
 from radixserve.client.tracker import RequestTracker
-from radixserve.managers.fair_admission import FairAdmission, Ticket
-from radixserve.managers.fair_work import FairWork, FrontendBusy
-from radixserve.managers.frontend_io import FrontendConfig, GenerateOutput, GenerateReq, TopLogprobs
+from radixserve.frontend.fair_admission import FairAdmission, Ticket
+from radixserve.frontend.fair_work import FairWork, FrontendBusy
+from radixserve.frontend.frontend_io import FrontendConfig, GenerateOutput, GenerateReq, TopLogprobs
+from radixserve.frontend.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
+from radixserve.frontend.scheduler_supervisor import Launcher, SchedulerSupervisor
+from radixserve.frontend.tenant_namespace import api_key_id, cache_namespace, namespace_owner
+from radixserve.frontend.tokenizer_metrics import ServerMetrics
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -41,12 +46,7 @@ from radixserve.managers.io_struct import (
     LogprobSpec,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
 from radixserve.managers.scheduler_process import SchedulerInfo
-from radixserve.managers.scheduler_supervisor import Launcher, SchedulerSupervisor
-from radixserve.managers.tenant_namespace import api_key_id, cache_namespace, namespace_owner
-from radixserve.managers.text_stream import IncrementalDetokenizer, max_prompt_chars
-from radixserve.managers.tokenizer_metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from radixserve.managers.scheduler_link import SchedulerLink, SchedulerUnavailable
+from radixserve.frontend.scheduler_link import SchedulerLink, SchedulerUnavailable
 from radixserve.managers.scheduler_process import RestartBudget
 
 if TYPE_CHECKING:

@@ -1,0 +1,55 @@
+"""What a model folder says besides its weights: its config (with generation_config's extra EOS ids) and its
+tokenizer (a fast one, with a chat template)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from radixserve.models.config import ModelConfig, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Used only when a model ships no chat template (base models, test models).
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+
+
+def read_config_and_tokenizer(folder: Path) -> tuple[ModelConfig, object]:
+    config = read_config(folder)
+    tokenizer = load_tokenizer(folder)
+    if not config.eos_token_ids and tokenizer.eos_token_id is not None:
+        config = dataclasses.replace(config, eos_token_ids=(tokenizer.eos_token_id,))
+    return config, tokenizer
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many kinds for missing or broken tokenizer files
+        raise ModelLoadError(f"{folder}: no usable tokenizer ({type(e).__name__}: {e})") from e
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"{folder}: radixserve needs a fast (tokenizer.json) tokenizer")
+    if not tokenizer.chat_template:
+        logger.warning("%s has no chat template; using a plain 'role: content' template", folder)
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    return tokenizer
+
+
+def read_config(folder: Path) -> ModelConfig:
+    try:
+        hf = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{folder}/config.json cannot be read: {e}") from e
+    extra_eos: tuple[int, ...] = ()
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        extra_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+    return ModelConfig.from_hf_dict(hf, extra_eos)
