@@ -44,6 +44,32 @@ ISA_REQUIRES: dict[str, frozenset[str]] = {
     "avx2": frozenset({"avx2", "fma"}),
     "portable": frozenset(),
 }
+# The compiler flags of each level: the one table every C build uses (`kernels/build.py`). Never -march=native,
+# so a machine builds and tests the lower levels too.
+_AVX512_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512_bf16": (*_AVX512_FLAGS, "-mavx512bf16"),
+    "avx512": _AVX512_FLAGS,
+    "avx2": ("-mavx2", "-mfma"),
+    "portable": (),
+}
+AMX_FLAGS = (*ISA_FLAGS["avx512_bf16"], "-mamx-tile", "-mamx-bf16")  # kernels on AMX tiles (bf16)
+# The packed int8/int4 kernels' levels (layers/quantization/kernels.py): their integer dot products differ
+# by the VNNI instructions a CPU has, not by the float levels above.
+QUANT_ISAS = ("avx512_vnni", "avx_vnni", "avx2", "portable")
+_QUANT_BASE = ("-mavx2", "-mfma", "-mf16c")
+QUANT_ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512_vnni": (*_QUANT_BASE, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
+    "avx_vnni": (*_QUANT_BASE, "-mavxvnni"),
+    "avx2": _QUANT_BASE,
+    "portable": (),
+}
+QUANT_ISA_REQUIRES: dict[str, frozenset[str]] = {
+    "avx512_vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
+    "avx_vnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "portable": frozenset(),
+}
 # Features that make bf16 matrix products native (no float32 round trip in torch's GEMMs).
 NATIVE_BF16 = ("amx_bf16", "avx512_bf16", "arm_bf16")
 # With bf16 instructions but no AMX, bf16 still loses to float32 if measured this much slower (oneDNN may

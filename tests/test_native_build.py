@@ -7,7 +7,7 @@ import ctypes
 
 import pytest
 
-from radixserve.layers import native_build
+from radixserve.kernels import build as native_build
 
 
 def test_a_changed_header_builds_a_new_library(tmp_path, monkeypatch):

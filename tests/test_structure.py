@@ -195,3 +195,11 @@ def test_the_scheduler_process_and_the_http_process_live_in_separate_folders() -
 def test_no_module_is_over_500_lines() -> None:
     sizes = {path.relative_to(PACKAGE).as_posix(): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
     assert {name: n for name, n in sizes.items() if n > 500} == {}
+
+
+def test_one_module_builds_native_libraries_from_one_source_folder() -> None:
+    compiles = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+                if any(marker in path.read_text() for marker in ('"-shared"', "c_compiler()", '"-O3"'))}
+    assert compiles == {"kernels/build.py"}
+    c_files = {path.parent.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.[ch]")}
+    assert c_files == {"kernels/csrc"}

@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from radixserve import platform as rs_platform
+from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_amx_library, load_library
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
-from radixserve.layers.native_build import call_profiled, is_x86, load_amx_library, load_library
+from radixserve.platform import AMX_FLAGS, ISA_FLAGS
 
-SOURCE = Path(__file__).parent / "csrc" / "bf16_gemv.c"
-FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
+SOURCE = CSRC / "bf16_gemv.c"
+FLAGS = ISA_FLAGS["avx512_bf16"]
 TILE = 64  # output rows per tile of the packed layout (csrc/bf16_gemv.c)
 # Rows up to which the kernel beats oneDNN at every shape of the default model (at 8 rows it ties at the
 # narrow shapes and loses at the wide ones; benchmarks/bench_decode_linear.py).
@@ -32,9 +32,8 @@ AMX_MAX_ROWS = 32  # the AMX kernel's two 16-row A tiles
 # Row counts (prefill chunks) at which the large AMX product is timed against oneDNN's (linear_tuning.py);
 # rows r take the decision of the first point >= r, and oneDNN beyond the last.
 LARGE_GRID = (*range(64, 1281, 64), *range(1408, 2049, 128))
-AMX_FLAGS = (*FLAGS, "-mamx-tile", "-mamx-bf16")
-AMX_SOURCE = Path(__file__).parent / "csrc" / "bf16_amx.c"
-AMX_HEADERS = (Path(__file__).parent / "csrc" / "amx_tiles.h",)
+AMX_SOURCE = CSRC / "bf16_amx.c"
+AMX_HEADERS = (CSRC / "amx_tiles.h",)
 
 
 class Bf16Gemv:

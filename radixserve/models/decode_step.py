@@ -1,4 +1,4 @@
-"""A decode batch's decoder layers in one C call (layers/csrc/decode_step.c), on CPUs with AVX512-BF16.
+"""A decode batch's decoder layers in one C call (kernels/csrc/decode_step.c), on CPUs with AVX512-BF16.
 
 The layers' linear products and decode attention are the kernels the Python path calls too; what the C
 loop removes is ~10 Python-level calls per layer, each of which costs 25-40 us after the weight stream
@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from radixserve import envs
+from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_library
 from radixserve.layers.gemv import AMX_MAX_ROWS, FLAGS, GEMV_MAX_ROWS, load_gemv_kernel
-from radixserve.layers.native_build import call_profiled, is_x86, load_library
 
-SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "decode_step.c"
-HEADERS = tuple(Path(__file__).parent.parent / "layers" / "attention" / "csrc" / name
-                for name in ("simd.h", "attention_common.h"))  # simd.h includes attention_common.h
+SOURCE = CSRC / "decode_step.c"
+HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h"))  # simd.h includes attention_common.h
 LAYER_POINTERS = 9  # IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE
 
 

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from radixserve import platform as rs_platform
-from radixserve.layers.native_build import call_profiled, is_x86, load_amx_library
+from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_amx_library
+from radixserve.platform import AMX_FLAGS
 
-SOURCE = Path(__file__).parent / "csrc" / "extend_amx.c"
-HEADERS = tuple(Path(__file__).parent / name for name in (
-    "csrc/simd.h", "csrc/attention_common.h", "../csrc/amx_tiles.h"))
-FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
-         "-mamx-bf16")
+SOURCE = CSRC / "extend_amx.c"
+HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h", "amx_tiles.h"))
+FLAGS = AMX_FLAGS
 MAX_DIM = 256
 
 

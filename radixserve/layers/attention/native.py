@@ -18,34 +18,20 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform as _stdlib_platform
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from radixserve import envs
 from radixserve import platform as rs_platform
-from radixserve.layers.native_build import BUILD_ERRORS, c_compiler, call_profiled
+from radixserve.kernels.build import BUILD_ERRORS, CSRC, build_multilevel_library, call_profiled
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_attention.c", CSRC / "prefix_attention.c", CSRC / "extend_attention.c")
 HEADERS = (CSRC / "attention_common.h", CSRC / "simd.h", CSRC / "attention_lanes.h", CSRC / "decode_avx512.h")
 MAX_DIM, MAX_GROUP = 256, 16
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_AVX512_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
-ISA_FLAGS: dict[str, tuple[str, ...]] = {
-    "avx512_bf16": (*_AVX512_FLAGS, "-mavx512bf16"),
-    "avx512": _AVX512_FLAGS,
-    "avx2": ("-mavx2", "-mfma"),
-    "portable": (),
-}
 KERNELS = ("decode", "extend", "prefix")
 # (kernel class, dtype) -> the kernels that measured faster than torch's op at SmolLM2-135M's shapes on
 # that class of CPU (`platform.kernel_class()`; benchmarks/bench_kernels.py, 1 thread; docs/attention.md,
@@ -244,51 +230,4 @@ def built_isas() -> list[str]:
 
 
 def _build() -> Path:
-    compiler = c_compiler()
-    levels = _levels_for(_stdlib_platform.machine())
-    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    recipe = repr([(level, ISA_FLAGS[level]) for level in levels]).encode()
-    key = hashlib.sha256(source + recipe + compiler.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"attention-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = _compile_levels(compiler, levels, Path(tmp))
-        built = Path(tmp) / target.name
-        subprocess.run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(built), "-lm"], check=True,
-                       capture_output=True, timeout=300)
-        os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
-    logger.info("built %s (%s)", target, ", ".join(levels))
-    return target
-
-
-def _levels_for(machine: str) -> tuple[str, ...]:
-    x86 = machine.lower() in ("x86_64", "amd64")
-    return rs_platform.KERNEL_ISAS if x86 else ("portable",)
-
-
-def _compile_levels(compiler: str, levels: tuple[str, ...], tmp: Path) -> list[Path]:
-    """Every source once per level, the levels in parallel; a level the compiler rejects is left out
-    (the portable one must build)."""
-    jobs = {}
-    for level in levels:
-        folder = tmp / level
-        folder.mkdir()
-        cmd = [compiler, "-O3", "-fopenmp", "-fPIC", "-std=c11", *ISA_FLAGS[level], f"-DRS_ISA_SUFFIX=_{level}",
-               "-c", *(str(path) for path in SOURCES)]
-        jobs[level] = (folder, subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    objects = []
-    for level, (folder, proc) in jobs.items():
-        _, err = proc.communicate(timeout=300)
-        if proc.returncode != 0:
-            if level == "portable":
-                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
-            logger.warning("the C compiler cannot build the %s kernels: %s", level, err.decode()[-300:])
-            continue
-        objects += sorted(folder.glob("*.o"))
-    return objects
-
-
-def _cache_dir() -> Path:
-    return envs.CACHE_DIR.get() / "kernels"
+    return build_multilevel_library("attention", SOURCES, HEADERS)

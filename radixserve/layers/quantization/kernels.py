@@ -11,28 +11,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
-from radixserve.layers.native_build import call_profiled, is_x86, load_library
+from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_library
+from radixserve.platform import QUANT_ISA_FLAGS, QUANT_ISA_REQUIRES, QUANT_ISAS
 
-SOURCE = Path(__file__).parent / "csrc" / "quant_matmul.c"
-QUANT_ISAS = ("avx512_vnni", "avx_vnni", "avx2", "portable")
-_X86_BASE = ("-mavx2", "-mfma", "-mf16c")
-ISA_FLAGS: dict[str, tuple[str, ...]] = {
-    "avx512_vnni": (*_X86_BASE, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"),
-    "avx_vnni": (*_X86_BASE, "-mavxvnni"),
-    "avx2": _X86_BASE,
-    "portable": (),
-}
-# The CPU features (radixserve.platform) each level needs.
-ISA_REQUIRES: dict[str, frozenset[str]] = {
-    "avx512_vnni": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}),
-    "avx_vnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
-    "avx2": frozenset({"avx2", "fma", "f16c"}),
-    "portable": frozenset(),
-}
+SOURCE = CSRC / "quant_matmul.c"
+# NOTE: the levels and their flags are platform.py's (QUANT_ISAS, QUANT_ISA_FLAGS, QUANT_ISA_REQUIRES)
+ISA_FLAGS = QUANT_ISA_FLAGS
+ISA_REQUIRES = QUANT_ISA_REQUIRES
 
 
 def cpu_flags() -> frozenset[str]:

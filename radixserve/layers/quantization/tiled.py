@@ -15,15 +15,15 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from radixserve.layers.native_build import call_profiled, load_library
+from radixserve.kernels.build import CSRC, call_profiled, load_library
 from radixserve.layers.quantization.formats import QK, PackedWeight
+from radixserve.platform import QUANT_ISA_FLAGS
 
-SOURCE = Path(__file__).parent / "csrc" / "quant_tiled.c"
-FLAGS = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni")
+SOURCE = CSRC / "quant_tiled.c"
+FLAGS = QUANT_ISA_FLAGS["avx512_vnni"]
 TILE = 64  # output rows per tile
 SUB = 16  # rows per 64-byte weight vector
 

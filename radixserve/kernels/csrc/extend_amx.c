@@ -20,7 +20,7 @@
 #include <immintrin.h>
 #include <stdlib.h>
 
-#include "../../csrc/amx_tiles.h"
+#include "amx_tiles.h"
 #include "simd.h" /* vf_exp_nonpositive, vf_max16, vf_sum16; MAX_DIM */
 
 #define KB 32 /* keys per block */

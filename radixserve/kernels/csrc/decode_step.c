@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../attention/csrc/simd.h"
+#include "simd.h"
 
 typedef int (*linear_fn)(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
                          int64_t n, int64_t k, int nthreads);
