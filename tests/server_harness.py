@@ -153,6 +153,16 @@ def _stop_shared() -> None:
         server.stop()
 
 
+def small_completion_s(server: ServerHandle, key: str | None = None) -> float:
+    """Seconds for a one-token completion of "Hello" (as `key`, or the server's own key): what another
+    client feels while a test loads the server."""
+    started = time.monotonic()
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else None
+    r = server.post("/v1/completions", headers=headers, json={"prompt": "Hello", "max_tokens": 1})
+    assert r.status_code == 200, r.text[:300]
+    return time.monotonic() - started
+
+
 def wait_idle(server: ServerHandle, timeout_s: float = 30.0) -> dict[str, Any]:
     """Waits until no request is in flight or holds KV; returns the scheduler state then."""
     deadline = time.monotonic() + timeout_s

@@ -14,6 +14,7 @@ from server_harness import (
     TENANT_KEYS,
     ServerHandle,
     check_idle_conservation,
+    small_completion_s,
     tenant_server,
     wait_idle,
 )
@@ -165,19 +166,12 @@ def test_a_small_request_beside_a_2000_prompt_one_waits_a_bounded_number_of_step
     check_idle_conservation(server)
 
 
-def _small_completion_s(server: ServerHandle, key: str) -> float:
-    started = time.monotonic()
-    r = server.post("/v1/completions", headers=_as(key), json={"prompt": "Hello", "max_tokens": 1})
-    assert r.status_code == 200, r.text[:300]
-    return time.monotonic() - started
-
-
 def test_one_key_s_expensive_prompts_delay_another_key_by_one_at_most(server: ServerHandle) -> None:
     """Eight 100,000-token prompts from one key (600,000 characters, under this 8,192-token context's character
     bound, so each is tokenized: about 0.8 s on the tokenizer thread, then refused as too long). Another key's
     small completion takes its turn after the tokenization already running, not after all eight (first come,
     first served, it waited for nearly all of them)."""
-    alone = min(_small_completion_s(server, TENANT_KEYS[1]) for _ in range(3))
+    alone = min(small_completion_s(server, TENANT_KEYS[1]) for _ in range(3))
     body = {"prompt": "hello world " * 50_000, "max_tokens": 1}
     results: list[httpx.Response] = []
     started = time.monotonic()
@@ -186,7 +180,7 @@ def test_one_key_s_expensive_prompts_delay_another_key_by_one_at_most(server: Se
     for t in threads:
         t.start()
     time.sleep(0.3)
-    beside = _small_completion_s(server, TENANT_KEYS[1])
+    beside = small_completion_s(server, TENANT_KEYS[1])
     for t in threads:
         t.join(120)
     hostile_s = time.monotonic() - started

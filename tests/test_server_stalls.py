@@ -17,7 +17,13 @@ from collections.abc import Callable
 
 import httpx
 import pytest
-from server_harness import API_SERVER_ARGS, ServerHandle, check_idle_conservation, shared_server
+from server_harness import (
+    API_SERVER_ARGS,
+    ServerHandle,
+    check_idle_conservation,
+    shared_server,
+    small_completion_s,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,13 +60,6 @@ def _health_latencies(server: ServerHandle, stop: threading.Event) -> list[float
     return latencies
 
 
-def _small_completion_s(server: ServerHandle) -> float:
-    started = time.monotonic()
-    r = server.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 1})
-    assert r.status_code == 200, r.text
-    return time.monotonic() - started
-
-
 def _health_s(server: ServerHandle) -> float:
     started = time.monotonic()
     assert server.get("/health").status_code == 200
@@ -71,7 +70,7 @@ def run_beside(server: ServerHandle, send: Callable[[], httpx.Response], copies:
                ) -> tuple[list[httpx.Response], float, float, list[float], float]:
     """Sends `copies` hostile requests at once; returns (their responses, the small completion's time beside
     them and alone, /health's latencies beside them and alone)."""
-    alone = min(_small_completion_s(server) for _ in range(3))
+    alone = min(small_completion_s(server) for _ in range(3))
     health_alone = min(_health_s(server) for _ in range(3))
     stop = threading.Event()
     latencies = _health_latencies(server, stop)
@@ -81,7 +80,7 @@ def run_beside(server: ServerHandle, send: Callable[[], httpx.Response], copies:
         for t in threads:
             t.start()
         time.sleep(0.05)
-        beside = _small_completion_s(server)
+        beside = small_completion_s(server)
         for t in threads:
             t.join(120)
     finally:
@@ -186,7 +185,7 @@ def test_a_flood_of_keyless_probes_is_bounded_and_leaves_others_served(server: S
     """300 concurrent /health_generate and /get_load used to queue one generation (or scheduler round trip)
     each: another client's median latency went from 0.09 s to 6-7.6 s. Concurrent probes now share one, and
     past --keyless-rate-limit (20 per second by default) they get 429 with Retry-After."""
-    alone = min(_small_completion_s(server) for _ in range(3))
+    alone = min(small_completion_s(server) for _ in range(3))
 
     async def flood() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
@@ -199,7 +198,7 @@ def test_a_flood_of_keyless_probes_is_bounded_and_leaves_others_served(server: S
     thread = threading.Thread(target=lambda: box.append(asyncio.run(flood())))
     thread.start()
     time.sleep(0.2)
-    beside = _small_completion_s(server)
+    beside = small_completion_s(server)
     thread.join(120)
     assert box, "the flood got no answers"
     statuses = [r.status_code for r in box[0]]

@@ -112,9 +112,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             return principal.key_id
         return ("connection", *(request.client or ()))
 
-    async def parse(request: Request, model: Any, principal: Principal) -> Any:
-        return await parse_request(request, model, limit, tm.config.bounds,
-                                   partial(tm.run_parse, work_key(principal, request)))
+    async def parse(request: Request, model: Any, principal: Principal) -> tuple[Any, Any]:
+        """The validated body, and whose turn its CPU work takes (computed once per request)."""
+        key = work_key(principal, request)
+        return await parse_request(request, model, limit, tm.config.bounds, partial(tm.run_parse, key)), key
 
     keyless = TokenBucket(tm.config.keyless_rate_limit)
 
@@ -129,15 +130,15 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
               responses=docs.responses(docs.ref(CompletionResponse), *_GENERATE_ERRORS, 404, stream=True))
     async def completions(request: Request) -> Response:
         principal = auth.principal(request)
-        req = await parse(request, CompletionRequest, principal)
-        return await guarded(lambda: openai.completions(req, namespace(principal, req), request, work_key(principal, request)))
+        req, key = await parse(request, CompletionRequest, principal)
+        return await guarded(lambda: openai.completions(req, namespace(principal, req), request, key))
 
     @app.post("/v1/chat/completions", openapi_extra=docs.json_body(ChatCompletionRequest),
               responses=docs.responses(docs.ref(ChatCompletionResponse), *_GENERATE_ERRORS, 404, stream=True))
     async def chat_completions(request: Request) -> Response:
         principal = auth.principal(request)
-        req = await parse(request, ChatCompletionRequest, principal)
-        return await guarded(lambda: openai.chat(req, namespace(principal, req), request, work_key(principal, request)))
+        req, key = await parse(request, ChatCompletionRequest, principal)
+        return await guarded(lambda: openai.chat(req, namespace(principal, req), request, key))
 
     generate_ok = {"anyOf": [docs.ref(GenerateResponse), {"type": "array", "items": docs.ref(GenerateResponse)}]}
 
@@ -145,15 +146,14 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
               responses=docs.responses(generate_ok, *_GENERATE_ERRORS, stream=True))
     async def generate(request: Request) -> Response:
         principal = auth.principal(request)
-        req = await parse(request, GenerateRequest, principal)
-        return await guarded(lambda: serving_native.generate(tm, texts, req, namespace(principal, req), request,
-                                                                work_key(principal, request)))
+        req, key = await parse(request, GenerateRequest, principal)
+        return await guarded(lambda: serving_native.generate(tm, texts, req, namespace(principal, req), request, key))
 
     @app.post("/abort_request", openapi_extra=docs.json_body(AbortRequest),
               responses=docs.responses(docs.ref(AbortResponse), 400, 401, 413))
     async def abort_request(request: Request) -> JSONResponse:
         principal = auth.principal(request)
-        req = await parse(request, AbortRequest, principal)
+        req, _ = await parse(request, AbortRequest, principal)
         if req.rid is None and not req.abort_all:
             raise bad_request("give the 'rid' to abort, or 'abort_all': true", param="rid")
         aborted = tm.abort_request(req.rid, principal.key_id, req.abort_all, admin=principal.admin)
@@ -163,15 +163,15 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
               responses=docs.responses(docs.ref(TokenizeResponse), 400, 401, 404, 413))
     async def tokenize(request: Request) -> JSONResponse:
         principal = auth.principal(request)
-        req = await parse(request, TokenizeRequest, principal)
-        return JSONResponse(await openai.tokenize(req, work_key(principal, request)))
+        req, key = await parse(request, TokenizeRequest, principal)
+        return JSONResponse(await openai.tokenize(req, key))
 
     @app.post("/detokenize", openapi_extra=docs.json_body(DetokenizeRequest),
               responses=docs.responses(docs.ref(DetokenizeResponse), 400, 401, 404, 413))
     async def detokenize(request: Request) -> JSONResponse:
         principal = auth.principal(request)
-        req = await parse(request, DetokenizeRequest, principal)
-        return JSONResponse(await openai.detokenize(req, work_key(principal, request)))
+        req, key = await parse(request, DetokenizeRequest, principal)
+        return JSONResponse(await openai.detokenize(req, key))
 
     @app.get("/v1/models", responses=docs.responses(docs.ref(ModelList), 401))
     async def models(request: Request) -> JSONResponse:

@@ -30,6 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def queue_share(key: Any, holders: Any, capacity: int) -> int:
+    """A key's share of a full queue of `capacity`: an equal part among the keys that hold something in it
+    (`holders`, this key counted), so one key's backlog cannot lock the others out. The one rule of both
+    fair queues: tickets to the scheduler (FairAdmission) and the front end's CPU work (FairWork)."""
+    return capacity // (len(holders) + (key not in holders))
+
 @dataclass
 class _Group:
     """One HTTP request's tickets."""
@@ -74,9 +80,8 @@ class FairAdmission:
         return sum(len(self._groups[g].waiting) + self._groups[g].queued for g in self._keys.get(key, ()))
 
     def queue_share(self, key: Any, capacity: int) -> int:
-        """A key's share of `capacity` queued tickets: an equal part among the keys with tickets (this one
-        counted), so one key's backlog cannot lock the others out of a full queue."""
-        return capacity // (len(self._keys) + (key not in self._keys))
+        """A key's share of `capacity` queued tickets (see `queue_share`)."""
+        return queue_share(key, self._keys, capacity)
 
     @property
     def num_outstanding(self) -> int:

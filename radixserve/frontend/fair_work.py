@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from radixserve.frontend.fair_admission import queue_share
+
 T = TypeVar("T")
 
 
@@ -88,7 +90,7 @@ class FairWork:
         waiting = self.num_waiting
         if waiting < self.max_pending:
             return
-        share = self.max_pending // (len(self._waiting) + (key not in self._waiting))
+        share = queue_share(key, self._waiting, self.max_pending)
         mine = len(self._waiting.get(key, ()))
         if mine >= share:
             raise FrontendBusy(f"{waiting} requests wait for the front end's {self.threads} {self.name} thread(s) "
