@@ -43,7 +43,7 @@ def test_defaults_and_startup_log(tiny, caplog):
     assert runner.req_to_token_pool.req_to_token.shape == (65, 516)
     assert type(runner.token_to_kv_pool_allocator) is TokenToKVPoolAllocator
     assert runner.token_to_kv_pool.k_buffer[0].shape == (513, 2, 16)
-    line = caplog.records[-1].getMessage()
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model "))
     for part in (f"dtype {auto.dtype} ({auto.reason})", "KV pool 512 tokens", "page size 1", "max running requests 64", "max context 512"):
         assert part in line
 

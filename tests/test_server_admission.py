@@ -189,8 +189,10 @@ def test_one_key_s_expensive_prompts_delay_another_key_by_one_at_most(server: Se
     assert "100001 in the prompt" in message or "100000 in the prompt" in message, message
     print(f"\nfair tokenizing: small completion {beside:.2f} s beside eight 100k-token prompts ({hostile_s:.1f} s), "
           f"{alone:.2f} s alone")
-    # one tokenization is an eighth of hostile_s; waiting behind all would be nearly all of it
-    assert beside < alone + hostile_s / 3, (beside, alone, hostile_s)
+    # one tokenization is an eighth of hostile_s; waiting behind all would be nearly all of it. NOTE: half, not a
+    # third: on a 2-core Xeon the eight 600 KB bodies' reads and parses also slow the loop (0.5-1.1 s of 1.6-1.8
+    # s there, at this commit and before it), which says nothing about the order of the tokenizer's turns.
+    assert beside < alone + hostile_s / 2, (beside, alone, hostile_s)
     check_idle_conservation(server)
 
 

@@ -201,6 +201,13 @@ def test_health_health_generate_and_server_info(server: ServerHandle) -> None:
     state = info["scheduler_state"]
     for key in ("num_retractions", "evicted_tokens", "cached_tokens", "prompt_tokens", "kv_accounting"):
         assert key in state
+    # the execution plan: every choice with its reason, the same one the scheduler logged at start-up
+    plan = info["platform"]["execution_plan"]
+    assert plan["dtype"] == {"choice": "float32", "reason": "explicit --dtype"}
+    assert plan["decoder"]["choice"] == "python layers" and "bfloat16 only" in plan["decoder"]["reason"]
+    assert sum(int(e["choice"].rsplit(" x", 1)[1]) for part, e in plan.items() if part.startswith("linear ")) == 30 * 4 + 1
+    assert all(e["reason"] for e in plan.values())
+    assert "execution plan:" in server.log_tail(200_000) and "attention decode" in server.log_tail(200_000)
 
 
 def test_flush_cache_409_while_running_then_200_with_tokens_freed(server: ServerHandle, client: OpenAI,

@@ -52,7 +52,7 @@ from radixserve.managers.scheduler_input_processor import InputProcessor
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor, logprob_top_k
 from radixserve.managers.scheduler_runner import SchedulerRunner
-from radixserve.managers.scheduler_state import internal_state
+from radixserve.managers.scheduler_state import StateReport
 from radixserve.managers.step_pipelines import Pipelines
 from radixserve.mem_cache.kv_manager import KVManager
 from radixserve.mem_cache.radix_cache import RadixCache
@@ -116,6 +116,7 @@ class Scheduler:
             self.context_len, pool, self.page_size, self.vocab_size, self.eos_token_ids))
         self.pipelines = Pipelines(self.model_runner, self.device)
         self.failures = FailureContainment(self, self.pipelines, self.queue, self.prefill, self.output)
+        self.state_report = StateReport(self)
 
     # ---- loops ----------------------------------------------------------------------------------
     def event_loop(self) -> None:
@@ -365,7 +366,7 @@ class Scheduler:
 
     def get_internal_state(self) -> dict[str, Any]:
         """Counters, pool sizes and, when idle, the conservation check's terms (or its error)."""
-        return internal_state(self)
+        return self.state_report()
 
     def shutdown(self) -> None:
         self.stop_event.set()

@@ -144,57 +144,7 @@ def build_scheduler(server_args: ServerArgs, output_sink: Any, loaded_model: Any
 
     runner = build_on_short_lived_thread(ModelRunner, server_args, loaded_model)
     scheduler = build_on_short_lived_thread(Scheduler, server_args, model_runner=runner, output_sink=output_sink)
-    _report_kv_accounting(scheduler)
     return scheduler, _info_from_runner(server_args, runner)
-
-
-def _report_kv_accounting(scheduler: Any) -> None:
-    """Adds the conservation identity's terms to the scheduler's internal state (/get_server_info).
-
-    NOTE: the full check walks the pool (tens of ms on a large one), and liveness probes ask for the
-    state every second while idle; it is recomputed only when the pool or the counters moved.
-    """
-    base = scheduler.get_internal_state
-    last: dict[str, Any] = {}
-
-    def get_internal_state() -> dict[str, Any]:
-        key = _pool_fingerprint(scheduler)
-        if last.get("key") != key:
-            last.update(key=key, value=kv_accounting(scheduler))
-        return base() | {"kv_accounting": last["value"], "failed_steps": scheduler.failed_steps}
-
-    scheduler.get_internal_state = get_internal_state
-
-
-def _pool_fingerprint(scheduler: Any) -> tuple:
-    stats = scheduler.stats
-    return (stats.num_prefill_batches, stats.num_decode_batches, stats.num_requests, stats.num_aborts,
-            scheduler.token_to_kv_pool_allocator.available_size(), scheduler.tree_cache.evictable_size(),
-            scheduler.tree_cache.protected_size(), scheduler.req_to_token_pool.available_size(),
-            len(scheduler.waiting_queue), scheduler.is_idle())
-
-
-def kv_accounting(scheduler: Any) -> dict[str, Any]:
-    """available + pending_free + evictable + protected + request_private == size, checked page by page.
-
-    NOTE: runs on the scheduler thread (it answers GetInternalStateReq between steps), so it sees a
-    consistent pool; `holds` is what the identity and single ownership say right now.
-    """
-    from radixserve.mem_cache.conservation import ConservationError, check_conservation
-
-    pool = scheduler.req_to_token_pool
-    active = scheduler.active_requests()
-    try:
-        report = check_conservation(scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, pool,
-                                    [r.kv for r in active])
-        holds, error = True, None
-    except ConservationError as e:
-        report, holds, error = e.report, False, str(e)
-    except Exception as e:  # noqa: BLE001 - a diagnostic must never take the scheduler down
-        logger.exception("KV accounting failed")
-        report, holds, error = {}, False, f"{type(e).__name__}: {e}"
-    return {**report, "holds": holds, "error": error, "active_requests": len(active),
-            "req_rows_in_use": pool.size - pool.available_size(), "idle": scheduler.is_idle()}
 
 
 def _info_from_runner(server_args: ServerArgs, runner: ModelRunner) -> SchedulerInfo:

@@ -19,6 +19,7 @@ from radixserve.layers.sampler import (
 )
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.cpu_memory import keep_freed_memory
+from radixserve.model_executor.execution_plan import ExecutionPlan
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.models.device_setup import setup_model_for_device
 from radixserve.server_args import ServerArgs
@@ -86,6 +87,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device,
                                                      cascade=not server_args.disable_cascade_attention)
         self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
+        self.execution_plan = ExecutionPlan.of_runner(self)  # NOTE: once; logged here, in /get_server_info
         self._log_startup()
 
     def forward(self, forward_batch: ForwardBatch, read_done: Any = None) -> torch.Tensor:
@@ -174,7 +176,8 @@ class ModelRunner:
                                                "used": kernel.selected_kernels().get(self.dtype_choice.dtype, [])
                                                + (["extend_amx"] if amx else [])}
         return {"dtype": self.dtype_choice.dtype, "dtype_reason": self.dtype_choice.reason,
-                "attention_kernels": kernels, "cpu": platform.describe(), "malloc_tuned": self.malloc_tuned}
+                "attention_kernels": kernels, "cpu": platform.describe(), "malloc_tuned": self.malloc_tuned,
+                "execution_plan": self.execution_plan.as_dict()}
 
     def _log_startup(self) -> None:
         gib = self.max_total_num_tokens * MHATokenToKVPool.bytes_per_token(
@@ -191,6 +194,7 @@ class ModelRunner:
             self.max_total_num_tokens, gib, self.page_size, self.max_running_requests, self.context_len,
             self.server_args.attention_backend, used, self.server_args.quantization, weight_summary(self.model),
             self.device_setup.describe(), "kept" if self.malloc_tuned else "default", platform.summary_line())
+        logger.info("execution plan:\n%s", self.execution_plan.describe())
         if self.max_total_num_tokens < self.context_len:
             logger.warning("the KV pool (%d tokens) is smaller than the context length (%d): one request "
                            "can use at most the pool", self.max_total_num_tokens, self.context_len)

@@ -144,15 +144,29 @@ class SiluAndMul:
 def load_decode_step(model: torch.nn.Module, dtype: torch.dtype) -> DecodeStep | None:
     """The C decode step for this model, or None where it does not apply (then the layers run in Python).
     Where it applies, the layers' SiLU-and-mul becomes `SiluAndMul` as well."""
-    if not envs.DECODE_STEP.get() or dtype != torch.bfloat16 or not is_x86() or not _fits(model):
+    if decode_step_refusal(model, dtype) is not None:
         return None
     lib = _library()
-    if lib is None:
-        return None
     act = SiluAndMul(lib, model.fused_ops.silu_and_mul)
     for layer in model.model.layers:
         layer.mlp.act = act
     return DecodeStep(model, lib)
+
+
+def decode_step_refusal(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
+    """Why decode batches of `model` run the decoder layers in Python rather than in one C call; None if C."""
+    if not envs.DECODE_STEP.get():
+        return f"{envs.DECODE_STEP.name}=0"
+    if dtype != torch.bfloat16:
+        return f"the C decode step is bfloat16 only (dtype {str(dtype).removeprefix('torch.')})"
+    if not is_x86():
+        return "the C decode step is x86 only"
+    if not _fits(model):
+        return "the model's layers are not all on the bf16 GEMV (a quantized or biased layer, a shape not a " \
+               "multiple of 32, or no AVX512-BF16 GEMV here)"
+    if _library() is None:
+        return "the C decode step did not build here"
+    return None
 
 
 def _fits(model: torch.nn.Module) -> bool:

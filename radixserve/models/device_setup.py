@@ -11,7 +11,7 @@ import torch
 from radixserve.layers.fused_ops import load_fused_ops
 from radixserve.layers.linear_tuning import configure_linear_methods
 from radixserve.layers.quantization.model_quant import tile_packed_weights
-from radixserve.models.decode_step import load_decode_step
+from radixserve.models.decode_step import decode_step_refusal, load_decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,7 @@ class DeviceSetup:
     fused_ops: tuple[str, ...]  # the compiled ops in use (empty: eager passes)
     seconds: float
     decode_step: bool = False  # decode batches run the decoder layers in one C call
+    decode_step_refusal: str | None = "not set up"  # why they do not (None: they do)
 
     def describe(self) -> str:
         linear = ", ".join(f"{name} x{n}" for name, n in sorted(self.linear_methods.items()))
@@ -38,8 +39,13 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, dtype: 
         tile_packed_weights(model)
     ops = load_fused_ops(model.config, dtype, device) if fused_ops else None
     model.set_fused_ops(ops)
+    refusal = "the C decode step runs on the CPU only" if device.type != "cpu" else None
     if hasattr(model, "decode_step"):
-        model.decode_step = load_decode_step(model, dtype) if device.type == "cpu" else None
+        refusal = refusal or decode_step_refusal(model, dtype)
+        model.decode_step = load_decode_step(model, dtype) if refusal is None else None
+    else:
+        refusal = "this model has no decode-step seam"
     names = () if ops is None else tuple(
         op.name for op in (ops.add_rmsnorm, ops.rotary_kv, ops.silu_and_mul) if op is not None)
-    return DeviceSetup(counts, names, time.perf_counter() - start, getattr(model, "decode_step", None) is not None)
+    on_c = getattr(model, "decode_step", None) is not None
+    return DeviceSetup(counts, names, time.perf_counter() - start, on_c, None if on_c else refusal or "not loaded")

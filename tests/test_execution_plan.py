@@ -1,0 +1,76 @@
+"""The execution plan: built once at start-up, one entry per choice with its reason, true to what runs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.layers.linear import LinearBase
+
+
+@pytest.fixture(scope="module")
+def float32_engine():
+    engine = Engine(dtype="float32", max_total_tokens=1024, log_level="warning")
+    yield engine
+    engine.shutdown()
+
+
+def test_the_plan_says_what_each_linear_layer_runs(float32_engine: Engine) -> None:
+    runner = float32_engine.model_runner
+    plan = runner.execution_plan
+    actual = Counter((f"{m.out_features}x{m.in_features}", m.method.name) for _, m in runner.model.named_modules()
+                     if isinstance(m, LinearBase))
+    planned = Counter()
+    for entry in plan.entries:
+        if entry.part.startswith("linear "):
+            method, count = entry.choice.rsplit(" x", 1)
+            planned[(entry.part.removeprefix("linear "), method)] += int(count)
+            assert "timed here" in entry.reason  # --linear-method auto
+    assert planned == actual and sum(actual.values()) == 4 * runner.model_config.num_layers + 1
+
+
+def test_the_plan_gives_a_reason_for_every_choice(float32_engine: Engine) -> None:
+    plan = float32_engine.model_runner.execution_plan
+    parts = [e.part for e in plan.entries]
+    for part in ("dtype", "attention backend", "attention decode", "attention extend", "attention shared prefix",
+                 "fused ops", "decoder"):
+        assert part in parts
+    assert all(e.reason for e in plan.entries)
+    assert plan.choice("dtype") == "float32"
+    # float32: the C decode step (bf16 only) does not run, and the plan says why
+    assert plan.choice("decoder") == "python layers"
+    assert float32_engine.model_runner.model.decode_step is None
+    assert "bfloat16 only" in plan.as_dict()["decoder"]["reason"]
+    assert float32_engine.model_runner.platform_info()["execution_plan"] == plan.as_dict()
+
+
+def test_switches_show_in_the_plan() -> None:
+    engine = Engine(dtype="float32", max_total_tokens=1024, log_level="warning", linear_method="dense",
+                    disable_fused_ops=True, disable_cascade_attention=True, attention_backend="torch")
+    try:
+        plan = engine.model_runner.execution_plan.as_dict()
+    finally:
+        engine.shutdown()
+    linear = {p: e for p, e in plan.items() if p.startswith("linear ")}
+    assert linear and all(e["choice"].startswith("dense x") and e["reason"] == "--linear-method dense"
+                          for e in linear.values())
+    assert plan["fused ops"] == {"choice": "off", "reason": "--disable-fused-ops"}
+    assert plan["attention shared prefix"] == {"choice": "off", "reason": "--disable-cascade-attention"}
+    assert plan["attention decode"]["choice"] == "torch" and "no C kernels" in plan["attention decode"]["reason"]
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), reason="needs AVX-512")
+def test_bfloat16_on_an_avx512_bf16_cpu_plans_the_c_decode_step_where_it_runs() -> None:
+    from radixserve import platform
+
+    if platform.kernel_isa() != "avx512_bf16":
+        pytest.skip(f"the C decode step needs the avx512_bf16 level; this CPU runs {platform.kernel_isa()}")
+    engine = Engine(dtype="bfloat16", max_total_tokens=1024, log_level="warning")
+    try:
+        plan = engine.model_runner.execution_plan
+        assert (plan.choice("decoder") == "C decode step") == (engine.model_runner.model.decode_step is not None)
+    finally:
+        engine.shutdown()
