@@ -206,7 +206,7 @@ def test_a_flood_of_keyless_probes_is_bounded_and_leaves_others_served(server: S
     refused = next(r for r in box[0] if r.status_code == 429)
     assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == "rate_limited"
     # NOTE: the flood's 300 connections share this process's GIL and the server's 2 cores with the probe,
-    # which took 0.25-1.2 s here across runs; unbounded probes made it 6-7.6 s.
-    assert beside < alone + 2.0, (beside, alone)
+    # which took 0.25-2.1 s across runs on a 2-core Xeon (at this commit and before); unbounded probes made it 6-7.6 s.
+    assert beside < alone + 3.0, (beside, alone)
     time.sleep(1.1)
     assert server.get("/health_generate").status_code == 200

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Any
 
 import torch
 
@@ -141,36 +142,36 @@ class SiluAndMul:
         return out
 
 
-def load_decode_step(model: torch.nn.Module, dtype: torch.dtype) -> DecodeStep | None:
-    """The C decode step for this model, or None where it does not apply (then the layers run in Python).
-    Where it applies, the layers' SiLU-and-mul becomes `SiluAndMul` as well."""
-    if decode_step_refusal(model, dtype) is not None:
-        return None
-    lib = _library()
-    act = SiluAndMul(lib, model.fused_ops.silu_and_mul)
-    for layer in model.model.layers:
-        layer.mlp.act = act
-    return DecodeStep(model, lib)
+def load_decode_step(model: torch.nn.Module) -> DecodeStep:
+    """The C decode step for this model; only where `decode_step_refusal` found no reason against it."""
+    return DecodeStep(model, _library())
 
 
-def decode_step_refusal(model: torch.nn.Module, dtype: torch.dtype) -> str | None:
-    """Why decode batches of `model` run the decoder layers in Python rather than in one C call; None if C."""
+def c_silu_and_mul(ops: Any) -> SiluAndMul:
+    """The SiLU-and-mul a model with the C decode step runs in Python too (prefill): the C loop from
+    SiluAndMul.MIN_ROWS rows, the compiled op below, so both paths round alike."""
+    return SiluAndMul(_library(), ops.silu_and_mul)
+
+
+def decode_step_refusal(model: torch.nn.Module, dtype: torch.dtype, ops: Any) -> str | None:
+    """Why decode batches of `model` (to run the fused ops `ops`) run the decoder layers in Python rather than
+    in one C call; None if C."""
     if not envs.DECODE_STEP.get():
         return f"{envs.DECODE_STEP.name}=0"
     if dtype != torch.bfloat16:
         return f"the C decode step is bfloat16 only (dtype {str(dtype).removeprefix('torch.')})"
     if not is_x86():
         return "the C decode step is x86 only"
-    if not _fits(model):
+    if not _fits(model, ops):
         return "the model's layers are not all on the bf16 GEMV (a quantized or biased layer, a shape not a " \
-               "multiple of 32, or no AVX512-BF16 GEMV here)"
+               "multiple of 32, fused ops off, or no AVX512-BF16 GEMV here)"
     if _library() is None:
         return "the C decode step did not build here"
     return None
 
 
-def _fits(model: torch.nn.Module) -> bool:
-    config, fused = getattr(model, "config", None), getattr(model, "fused_ops", None)
+def _fits(model: torch.nn.Module, fused: Any) -> bool:
+    config = getattr(model, "config", None)
     if config is None or fused is None or fused.rotary_kv is None or not hasattr(model, "rotary"):
         return False  # NOTE: the C loop is the fused path's layer structure (llama.py), nothing else
     if config.hidden_size % 32 or config.head_dim % 32 or config.intermediate_size % 32:

@@ -11,7 +11,7 @@ import torch
 from radixserve.layers.fused_ops import load_fused_ops
 from radixserve.layers.linear_tuning import configure_linear_methods
 from radixserve.layers.quantization.model_quant import tile_packed_weights
-from radixserve.models.decode_step import decode_step_refusal, load_decode_step
+from radixserve.models.decode_step import c_silu_and_mul, decode_step_refusal, load_decode_step
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,17 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, dtype: 
     if device.type == "cpu":
         tile_packed_weights(model)
     ops = load_fused_ops(model.config, dtype, device) if fused_ops else None
-    model.set_fused_ops(ops)
-    refusal = "the C decode step runs on the CPU only" if device.type != "cpu" else None
-    if hasattr(model, "decode_step"):
-        refusal = refusal or decode_step_refusal(model, dtype)
-        model.decode_step = load_decode_step(model, dtype) if refusal is None else None
+    # NOTE: every choice is made first, then given to the model once through its setters (no attribute of a
+    # layer is written twice): the fused ops, the SiLU-and-mul they run with, and the decoder.
+    if not hasattr(model, "set_decoder"):
+        refusal = "this model has no decoder seam"
+    elif device.type != "cpu":
+        refusal = "the C decode step runs on the CPU only"
     else:
-        refusal = "this model has no decode-step seam"
+        refusal = decode_step_refusal(model, dtype, ops)
+    model.set_fused_ops(ops, silu_and_mul_op=c_silu_and_mul(ops) if refusal is None else None)
+    if hasattr(model, "set_decoder"):
+        model.set_decoder(load_decode_step(model) if refusal is None else None)
     names = () if ops is None else tuple(
         op.name for op in (ops.add_rmsnorm, ops.rotary_kv, ops.silu_and_mul) if op is not None)
-    on_c = getattr(model, "decode_step", None) is not None
-    return DeviceSetup(counts, names, time.perf_counter() - start, on_c, None if on_c else refusal or "not loaded")
+    return DeviceSetup(counts, names, time.perf_counter() - start, refusal is None, refusal)

@@ -11,6 +11,7 @@ AVX512-BF16 a decode batch may run all decoder layers in one C call instead (dec
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -122,8 +123,14 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def set_fused_ops(self, ops: FusedOps | None) -> None:
-        """Runs the passes between matrix products as these compiled ops (None: eager torch)."""
+    def set_decoder(self, decode_step: Any) -> None:
+        """The decoder of decode batches: None, the Python layers; else a C decoder over the layers' weights
+        (decode_step.DecodeStep), which runs a decode forward when it `takes` it."""
+        self.decode_step = decode_step
+
+    def set_fused_ops(self, ops: FusedOps | None, silu_and_mul_op: Any = None) -> None:
+        """Runs the passes between matrix products as these compiled ops (None: eager torch); `silu_and_mul_op`,
+        if given, in place of the compiled one (the C decoder's, decode_step.c_silu_and_mul)."""
         dtype = self.model.norm.weight.dtype  # NOTE: norms stay float in every format, embeddings may be packed
         if ops is not None and ops.dtype != dtype:
             raise ValueError(f"fused ops built for {ops.dtype}, model in {dtype}")
@@ -132,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.fused_add = ops.add_rmsnorm if ops else None
             layer.self_attn.rotary_kv = ops.rotary_kv if ops else None
-            layer.mlp.act = ops.silu_and_mul if ops else silu_and_mul
+            layer.mlp.act = silu_and_mul_op or (ops.silu_and_mul if ops else silu_and_mul)
         self.model.norm.fused_add = ops.add_rmsnorm if ops else None
 
     @torch.inference_mode()
