@@ -113,7 +113,7 @@ def test_max_tokens_unset_is_the_rest_of_the_effective_context() -> None:
 
 
 def _out(completion: int, cached: int) -> GenerateOutput:
-    return GenerateOutput("r", "", [], "length", None, None, 10, completion, cached)
+    return GenerateOutput("r", "", [], {"type": "length"}, 10, completion, cached)
 
 
 def test_usage_counts_each_prompt_once_and_the_smallest_hit_among_its_choices() -> None:
@@ -128,7 +128,7 @@ def test_usage_counts_each_prompt_once_and_the_smallest_hit_among_its_choices() 
 def test_logprob_shapes_offsets_duplicates_and_the_floor() -> None:
     tokenizer = SimpleNamespace(decode=lambda ids: {1: "ab", 2: "c", 3: "\ufffd", 4: "\ufffd"}[ids[0]])
     texts = TokenTexts(tokenizer)  # not byte-level: bytes are the UTF-8 of the text
-    out = GenerateOutput("r", "", [1, 2], None, None, None, 3, 2, 0, logprobs=[-0.5, float("-inf")],
+    out = GenerateOutput("r", "", [1, 2], None, 3, 2, 0, logprobs=[-0.5, float("-inf")],
                          top_logprobs=[[(1, -0.5), (2, -1.0)], [(3, -0.1), (4, -0.2)]])
     lp = completion_logprobs(texts, out, offset=7)
     assert lp.tokens == ["ab", "c"] and lp.text_offset == [7, 9]
@@ -137,7 +137,7 @@ def test_logprob_shapes_offsets_duplicates_and_the_floor() -> None:
     chat = chat_logprobs(texts, out).content
     assert [(e.token, e.bytes, len(e.top_logprobs)) for e in chat] == [("ab", [97, 98], 2), ("c", [99], 2)]
     assert native_logprobs(texts, out)["output_token_logprobs"] == [[-0.5, 1, "ab"], [LOGPROB_FLOOR, 2, "c"]]
-    empty = GenerateOutput("r", "", [], "stop", None, None, 3, 2, 0, logprobs=[], top_logprobs=[])
+    empty = GenerateOutput("r", "", [], {"type": "stop"}, 3, 2, 0, logprobs=[], top_logprobs=[])
     assert completion_logprobs(texts, empty, offset=3).text_offset == [] and chat_logprobs(texts, empty).content == []
     alphabet = byte_level_alphabet()
     assert sorted(alphabet.values()) == list(range(256)) and alphabet["\u0120"] == 0x20 and alphabet["A"] == 65
@@ -145,7 +145,7 @@ def test_logprob_shapes_offsets_duplicates_and_the_floor() -> None:
 
 def test_echoed_prompt_logprobs_come_first_with_null_at_position_zero() -> None:
     texts = TokenTexts(SimpleNamespace(decode=lambda ids: {5: "Hi", 6: " there", 1: "ab", 2: "c"}[ids[0]]))
-    out = GenerateOutput("r", "", [1], None, None, None, 2, 1, 0, logprobs=[-0.5], top_logprobs=[[(1, -0.5)]],
+    out = GenerateOutput("r", "", [1], None, 2, 1, 0, logprobs=[-0.5], top_logprobs=[[(1, -0.5)]],
                          input_logprobs=[None, -2.0], input_top_logprobs=[[], [(2, -1.0), (6, -2.0)]])
     lp = completion_logprobs(texts, out, echo=[5, 6])
     assert lp.tokens == ["Hi", " there", "ab"] and lp.text_offset == [0, 2, 8]
@@ -155,7 +155,7 @@ def test_echoed_prompt_logprobs_come_first_with_null_at_position_zero() -> None:
     assert native["input_token_logprobs"] == [[None, 5, "Hi"], [-2.0, 6, " there"]]
     assert native["input_top_logprobs"] == [[], [[-1.0, 2, "c"], [-2.0, 6, " there"]]]
     # Never sent (a request aborted before its prompt was computed): the prompt's tokens without values.
-    aborted = GenerateOutput("r", "", [], "abort", None, 499, 2, 0, 0, logprobs=[], top_logprobs=[])
+    aborted = GenerateOutput("r", "", [], {"type": "abort", "status_code": 499}, 2, 0, 0, logprobs=[], top_logprobs=[])
     assert completion_logprobs(texts, aborted, echo=[5, 6]).token_logprobs == [None, None]
     assert native_logprobs(texts, aborted, [5, 6])["input_token_logprobs"] == []
     assert "input_token_logprobs" not in native_logprobs(texts, out)

@@ -22,9 +22,6 @@ class RequestTracker(Generic[S]):
     def __len__(self) -> int:
         return len(self._states)
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._states
-
     def add(self, rid: str, state: S) -> None:
         with self._lock:
             if rid in self._states:
@@ -47,13 +44,13 @@ class RequestTracker(Generic[S]):
             states, self._states = list(self._states.values()), {}
         return states
 
-    def route(self, out: BatchTokenIDOut, forget_finished: bool = True) -> Iterator[tuple[S, TokenIDOut]]:
-        """Each record with the state of its request; records of requests no longer here are dropped.
-        With `forget_finished`, a request is no longer tracked once its last record is routed."""
+    def route(self, out: BatchTokenIDOut) -> Iterator[tuple[S, TokenIDOut]]:
+        """Each record with the state of its request; records of requests no longer here are dropped. A
+        request is no longer tracked once its last record is routed."""
         for record in out.outputs:
             with self._lock:
                 state = self._states.get(record.rid)
-                if state is not None and forget_finished and record.finished_reason is not None:
+                if state is not None and record.finished_reason is not None:
                     del self._states[record.rid]
             if state is not None:
                 yield state, record

@@ -14,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, overloaded, unavailable
 from radixserve.entrypoints.logprobs import share_prompt_logprobs
+from radixserve.frontend.frontend_io import FinishView
 from radixserve.frontend.tokenizer_manager import (
     GenerateOutput,
     GenerateReq,
@@ -132,16 +133,13 @@ async def merge_outputs(gens: list[AsyncIterator[GenerateOutput]]) -> AsyncItera
 
 
 @dataclass
-class ChoiceResult:
+class ChoiceResult(FinishView):
     """Everything one finished choice produced (non-streaming responses)."""
 
     rid: str = ""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    finish_message: str | None = None
-    finish_status: int | None = None
-    finish: dict[str, Any] | None = None  # the scheduler's finish reason, whole
+    finish: dict[str, Any] | None = None  # the scheduler's finish reason, whole (FinishView)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -154,9 +152,6 @@ class ChoiceResult:
         self.rid = out.rid
         self.text += out.text_delta
         self.token_ids += out.token_ids
-        self.finish_reason = out.finish_reason
-        self.finish_message = out.finish_message
-        self.finish_status = out.finish_status
         self.finish = out.finish
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from radixserve.client.shaping import TopLogprobs
 from radixserve.frontend.request_bounds import RequestBounds
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import FRONTEND_LIMITS, REQUEST_BOUNDS, ServerArgs
@@ -40,9 +41,6 @@ class FrontendConfig:
         return cls(**limits, bounds=bounds, **http_flags)
 
 
-TopLogprobs = list[tuple[int, float]]  # (token id, logprob) of one position's alternatives, most likely first
-
-
 @dataclass
 class GenerateReq:
     input_ids: list[int]
@@ -55,14 +53,33 @@ class GenerateReq:
     group: Any = None  # the HTTP request it belongs to (fair admission); None: its own
 
 
+class FinishView:
+    """The parts of a scheduler finish reason (`finish`: SGLang's {"type": "stop"|"length"|"abort", ...}, None
+    while running) that the OpenAI routes read."""
+
+    finish: dict[str, Any] | None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" | "length" | "abort" once finished."""
+        return None if self.finish is None else str(self.finish.get("type", "stop"))
+
+    @property
+    def finish_message(self) -> str | None:
+        return None if self.finish is None else self.finish.get("message")
+
+    @property
+    def finish_status(self) -> int | None:
+        """An abort's HTTP-like status from the scheduler (400, 499, 500)."""
+        return None if self.finish is None else self.finish.get("status_code")
+
+
 @dataclass
-class GenerateOutput:
+class GenerateOutput(FinishView):
     rid: str
     text_delta: str
     token_ids: list[int]  # new token ids of this step
-    finish_reason: str | None  # "stop" | "length" | "abort" once finished
-    finish_message: str | None
-    finish_status: int | None  # an abort's HTTP-like status from the scheduler (400, 499, 500)
+    finish: dict[str, Any] | None  # the scheduler's finish reason, whole (FinishView); None while running
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -73,4 +90,3 @@ class GenerateOutput:
     # entry per prompt position from logprob_start_len on (None and [] at position 0); else None.
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[TopLogprobs] | None = None
-    finish: dict[str, Any] | None = None  # the scheduler's finish reason, whole (SGLang's native meta_info)

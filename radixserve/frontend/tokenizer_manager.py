@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.client.replies import ControlReplies
+from radixserve.client.requests import generate_message
 from radixserve.client.text_stream import IncrementalDetokenizer, max_prompt_chars
 from radixserve.client.tracker import RequestTracker
 from radixserve.frontend.fair_admission import FairAdmission, Ticket
@@ -44,7 +45,6 @@ from radixserve.managers.io_struct import (
     GetInternalStateOut,
     GetInternalStateReq,
     LogprobSpec,
-    TokenizedGenerateReqInput,
 )
 from radixserve.managers.scheduler_process import SchedulerInfo
 
@@ -221,15 +221,14 @@ class TokenizerManager:
             if state.ticket is None:  # aborted while it waited: it never reaches the scheduler
                 state.done = True
                 self._observe_finished(state, aborted=True)
-                message = "aborted by the client"
-                yield GenerateOutput(rid, "", [], "abort", message, 499, state.prompt_len, 0, 0,
-                                     finish={"type": "abort", "message": message, "status_code": 499})
+                aborted = {"type": "abort", "message": "aborted by the client", "status_code": 499}
+                yield GenerateOutput(rid, "", [], aborted, state.prompt_len, 0, 0)
                 return
             self.supervisor.ensure_alive()
             state.link = self._link
-            self._link.send_request(TokenizedGenerateReqInput(
-                rid, list(req.input_ids), req.sampling_params, req.extra_key, stream=True,
-                logprob=LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len)))
+            self._link.send_request(generate_message(
+                rid, req.input_ids, req.sampling_params, req.extra_key,
+                LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len)))
             state.sent = True
             while True:
                 item = await state.queue.get()
@@ -361,14 +360,10 @@ class TokenizerManager:
             state.cached_tokens = record.cached_tokens
             finished = record.finished_reason
             state.queue.put_nowait(GenerateOutput(
-                rid=record.rid, text_delta=delta, token_ids=new_ids,
-                finish_reason=None if finished is None else str(finished.get("type", "stop")),
-                finish_message=None if finished is None else finished.get("message"),
-                finish_status=None if finished is None else finished.get("status_code"),
-                prompt_tokens=state.prompt_len, completion_tokens=record.completion_tokens,
+                rid=record.rid, text_delta=delta, token_ids=new_ids, finish=finished, prompt_tokens=state.prompt_len, completion_tokens=record.completion_tokens,
                 cached_tokens=record.cached_tokens, logprobs=record.output_logprobs,
                 top_logprobs=record.output_top_logprobs, input_logprobs=record.input_token_logprobs,
-                input_top_logprobs=record.input_top_logprobs, finish=finished))
+                input_top_logprobs=record.input_top_logprobs))
             if finished is not None:
                 state.done = True
                 self._observe_finished(state, aborted=finished.get("type") == "abort")

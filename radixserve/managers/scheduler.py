@@ -112,8 +112,7 @@ class Scheduler:
         self.output = OutputProcessor(self.kv_manager, self.queue, self.prefill, self.stats, self.tokenizer,
                                       lambda out: self.output_sink(out), args.log_interval, pool)
         self.decode = DecodePlanner(self.queue, self.prefill, self.output, self.new_token_ratio, self.stats, pool)
-        self.inputs = InputProcessor(self.queue, self.output, self.stats, RequestLimits(
-            self.context_len, pool, self.page_size, self.vocab_size, self.eos_token_ids))
+        self.inputs = InputProcessor(self.queue, self.output, self.stats, RequestLimits.of_runner(self.model_runner))
         self.pipelines = Pipelines(self.model_runner, self.device)
         self.failures = FailureContainment(self, self.pipelines, self.queue, self.prefill, self.output)
         self.state_report = StateReport(self)

@@ -72,28 +72,33 @@ def _linear_entries(model: Any, requested: str) -> list[PlanEntry]:
 
 
 def _attention_entries(backend: Any, dtype: Any, args: Any) -> list[PlanEntry]:
-    name = type(backend).__name__
     kernel = getattr(backend, "decode_kernel", None)
     dname = str(dtype).removeprefix("torch.")
     used = kernel.selected_kernels().get(dname, []) if kernel is not None else []
     level = f" ({kernel.isa})" if kernel is not None else ""
     why_torch = ("no C kernels (--attention-backend torch, or not a CPU)" if kernel is None else
                  f"torch's op measured faster at this level and dtype ({dname})")
-    amx = getattr(backend, "amx_extend", None) is not None and dname == "bfloat16"
-    extend = "C extend_amx" if amx else ("C extend" if "extend" in used and backend.extend_kernel is not None
-                                          else "torch SDPA")
-    extend_reason = ("bf16 on AMX tiles" if amx else f"measured faster than SDPA here{level}" if extend == "C extend"
-                     else why_torch if kernel is None or "extend" not in used else "RADIXSERVE_CPU_PREFILL_KERNEL=0")
-    cascade = getattr(backend, "cascade", None) is not None
-    return [
-        PlanEntry("attention backend", name, f"--attention-backend {args.attention_backend}"),
-        PlanEntry("attention decode", "C decode" + level if "decode" in used else "torch",
-                  f"measured faster than torch's op here{level}" if "decode" in used else why_torch),
-        PlanEntry("attention extend", extend, extend_reason),
-        PlanEntry("attention shared prefix", ("cascade, " + ("C prefix" if "prefix" in used else "torch flash"))
-                  if cascade else "off", "a prefix the whole batch shares is attended once" if cascade
-                  else "--disable-cascade-attention"),
-    ]
+    if "decode" in used:
+        decode = PlanEntry("attention decode", "C decode" + level, f"measured faster than torch's op here{level}")
+    else:
+        decode = PlanEntry("attention decode", "torch", why_torch)
+    if getattr(backend, "cascade", None) is not None:
+        prefix = PlanEntry("attention shared prefix", "cascade, " + ("C prefix" if "prefix" in used else "torch flash"),
+                           "a prefix the whole batch shares is attended once")
+    else:
+        prefix = PlanEntry("attention shared prefix", "off", "--disable-cascade-attention")
+    return [PlanEntry("attention backend", type(backend).__name__, f"--attention-backend {args.attention_backend}"),
+            decode, _extend_entry(backend, used, dname, level, why_torch), prefix]
+
+
+def _extend_entry(backend: Any, used: list[str], dname: str, level: str, why_torch: str) -> PlanEntry:
+    if getattr(backend, "amx_extend", None) is not None and dname == "bfloat16":
+        return PlanEntry("attention extend", "C extend_amx", "bf16 on AMX tiles")
+    if "extend" not in used:
+        return PlanEntry("attention extend", "torch SDPA", why_torch)
+    if backend.extend_kernel is None:
+        return PlanEntry("attention extend", "torch SDPA", "RADIXSERVE_CPU_PREFILL_KERNEL=0")
+    return PlanEntry("attention extend", "C extend", f"measured faster than SDPA here{level}")
 
 
 def _fused_reason(runner: Any, fused: tuple[str, ...]) -> str:

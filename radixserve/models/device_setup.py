@@ -21,8 +21,11 @@ class DeviceSetup:
     linear_methods: dict[str, int]  # method name -> number of linear layers running it
     fused_ops: tuple[str, ...]  # the compiled ops in use (empty: eager passes)
     seconds: float
-    decode_step: bool = False  # decode batches run the decoder layers in one C call
-    decode_step_refusal: str | None = "not set up"  # why they do not (None: they do)
+    decode_step_refusal: str | None  # why decode batches do not run the decoder layers in one C call; None: they do
+
+    @property
+    def decode_step(self) -> bool:
+        return self.decode_step_refusal is None
 
     def describe(self) -> str:
         linear = ", ".join(f"{name} x{n}" for name, n in sorted(self.linear_methods.items()))
@@ -40,15 +43,16 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, dtype: 
     ops = load_fused_ops(model.config, dtype, device) if fused_ops else None
     # NOTE: every choice is made first, then given to the model once through its setters (no attribute of a
     # layer is written twice): the fused ops, the SiLU-and-mul they run with, and the decoder.
-    if not hasattr(model, "set_decoder"):
+    seam = hasattr(model, "set_decoder")
+    if not seam:
         refusal = "this model has no decoder seam"
     elif device.type != "cpu":
         refusal = "the C decode step runs on the CPU only"
     else:
         refusal = decode_step_refusal(model, dtype, ops)
     model.set_fused_ops(ops, silu_and_mul_op=c_silu_and_mul(ops) if refusal is None else None)
-    if hasattr(model, "set_decoder"):
+    if seam:
         model.set_decoder(load_decode_step(model) if refusal is None else None)
     names = () if ops is None else tuple(
         op.name for op in (ops.add_rmsnorm, ops.rotary_kv, ops.silu_and_mul) if op is not None)
-    return DeviceSetup(counts, names, time.perf_counter() - start, refusal is None, refusal)
+    return DeviceSetup(counts, names, time.perf_counter() - start, refusal)

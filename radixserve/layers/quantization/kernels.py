@@ -18,9 +18,7 @@ from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_library
 from radixserve.platform import QUANT_ISA_FLAGS, QUANT_ISA_REQUIRES, QUANT_ISAS
 
 SOURCE = CSRC / "quant_matmul.c"
-# NOTE: the levels and their flags are platform.py's (QUANT_ISAS, QUANT_ISA_FLAGS, QUANT_ISA_REQUIRES)
-ISA_FLAGS = QUANT_ISA_FLAGS
-ISA_REQUIRES = QUANT_ISA_REQUIRES
+# NOTE: the levels, their flags and the features they need are platform.py's (QUANT_ISA_*)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -35,7 +33,7 @@ def best_quant_isa(flags: frozenset[str] | None = None) -> str:
     flags = cpu_flags() if flags is None else flags
     if not is_x86():
         return "portable"
-    return next(isa for isa in QUANT_ISAS if ISA_REQUIRES[isa] <= flags)
+    return next(isa for isa in QUANT_ISAS if QUANT_ISA_REQUIRES[isa] <= flags)
 
 
 def runnable_isas() -> list[str]:
@@ -118,6 +116,6 @@ def load_quant_kernel(isa: str | None = None) -> QuantKernel | None:
     isa = best_quant_isa() if isa is None else isa
     if isa not in QUANT_ISAS:
         raise ValueError(f"unknown quantized-kernel level {isa!r}; known: {', '.join(QUANT_ISAS)}")
-    lib = load_library(SOURCE, f"quant-{isa}", ISA_FLAGS[isa] if is_x86() else (),
+    lib = load_library(SOURCE, f"quant-{isa}", QUANT_ISA_FLAGS[isa] if is_x86() else (),
                        f"quantized matmul kernel ({isa})", "packed layers use torch")
     return None if lib is None else QuantKernel(lib, isa)
