@@ -58,13 +58,12 @@ def probe(dtype: str) -> dict:
     import torch
 
     from radixserve import platform
-    from radixserve.layers.attention.native import load_decode_kernel
+    from radixserve.layers.attention.registry import plan_attention
 
     choice = platform.choose_dtype(dtype, "cpu")
-    kernel = load_decode_kernel()
-    used = kernel.selected_kernels().get(choice.dtype, []) if kernel is not None else []
-    return {"dtype": choice.dtype, "reason": choice.reason, "kernels": used,
-            "level": kernel.isa if kernel else "none", "class": platform.kernel_class(),
+    plan = plan_attention("cpu", torch.device("cpu"))
+    return {"dtype": choice.dtype, "reason": choice.reason, "kernels": plan.used(getattr(torch, choice.dtype)),
+            "level": plan.level or "none", "class": platform.kernel_class(),
             "torch": torch.backends.cpu.get_cpu_capability(), "bf16_slowdown": platform.measure_bf16_slowdown()}
 
 

@@ -142,3 +142,20 @@ def test_silu_and_mul_of_prefill_batches_is_the_step_loop(folder, monkeypatch):
         assert (got != want).float().mean() < 0.01
     off = _runner(folder, monkeypatch, False)
     assert not isinstance(off.model.model.layers[0].mlp.act, decode_step.SiluAndMul)
+
+
+def test_the_step_reads_the_exported_weight_view_and_says_why_it_declines(folder, monkeypatch):
+    """The C decoder is built over `decoder_weights()` (the norms and linear layers of each layer), and the
+    refusal names the first thing in that view it cannot run: here a layer left on oneDNN."""
+    runner = _runner(folder, monkeypatch, True)
+    view = runner.model.decoder_weights()
+    assert len(view.layers) == runner.model.config.num_layers
+    assert view.layers[1].gate_up is runner.model.model.layers[1].mlp.gate_up_proj
+    plan = runner.execution_plan
+    assert decode_step.decode_step_refusal(view, torch.bfloat16, plan.fused_ops, plan.linear_methods) is None
+    monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1")
+    onednn = ModelRunner(ServerArgs(model_path=str(folder), dtype="bfloat16", device="cpu", max_total_tokens=4096,
+                                    attention_backend="cpu", linear_method="onednn"))
+    assert onednn.model.decode_step is None
+    assert onednn.execution_plan.decoder_refusal == "layer 0: a linear layer runs onednn, not the bf16 GEMV"
+    assert onednn.execution_plan.as_dict()["decoder"]["reason"] == onednn.execution_plan.decoder_refusal

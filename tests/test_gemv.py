@@ -117,7 +117,7 @@ def test_method_routes_rows_to_gemv_amx_and_onednn(tokens, in_features, out_feat
     assert calls == ([] if _expected_kernel(tokens, in_features) == "onednn" else [_expected_kernel(tokens, in_features)])
     assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
     process_weights_after_loading(layer, {shape: "dense"})  # back to one dense copy
-    assert layer.gemv_weight is None and layer.method.name == "dense"
+    assert layer.method.name == "dense" and layer.method.own_weight() is None
     assert torch.allclose(layer(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 

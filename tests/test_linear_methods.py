@@ -78,7 +78,7 @@ def test_tied_weight_kept_and_repacking_restores():
     # a second runner on the same loaded model: nothing to redo; asking for dense unpacks the weights
     assert process_weights_after_loading(model, dict.fromkeys([(24, 16), (16, 24), (40, 16)], "onednn")) == counts
     process_weights_after_loading(model, {})
-    assert model.up.method.name == "dense" and model.up.packed_weight is None
+    assert model.up.method.name == "dense" and model.up.method.own_weight() is None
     assert torch.equal(model.up.weight, originals["up.weight"]) and torch.equal(model.down.weight, originals["down.weight"])
 
 
@@ -90,7 +90,7 @@ def test_dtype_change_repacks():
     if not OneDNNLinearMethod.supports(CPU, torch.bfloat16):
         pytest.skip("oneDNN has no bf16 path on this CPU")
     process_weights_after_loading(layer, {(48, 32): "onednn"})
-    assert layer.packed_weight.dtype == torch.bfloat16
+    assert layer.method.packed_weight.dtype == torch.bfloat16
     x = torch.randn(2, 32).to(torch.bfloat16)
     assert layer(x).dtype == torch.bfloat16
 
@@ -166,10 +166,13 @@ def test_registered_method_is_selectable(monkeypatch):
         name = "float64-test"
 
         def process_weights_after_loading(self, layer: LinearBase) -> None:
-            layer.packed_weight = layer.dense_weight().double()
+            self.copy = layer.dense_weight().double()
 
         def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-            return (x.double() @ layer.packed_weight.T).to(x.dtype)
+            return (x.double() @ self.copy.T).to(x.dtype)
+
+        def own_weight(self) -> torch.Tensor:
+            return self.copy
 
     register_linear_method(Float64Method)
     try:
@@ -177,7 +180,7 @@ def test_registered_method_is_selectable(monkeypatch):
         x = torch.randn(5, 8)
         want = layer(x)
         process_weights_after_loading(layer, {(4, 8): "float64-test"})
-        assert layer.weight.numel() == 0 and layer.packed_weight.dtype == torch.float64
+        assert layer.weight.numel() == 0 and layer.method.copy.dtype == torch.float64
         torch.testing.assert_close(layer(x), want)
     finally:
         LINEAR_METHODS.pop("float64-test")

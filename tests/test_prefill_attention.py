@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kernel_levels import LEVELS, force_level, kernel_at, select_everything
 from test_model_support import one_torch_thread
 
-from radixserve.layers.attention import cascade, create_attention_backend
+from radixserve.layers.attention import cascade, create_attention_backend, native
 from radixserve.layers.attention.native import DecodeKernel
 from radixserve.layers.attention.torch_backend import (
     EXTEND_KERNEL_MAX_NEW_TOKENS,
@@ -134,8 +134,8 @@ def test_kernel_rejects_bad_shapes(kernel):
         kernel.extend(q, k_buf, v_buf, indices, bad, 0.125)
     with pytest.raises(ValueError, match="rejected"):
         kernel.extend(q[:, :5], k_buf, v_buf, indices, reqs, 0.125)  # 5 heads over 2 kv heads
-    for dtype in (torch.float32, torch.bfloat16):  # the backend uses it exactly where it was measured faster
-        assert kernel.extend_supports(q.to(dtype), k_buf.to(dtype)) == kernel.selected("extend", dtype)
+    for dtype in (torch.float32, torch.bfloat16):  # whether to use it is the plan's, not the kernel's
+        assert kernel.extend_supports(q.to(dtype), k_buf.to(dtype))
     assert not kernel.extend_supports(q.bfloat16(), k_buf)  # the pool's dtype differs
 
 
@@ -188,8 +188,10 @@ def test_cpu_backend_extend_matches_torch_backend(isa, monkeypatch, dtype, prefi
         if selection == "everything":
             select_everything(monkeypatch)
         cpu = create_attention_backend("cpu", runner)
-        assert isinstance(cpu, CpuAttnBackend) and cpu.extend_kernel is not None and cpu.extend_kernel.isa == isa
-        chosen = cpu.extend_kernel.selected("extend", dtype)
+        assert isinstance(cpu, CpuAttnBackend) and cpu.decode_kernel is not None and cpu.decode_kernel.isa == isa
+        chosen = cpu.plan.uses("extend", dtype)
+        assert chosen == ("extend" in native.SELECTED[(cpu.plan.kernel_class, dtype)])
+        assert (cpu.extend_kernel is not None) == any(cpu.plan.uses("extend", d) for d in cpu.plan.kernels)
         outs = []
         for backend in (cpu, plain):
             backend.init_forward_metadata(fb)
@@ -253,7 +255,7 @@ def test_end_to_end_greedy_kernel_on_vs_off(loaded, monkeypatch):
             h.drain()
         outputs.append([h.ids(f"r{r}.{i}") for r in range(2) for i in range(len(PROMPTS))])
         if switch == "1":  # NOTE: the kernel runs only where it was measured faster on this CPU class
-            selected = kernel.selected("extend", torch.float32)
+            selected = h.sched.model_runner.attn_backend.plan.uses("extend", torch.float32)
             assert bool(calls) == selected, f"kernel level {kernel.isa}, selected {selected}, calls {len(calls)}"
             calls_on = len(calls)
     assert len(calls) == calls_on  # none with the switch off

@@ -194,12 +194,12 @@ def test_gguf_model_served_packed_matches_the_dequantized_model(tiny_llama):
     reference = _logits(load_model(path, torch.float32, "cpu"), prompt)
     packed = load_model(path, torch.float32, "cpu", "int4")
     layer = packed.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.packed.format_name == "int4 g32"  # Q4_1 + Q4_0 + Q4_1: all 4-bit
-    assert layer.self_attn.o_proj.packed.format_name == "int4 g32"
-    assert layer.mlp.gate_up_proj.packed.format_name == "int8 g32"  # Q8_0 stays 8-bit whatever was asked
-    assert packed.model.lm_head.packed.format_name == "int8 g32"  # float in the file: the LM head policy
+    assert layer.self_attn.qkv_proj.method.packed.format_name == "int4 g32"  # Q4_1 + Q4_0 + Q4_1: all 4-bit
+    assert layer.self_attn.o_proj.method.packed.format_name == "int4 g32"
+    assert layer.mlp.gate_up_proj.method.packed.format_name == "int8 g32"  # Q8_0 stays 8-bit whatever was asked
+    assert packed.model.lm_head.method.packed.format_name == "int8 g32"  # float in the file: the LM head policy
     # the float model of the same file, with packed weights dequantized exactly: only activation rounding
-    qkv = layer.self_attn.qkv_proj.packed.dequantize()
+    qkv = layer.self_attn.qkv_proj.method.packed.dequantize()
     assert torch.equal(qkv, load_model(path, torch.float32, "cpu").model.model.layers[0].self_attn.qkv_proj.weight)
     assert rel_err(_logits(packed, prompt), reference) < 3e-2
 
@@ -210,15 +210,17 @@ def test_hf_folder_quantized_at_load(tiny_llama, method):
     (a random tiny model amplifies weight rounding itself far beyond a trained one's; see docs/quantization.md)."""
     prompt = list(range(10, 50, 2))
     loaded = load_model(str(tiny_llama), torch.float32, "cpu", method)
-    assert not any(isinstance(m, torch.nn.Linear) for m in loaded.model.modules())
+    linears = [m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.method.name == "packed" and m.weight is None for m in linears)
     expected = "int8 per-channel" if method == "int8" else "int4 g32"
-    assert loaded.model.model.layers[1].mlp.down_proj.packed.format_name == expected
+    assert loaded.model.model.layers[1].mlp.down_proj.method.packed.format_name == expected
     assert loaded.model.model.embed_tokens.packed.format_name == "int8 g32"
     reference = load_model(str(tiny_llama), torch.float32, "cpu")
     float_modules = dict(reference.model.named_modules())
     for name, module in loaded.model.named_modules():
-        if getattr(module, "packed", None) is not None:
-            float_modules[name].weight.data.copy_(module.packed.dequantize())
+        packed = getattr(getattr(module, "method", module), "packed", None)
+        if packed is not None:
+            float_modules[name].weight.data.copy_(packed.dequantize())
     # NOTE: where the tiled layout runs (AVX-512 VNNI), the 20-token prefill rounds its activations to int8
     # too (the tiled kernel takes up to 32 rows), not only the decode steps: measured 3.1% here for int4.
     assert rel_err(_logits(loaded, prompt), _logits(reference, prompt)) < 4e-2

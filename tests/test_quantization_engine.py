@@ -48,8 +48,8 @@ def test_greedy_chat_is_sensible_in_each_format(hf_folder, source, quantization,
                     max_total_tokens=2048, log_level="warning")
     try:
         model = engine.model_runner.model
-        assert model.model.layers[0].mlp.gate_up_proj.packed.format_name == expected
-        assert model.lm_head.packed is model.model.embed_tokens.packed  # tied: one int8 table
+        assert model.model.layers[0].mlp.gate_up_proj.method.packed.format_name == expected
+        assert model.lm_head.method.packed is model.model.embed_tokens.packed  # tied: one int8 table
         text = engine.chat(QUESTION, GREEDY)["text"]
         assert "Paris" in text, text
         _conserved(engine)

@@ -12,7 +12,7 @@ from radixserve.layers.quantization import linear as qlinear
 from radixserve.layers.quantization import tiled
 from radixserve.layers.quantization.formats import PackedWeight, quantize
 from radixserve.layers.quantization.kernels import load_quant_kernel
-from radixserve.layers.quantization.linear import QuantizedEmbedding, QuantizedLinear
+from radixserve.layers.quantization.linear import QuantizedEmbedding, packed_layer
 from radixserve.layers.quantization.model_quant import tile_packed_weights
 
 HAS_TILED = tiled.load_tiled_kernel() is not None
@@ -76,10 +76,8 @@ class TiedHead(nn.Module):
         super().__init__()
         self.embed = QuantizedEmbedding(200, 64, torch.float32)
         self.embed.packed = _packed(8, False, 200, 64, seed=3)
-        self.head = QuantizedLinear(64, 200, 8)
-        self.head.packed = self.embed.packed
-        self.up = QuantizedLinear(64, 96, 4)
-        self.up.packed = _packed(4, False, 96, 64, seed=4)
+        self.head = packed_layer(64, 200, self.embed.packed)
+        self.up = packed_layer(64, 96, _packed(4, False, 96, 64, seed=4))
 
 
 @needs_tiled
@@ -88,7 +86,7 @@ def test_model_weights_are_tiled_once_and_compute_the_same():
     ids, x = torch.tensor([5, 199, 0]), torch.randn(3, 64)
     before = (model.embed(ids), model.head(x), model.up(x), model.up(torch.randn(30, 64, generator=torch.Generator().manual_seed(0))))
     assert tile_packed_weights(model) == 2  # the tied table once, and `up`
-    assert isinstance(model.embed.packed, tiled.TiledWeight) and model.head.packed is model.embed.packed
+    assert isinstance(model.embed.packed, tiled.TiledWeight) and model.head.method.packed is model.embed.packed
     after = (model.embed(ids), model.head(x), model.up(x), model.up(torch.randn(30, 64, generator=torch.Generator().manual_seed(0))))
     assert torch.equal(before[0], after[0])
     for a, b in zip(before[1:3], after[1:3], strict=True):  # both round the activations to int8
@@ -104,10 +102,9 @@ def test_a_scale_too_large_for_float16_keeps_the_row_layout():
     packed.scales.fill_(1000.0)  # -128 * 1000 overflows float16
     with pytest.raises(ValueError, match="too large"):
         tiled.tile_weight(packed)
-    layer = QuantizedLinear(32, 64, 8)
-    layer.packed = packed
+    layer = packed_layer(32, 64, packed)
     holder = nn.Sequential(layer)
-    assert tile_packed_weights(holder) == 0 and layer.packed is packed
+    assert tile_packed_weights(holder) == 0 and layer.method.packed is packed
 
 
 def test_not_offered_below_vnni(monkeypatch):
@@ -118,8 +115,7 @@ def test_not_offered_below_vnni(monkeypatch):
     tiled.load_tiled_kernel.cache_clear()
     try:
         assert tiled.load_tiled_kernel() is None
-        layer = QuantizedLinear(32, 64, 4)
-        layer.packed = _packed(4, False, 64, 32)
+        layer = packed_layer(32, 64, _packed(4, False, 64, 32))
         assert tile_packed_weights(nn.Sequential(layer)) == 0
     finally:
         monkeypatch.delenv("RADIXSERVE_CPU_ISA")

@@ -114,10 +114,16 @@ def load_gemv_kernel() -> Bf16Gemv | None:
     return None if lib is None else Bf16Gemv(lib.bf16_gemv, "bf16_gemv")
 
 
+def has_large_product(in_features: int) -> bool:
+    """Whether a GEMV-method layer of this width gets the large AMX product (timed against oneDNN above
+    decode sizes): AMX-BF16 here and in_features a multiple of 32."""
+    return in_features % 32 == 0 and load_amx_kernel() is not None and load_amx_large_kernel() is not None
+
+
 class GemvLinearMethod(OneDNNLinearMethod):
     """Our AMX kernel up to AMX_MAX_ROWS rows (the GEMV up to GEMV_MAX_ROWS without AMX); above, oneDNN's
     prepacked product, or our large AMX product at the row counts where it measured faster here
-    (`large_rows`, LARGE_GRID points set by linear_tuning.tune_large_products)."""
+    (`large_rows`, LARGE_GRID points planned by linear_tuning.plan_large_rows)."""
 
     name = "onednn_gemv"
 
@@ -126,9 +132,13 @@ class GemvLinearMethod(OneDNNLinearMethod):
         return (dtype == torch.bfloat16 and super().supports(device, dtype)
                 and load_gemv_kernel() is not None)
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemv_weight: torch.Tensor | None = None  # the tile-interleaved copy our kernels read
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         super().process_weights_after_loading(layer)
-        layer.gemv_weight = pack_gemv_weight(layer.dense_weight())
+        self.gemv_weight = pack_gemv_weight(layer.weight.detach())
         self.kernel = load_gemv_kernel()
         amx = load_amx_kernel() if layer.in_features % 32 == 0 else None
         self.amx, self.amx_max_rows = amx, AMX_MAX_ROWS if amx is not None else 0
@@ -145,10 +155,14 @@ class GemvLinearMethod(OneDNNLinearMethod):
         rows = x.shape[0] if x.dim() == 2 and x.is_contiguous() else 0
         kernel = self.decode_kernel(rows)
         if kernel is not None:
-            return kernel(layer.gemv_weight, x, layer.bias, layer.out_features)
+            return kernel(self.gemv_weight, x, layer.bias, layer.out_features)
         if rows and self.large_rows and grid_point(rows) in self.large_rows:
-            return self.large(layer.gemv_weight, x, layer.bias, layer.out_features)
+            return self.large(self.gemv_weight, x, layer.bias, layer.out_features)
         return super().apply(layer, x)
+
+    def own_forms(self) -> dict[int, int]:
+        gemv = self.gemv_weight
+        return {**super().own_forms(), **({} if gemv is None else {id(gemv): gemv.numel() * gemv.element_size()})}
 
 
 register_linear_method(GemvLinearMethod)

@@ -1,11 +1,17 @@
-"""Linear layers and the registry of linear methods: how a weight is kept and multiplied.
+"""Linear layers and the one protocol of linear methods: how a weight is kept and multiplied.
 
 A `LinearBase` holds its parameters in the checkpoint's layout (weight [out, in], optional bias), so
-loading is the same for every method. Once the model sits on its device in its dtype, the runner
-calls `process_weights_after_loading`: each layer's `LinearMethod` then turns the loaded weight into
-what it multiplies with (left dense; packed into oneDNN's blocked layout; quantized methods later),
-and `forward` is `method.apply`. Methods are registered by name in `LINEAR_METHODS`;
-`linear_tuning.choose_methods` picks one per weight shape by measuring them on this machine.
+loading is the same for every method, and a `LinearMethod` that owns whatever form of the weight it
+multiplies with. Every weight format is a method: dense (`F.linear`), oneDNN's blocked layout, the bf16
+GEMV/AMX layout (layers/gemv.py) and packed int8/int4, row or tiled (layers/quantization/linear.py).
+
+Two ways a layer gets its method:
+- float weights: once the model sits on its device in its dtype, `process_weights_after_loading` gives
+  each layer the method named for its weight shape (`linear_tuning.choose_methods` measures them here)
+  and the method turns the loaded weight into its own form;
+- packed weights: quantization gives the layer a packed method before any weight exists (the checkpoint's
+  format decides, `LinearMethod.chosen_by_format`), and the method quantizes rows as they are loaded.
+`forward` is `method.apply` either way.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from torch import nn
 
 
 class LinearMethod(ABC):
-    """How one linear layer stores its weight after loading and computes x @ W.T + b."""
+    """How one linear layer keeps its weight and computes x @ W.T + b. A method owns its weight's forms."""
 
     name: ClassVar[str]
+    chosen_by_format: ClassVar[bool] = False  # True: set by the weight format (packed), never re-chosen by tuning
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
@@ -33,6 +40,22 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor: ...
+
+    def own_weight(self) -> torch.Tensor | None:
+        """The weight in the method's own form, if it keeps one (then the loaded parameter can be freed)."""
+        return None
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        """The [out, in] weight in the parameter's dtype."""
+        return layer.weight.detach()
+
+    def own_forms(self) -> dict[int, int]:
+        """id -> bytes of each form of the weight the method keeps beside the layer's parameters (a form shared
+        by two layers, a tied packed table, has one id)."""
+        return {}
+
+    def describe(self) -> str:
+        return self.name
 
 
 class DenseLinearMethod(LinearMethod):
@@ -52,6 +75,9 @@ class OneDNNLinearMethod(LinearMethod):
 
     name = "onednn"
 
+    def __init__(self) -> None:
+        self.packed_weight: torch.Tensor | None = None
+
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
         if device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -61,10 +87,22 @@ class OneDNNLinearMethod(LinearMethod):
         return dtype == torch.float32
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        layer.packed_weight = pack_onednn_weight(layer.dense_weight())
+        self.packed_weight = pack_onednn_weight(layer.weight.detach())
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, layer.bias, "none", [], "")
+
+    def own_weight(self) -> torch.Tensor | None:
+        return self.packed_weight
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        if layer.weight.numel() == 0 and self.packed_weight is not None:
+            return self.packed_weight.to_dense().to(layer.weight.dtype)
+        return layer.weight.detach()
+
+    def own_forms(self) -> dict[int, int]:
+        packed = self.packed_weight
+        return {} if packed is None else {id(packed): torch.ops.mkldnn._nbytes(packed)}
 
 
 def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -81,7 +119,7 @@ AUTO = "auto"  # chosen per weight shape by measurement (linear_tuning.py)
 
 
 def register_linear_method(method: type[LinearMethod]) -> None:
-    """Adds a method (e.g. an int8 or int4 packed weight), selectable by `method.name`."""
+    """Adds a method for float weights (e.g. another kernel), selectable by `method.name`."""
     LINEAR_METHODS[method.name] = method
 
 
@@ -90,17 +128,13 @@ def linear_method_names() -> list[str]:
 
 
 class LinearBase(nn.Linear):
-    """y = x @ weight.T + bias, computed by `self.method` (dense until the runner chooses).
+    """y = x @ weight.T + bias, computed by `self.method` (dense until the runner or quantization chooses).
 
-    An `nn.Linear`, so that code which plans per linear layer (quantization's module swap,
-    layers/quantization/model_quant.py) treats it as one; a swapped-in QuantizedLinear runs its own kernels.
-    """
+    A layer whose method is packed has no `weight` parameter: the method holds the packed table."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.method: LinearMethod = DenseLinearMethod()
-        self.packed_weight: torch.Tensor | None = None  # set by a method that keeps its own form
-        self.gemv_weight: torch.Tensor | None = None  # a second form for few rows (layers/gemv.py)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -109,55 +143,57 @@ class LinearBase(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def set_method(self, method: LinearMethod) -> None:
+        """Gives the layer a method chosen by its weight format (quantization) before weights are loaded."""
+        self.method = method
+        if method.chosen_by_format:
+            self.register_parameter("weight", None)  # NOTE: the method keeps the only copy of the weight
+
     def dense_weight(self) -> torch.Tensor:
-        """The [out, in] weight in the parameter's dtype, unpacked again if only the packed form is kept."""
-        if self.weight.numel() == 0 and self.packed_weight is not None:
-            return self.packed_weight.to_dense().to(self.weight.dtype)
-        return self.weight.detach()
+        """The [out, in] weight, rebuilt from the method's own form if the loaded one was freed."""
+        return self.method.dense_weight(self)
 
     def weight_nbytes(self) -> int:
-        """Bytes of the weight as kept: the packed forms when a method keeps them, else the parameter."""
-        extra = 0 if self.gemv_weight is None else self.gemv_weight.numel() * self.gemv_weight.element_size()
-        if self.packed_weight is not None:
-            packed = self.packed_weight
-            nbytes = torch.ops.mkldnn._nbytes(packed) if packed.is_mkldnn else packed.numel() * packed.element_size()
-            return nbytes + extra
-        return self.weight.numel() * self.weight.element_size() + extra
-
-    def release_dense_weight(self) -> None:
-        """Frees the loaded weight once a method keeps its own copy (`dense_weight` can rebuild it)."""
-        if self.packed_weight is not None:
-            self.weight.data = self.weight.data.new_empty(0)
+        """Bytes of the weight as kept: the parameter (empty once freed) and the method's own forms."""
+        param = 0 if self.weight is None else self.weight.numel() * self.weight.element_size()
+        return param + sum(self.method.own_forms().values())
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, method={self.method.name}"
+        return (f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+                f"method={self.method.describe()}")
 
 
 def linear_layers(model: nn.Module) -> Iterable[tuple[str, LinearBase]]:
     return ((name, m) for name, m in model.named_modules() if isinstance(m, LinearBase))
 
 
-def process_weights_after_loading(model: nn.Module, methods: dict[tuple[int, int], str]) -> dict[str, int]:
-    """Gives every linear layer the method named for its weight shape and lets it prepare the weight.
+def tunable_layers(model: nn.Module) -> Iterable[tuple[str, LinearBase]]:
+    """The linear layers of float weights, whose method the runner chooses per shape."""
+    return ((name, m) for name, m in linear_layers(model) if not m.method.chosen_by_format)
 
-    `methods` maps (out_features, in_features) -> method name; shapes it lacks stay dense. A weight
-    that a method packed is freed unless another module shares it (tied embeddings). Calling it again
-    (another runner on the same loaded model) repacks only layers whose method or dtype changed.
-    Returns how many layers each method got.
+
+def process_weights_after_loading(model: nn.Module, methods: dict[tuple[int, int], str]) -> dict[str, int]:
+    """Gives every float linear layer the method named for its weight shape and lets it prepare the weight.
+
+    `methods` maps (out_features, in_features) -> method name; shapes it lacks stay dense; layers whose
+    format chose their method (packed) keep it. A weight that a method keeps in its own form is freed unless
+    another module shares it (tied embeddings). Calling it again (another runner on the same loaded model)
+    prepares only layers whose method or dtype changed. Returns how many layers each method got.
     """
     shared = _params_outside_linears(model)
     counts: dict[str, int] = {}
     for _, layer in linear_layers(model):
+        if layer.method.chosen_by_format:
+            counts[layer.method.name] = counts.get(layer.method.name, 0) + 1
+            continue
         name = methods.get(layer.shape, DenseLinearMethod.name)
-        packed = layer.packed_weight
-        if layer.method.name != name or (packed is not None and packed.dtype != layer.weight.dtype):
-            dense = layer.dense_weight()
-            layer.packed_weight = layer.gemv_weight = None
-            layer.weight.data = dense
+        own = layer.method.own_weight()
+        if layer.method.name != name or (own is not None and own.dtype != layer.weight.dtype):
+            layer.weight.data = layer.dense_weight()
             layer.method = LINEAR_METHODS[name]()
             layer.method.process_weights_after_loading(layer)
-            if id(layer.weight) not in shared:
-                layer.release_dense_weight()
+            if layer.method.own_weight() is not None and id(layer.weight) not in shared:
+                layer.weight.data = layer.weight.data.new_empty(0)
         counts[name] = counts.get(name, 0) + 1
     return counts
 

@@ -30,8 +30,8 @@ from radixserve.layers.linear import (
     DenseLinearMethod,
     LinearBase,
     OneDNNLinearMethod,
-    linear_layers,
     process_weights_after_loading,
+    tunable_layers,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,20 +54,32 @@ class Timing:
 
 def configure_linear_methods(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
                              requested: str = AUTO) -> dict[str, int]:
-    """Gives every linear layer of `model` its method (`requested`, or by measurement) and packs weights.
+    """Plans (`plan_linear_methods`, `plan_large_rows`) and applies (`apply_linear_plan`) in one call; returns
+    how many layers each method got."""
+    methods = plan_linear_methods(model, device, dtype, requested)
+    return apply_linear_plan(model, methods, plan_large_rows(model, methods, dtype))
 
-    Returns how many layers each method got."""
-    shapes = sorted({layer.shape for _, layer in linear_layers(model)})
+
+def plan_linear_methods(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                        requested: str = AUTO) -> dict[Shape, str]:
+    """The method of each float weight shape of `model`: `requested`, or the fastest measured here (auto)."""
+    shapes = sorted({layer.shape for _, layer in tunable_layers(model)})
     if requested == AUTO:
-        methods = choose_methods(shapes, device, dtype)
-    else:
-        if requested not in LINEAR_METHODS:
-            raise ValueError(f"unknown linear method {requested!r}; available: {', '.join(sorted(LINEAR_METHODS))}")
-        if not LINEAR_METHODS[requested].supports(device, dtype):
-            raise ValueError(f"linear method {requested!r} does not run on {device.type} in {dtype}")
-        methods = dict.fromkeys(shapes, requested)
+        return choose_methods(shapes, device, dtype)
+    if requested not in LINEAR_METHODS:
+        raise ValueError(f"unknown linear method {requested!r}; available: {', '.join(sorted(LINEAR_METHODS))}")
+    if not LINEAR_METHODS[requested].supports(device, dtype):
+        raise ValueError(f"linear method {requested!r} does not run on {device.type} in {dtype}")
+    return dict.fromkeys(shapes, requested)
+
+
+def apply_linear_plan(model: torch.nn.Module, methods: dict[Shape, str],
+                      large: dict[Shape, frozenset[int]]) -> dict[str, int]:
+    """Gives every float linear layer its planned method (and the GEMV method its large-product rows)."""
     counts = process_weights_after_loading(model, methods)
-    tune_large_products(model, dtype)
+    for _, layer in tunable_layers(model):
+        if isinstance(layer.method, gemv.GemvLinearMethod):
+            layer.method.large_rows = large.get(layer.shape, frozenset())
     return counts
 
 
@@ -76,28 +88,26 @@ LARGE_MARGIN = 1.05  # the large AMX product must beat oneDNN by this much to ta
 LARGE_MAX_WEIGHT = 8 << 20  # elements; larger weights (the LM head) keep oneDNN above decode sizes
 
 
-def tune_large_products(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """For `onednn_gemv` layers on AMX CPUs: the LARGE_GRID row counts at which our large AMX product beats
-    oneDNN's, timed per weight shape at the thread count the model runs with (oneDNN decides itself how
-    many threads a product gets, and for some shapes near 1,000 rows it takes one: that is what this finds),
-    cached like the methods; each such layer's method gets them as `large_rows`."""
-    layers: dict[Shape, list[LinearBase]] = {}
-    for _, layer in linear_layers(model):
-        if getattr(layer.method, "large", None) is not None and layer.shape[0] * layer.shape[1] <= LARGE_MAX_WEIGHT:
-            layers.setdefault(layer.shape, []).append(layer)
-    if not layers:
-        return
+def plan_large_rows(model: torch.nn.Module, methods: dict[Shape, str], dtype: torch.dtype) -> dict[Shape, frozenset[int]]:
+    """For shapes planned on `onednn_gemv` on AMX CPUs: the LARGE_GRID row counts at which our large AMX product
+    beats oneDNN's, timed per weight shape (on a random weight of that shape) at the thread count the model runs
+    with (oneDNN decides itself how many threads a product gets, and for some shapes near 1,000 rows it takes
+    one: that is what this finds), cached like the methods."""
+    shapes = sorted(shape for shape, name in methods.items() if name == gemv.GemvLinearMethod.name
+                    and shape[0] * shape[1] <= LARGE_MAX_WEIGHT and gemv.has_large_product(shape[1]))
+    if not shapes:
+        return {}
     cache = TimingCache(envs.CACHE_DIR.get() / CACHE_FILE)
-    for shape, group in sorted(layers.items()):
+    planned = {}
+    for shape in shapes:
         key = f"{cache_key(shape, dtype)} | large, {torch.get_num_threads()} threads"
         timings = cache.get(key)
         if timings is None or {t.tokens for t in timings} != set(gemv.LARGE_GRID):
             logger.info("timing the large AMX product against oneDNN for weight %dx%d (first start only)", *shape)
-            timings = _time_large(group[0])
+            timings = _time_large(_layer_with(gemv.GemvLinearMethod.name, (torch.randn(*shape) * 0.02).to(dtype)))
             cache.put(key, timings)
-        rows = large_rows(timings)
-        for layer in group:
-            layer.method.large_rows = rows
+        planned[shape] = large_rows(timings)
+    return planned
 
 
 def large_rows(timings: list[Timing]) -> frozenset[int]:
@@ -108,10 +118,10 @@ def large_rows(timings: list[Timing]) -> frozenset[int]:
 def _time_large(layer: LinearBase) -> list[Timing]:
     method, timings = layer.method, []
     kernels = {"onednn": lambda x: OneDNNLinearMethod.apply(method, layer, x),
-               "amx_large": lambda x: method.large(layer.gemv_weight, x, layer.bias, layer.out_features)}
+               "amx_large": lambda x: method.large(method.gemv_weight, x, layer.bias, layer.out_features)}
     with torch.inference_mode():
         for rows in gemv.LARGE_GRID:
-            x = torch.randn(rows, layer.in_features).to(layer.gemv_weight.dtype)
+            x = torch.randn(rows, layer.in_features).to(method.gemv_weight.dtype)
             best = dict.fromkeys(kernels, float("inf"))
             for round_ in range(LARGE_CALLS + 1):
                 for name, run in kernels.items():

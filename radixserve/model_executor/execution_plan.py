@@ -1,21 +1,33 @@
-"""How one forward runs on this machine, decided at start-up: one record of every choice and its reason.
+"""How one forward runs on this machine: every choice made once at start-up, before anything is prepared.
 
-`ExecutionPlan.of_runner` is built once, after the model is on its device (linear methods chosen, fused ops
-and the decode step loaded) and the attention backend is built. It is logged once at start-up and returned
-by `/get_server_info` (`platform.execution_plan`), so "why is this slow here" has one answer: the dtype,
-each linear weight shape's method, the attention kernel of each phase, the fused ops, and which decoder runs
-(the Python layers or the C decode step), each with the reason it was chosen.
-
-NOTE: the plan records the decisions; the layers still make them when they are set up (linear_tuning.py,
-fused_ops.py, decode_step.py, the attention backend). Moving the decisions into the plan, so that layers
-receive their part of it, is the next step.
+`plan_execution` decides, in one place and each with its reason: the dtype (platform.choose_dtype), each
+float linear weight shape's method and, for the GEMV method, the row counts where its large AMX product wins
+(layers/linear_tuning.py, measured here and cached), the fused ops (compiled ahead of time and cached), which
+decoder runs decode batches (the Python layers or the C decode step over the model's exported weight view),
+and the attention backend with the C kernels it uses per phase (layers/attention/registry.plan_attention).
+Then the parts receive their share and nothing decides again: `device_setup.setup_model_for_device(model,
+plan)` gives the linear layers their methods and the model its fused ops and decoder; the attention backend
+is built from `plan.attention`. The plan is logged once at start-up and returned by `/get_server_info`
+(`platform.execution_plan`), so "why is this slow here" has one answer.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.layers.attention.base import AttentionPlan
+    from radixserve.layers.fused_ops import FusedOps
+    from radixserve.platform import DtypeChoice
+    from radixserve.server_args import ServerArgs
+
+Shape = tuple[int, int]
+C_DECODER, PYTHON_DECODER = "C decode step", "python layers"
 
 
 @dataclass(frozen=True)
@@ -27,6 +39,13 @@ class PlanEntry:
 
 @dataclass(frozen=True)
 class ExecutionPlan:
+    dtype: torch.dtype
+    linear_methods: Mapping[Shape, str]  # float weight shape -> method name (packed layers keep their format's)
+    large_rows: Mapping[Shape, frozenset[int]]  # onednn_gemv shapes -> row counts for the large AMX product
+    fused_ops: FusedOps | None  # the compiled passes between products; None: eager torch
+    decoder: str  # C_DECODER or PYTHON_DECODER
+    decoder_refusal: str | None  # why not the C decode step; None when it runs
+    attention: AttentionPlan
     entries: tuple[PlanEntry, ...]
 
     def choice(self, part: str) -> str:
@@ -39,71 +58,100 @@ class ExecutionPlan:
         """One line per entry, for the start-up log."""
         return "\n".join(f"  {e.part:<26} {e.choice:<28} {e.reason}" for e in self.entries)
 
-    @staticmethod
-    def of_runner(runner: Any) -> ExecutionPlan:
-        args = runner.server_args
-        entries = [PlanEntry("dtype", runner.dtype_choice.dtype, runner.dtype_choice.reason)]
-        entries += _linear_entries(runner.model, args.linear_method)
-        entries += _attention_entries(runner.attn_backend, runner.dtype, args)
-        fused = runner.device_setup.fused_ops
-        entries.append(PlanEntry("fused ops", ", ".join(fused) or "off", _fused_reason(runner, fused)))
-        refusal = runner.device_setup.decode_step_refusal
-        entries.append(PlanEntry("decoder", "python layers" if refusal else "C decode step",
-                                 refusal or "bf16 on the AVX512-BF16 GEMV: every decoder layer in one C call"))
-        return ExecutionPlan(tuple(entries))
+
+def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, args: ServerArgs) -> ExecutionPlan:
+    """Every choice of how `model` (loaded, on `device` in the chosen dtype) runs, none applied yet."""
+    from radixserve.layers.attention.registry import plan_attention
+    from radixserve.layers.fused_ops import load_fused_ops
+    from radixserve.layers.linear_tuning import plan_large_rows, plan_linear_methods
+
+    dtype = getattr(torch, dtype_choice.dtype)
+    methods = plan_linear_methods(model, device, dtype, args.linear_method)
+    large = plan_large_rows(model, methods, dtype)
+    ops = None if args.disable_fused_ops else load_fused_ops(model.config, dtype, device)
+    refusal = _decoder_refusal(model, device, dtype, ops, methods)
+    attention = plan_attention(args.attention_backend, device, cascade=not args.disable_cascade_attention)
+    entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
+               *_linear_entries(model, methods, large, args.linear_method),
+               *_attention_entries(attention, dtype, args),
+               PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops)),
+               PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
+                         refusal or "bf16 on the AVX512-BF16 GEMV: every decoder layer in one C call")]
+    return ExecutionPlan(dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
+                         tuple(entries))
 
 
-def _linear_entries(model: Any, requested: str) -> list[PlanEntry]:
+def _decoder_refusal(model: Any, device: torch.device, dtype: torch.dtype, ops: FusedOps | None,
+                     methods: Mapping[Shape, str]) -> str | None:
+    from radixserve.models.decode_step import decode_step_refusal
+
+    if not hasattr(model, "decoder_weights"):
+        return "this model has no decoder seam"
+    if device.type != "cpu":
+        return "the C decode step runs on the CPU only"
+    return decode_step_refusal(model.decoder_weights(), dtype, ops, methods)
+
+
+def _op_names(ops: FusedOps | None) -> tuple[str, ...]:
+    if ops is None:
+        return ()
+    return tuple(op.name for op in (ops.add_rmsnorm, ops.rotary_kv, ops.silu_and_mul) if op is not None)
+
+
+def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Shape, frozenset[int]],
+                    requested: str) -> list[PlanEntry]:
     """One entry per (weight shape, method), counting the layers."""
-    from radixserve.layers.linear import LinearBase
-    from radixserve.layers.quantization.linear import QuantizedLinear
+    from radixserve.layers.linear import DenseLinearMethod, linear_layers
 
+    tuned = (f"--linear-method {requested}" if requested != "auto" else
+             "the fastest of the candidates timed here at 1, 32 and 512 rows (cached per machine)")
     counts: Counter[tuple[str, str, str]] = Counter()
-    for _, module in model.named_modules():
-        if isinstance(module, LinearBase):
-            reason = (f"--linear-method {requested}" if requested != "auto" else
-                      "the fastest of the candidates timed here at 1, 32 and 512 rows (cached per machine)")
-            counts[(f"{module.out_features}x{module.in_features}", module.method.name, reason)] += 1
-        elif isinstance(module, QuantizedLinear):
-            fmt = f"int{module.bits}" + (" per channel" if module.per_channel and module.bits == 8 else "")
-            counts[(f"{module.out_features}x{module.in_features}", f"packed {fmt}", "--quantization")] += 1
+    for _, layer in linear_layers(model):
+        if layer.method.chosen_by_format:
+            choice, reason = layer.method.describe(), "the weight format (--quantization, or the GGUF file's type)"
+        else:
+            choice, reason = methods.get(layer.shape, DenseLinearMethod.name), tuned
+            if large.get(layer.shape):
+                choice += f" (large AMX product at {len(large[layer.shape])} row counts)"
+        counts[(f"{layer.out_features}x{layer.in_features}", choice, reason)] += 1
     return [PlanEntry(f"linear {shape}", f"{method} x{n}", reason)
             for (shape, method, reason), n in sorted(counts.items())]
 
 
-def _attention_entries(backend: Any, dtype: Any, args: Any) -> list[PlanEntry]:
-    kernel = getattr(backend, "decode_kernel", None)
+def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs) -> list[PlanEntry]:
     dname = str(dtype).removeprefix("torch.")
-    used = kernel.selected_kernels().get(dname, []) if kernel is not None else []
-    level = f" ({kernel.isa})" if kernel is not None else ""
-    why_torch = ("no C kernels (--attention-backend torch, or not a CPU)" if kernel is None else
-                 f"torch's op measured faster at this level and dtype ({dname})")
-    if "decode" in used:
+    level = f" ({plan.level})" if plan.level else ""
+    why_torch = ("no C kernels (--attention-backend torch, not a CPU, or they did not build)" if plan.level is None
+                 else f"torch's op measured faster at this level and dtype ({dname})")
+    if plan.uses("decode", dtype):
         decode = PlanEntry("attention decode", "C decode" + level, f"measured faster than torch's op here{level}")
     else:
         decode = PlanEntry("attention decode", "torch", why_torch)
-    if getattr(backend, "cascade", None) is not None:
-        prefix = PlanEntry("attention shared prefix", "cascade, " + ("C prefix" if "prefix" in used else "torch flash"),
+    if plan.cascade:
+        prefix = PlanEntry("attention shared prefix",
+                           "cascade, " + ("C prefix" if plan.uses("prefix", dtype) else "torch flash"),
                            "a prefix the whole batch shares is attended once")
     else:
         prefix = PlanEntry("attention shared prefix", "off", "--disable-cascade-attention")
-    return [PlanEntry("attention backend", type(backend).__name__, f"--attention-backend {args.attention_backend}"),
-            decode, _extend_entry(backend, used, dname, level, why_torch), prefix]
+    return [PlanEntry("attention backend", plan.backend, f"--attention-backend {args.attention_backend}"),
+            decode, _extend_entry(plan, dtype, level, why_torch), prefix]
 
 
-def _extend_entry(backend: Any, used: list[str], dname: str, level: str, why_torch: str) -> PlanEntry:
-    if getattr(backend, "amx_extend", None) is not None and dname == "bfloat16":
+def _extend_entry(plan: AttentionPlan, dtype: torch.dtype, level: str, why_torch: str) -> PlanEntry:
+    from radixserve import envs
+
+    if plan.uses("extend_amx", dtype):
         return PlanEntry("attention extend", "C extend_amx", "bf16 on AMX tiles")
-    if "extend" not in used:
+    if plan.level is not None and not envs.CPU_PREFILL_KERNEL.get():
+        return PlanEntry("attention extend", "torch SDPA", f"{envs.CPU_PREFILL_KERNEL.name}=0")
+    if not plan.uses("extend", dtype):
         return PlanEntry("attention extend", "torch SDPA", why_torch)
-    if backend.extend_kernel is None:
-        return PlanEntry("attention extend", "torch SDPA", "RADIXSERVE_CPU_PREFILL_KERNEL=0")
     return PlanEntry("attention extend", "C extend", f"measured faster than SDPA here{level}")
 
 
-def _fused_reason(runner: Any, fused: tuple[str, ...]) -> str:
-    if runner.server_args.disable_fused_ops:
+def _fused_reason(args: ServerArgs, device: torch.device, ops: FusedOps | None) -> str:
+    if args.disable_fused_ops:
         return "--disable-fused-ops"
-    if runner.device.type != "cpu":
+    if device.type != "cpu":
         return "the fused ops are compiled for the CPU only"
-    return "compiled ahead of time for this CPU (cached)" if fused else "they did not compile here"
+    return "compiled ahead of time for this CPU (cached)" if ops else "they did not compile here"

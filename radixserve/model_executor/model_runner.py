@@ -19,7 +19,7 @@ from radixserve.layers.sampler import (
 )
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.model_executor.cpu_memory import keep_freed_memory
-from radixserve.model_executor.execution_plan import ExecutionPlan
+from radixserve.model_executor.execution_plan import plan_execution
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.models.device_setup import setup_model_for_device
 from radixserve.server_args import ServerArgs
@@ -75,8 +75,9 @@ class ModelRunner:
             loaded = load_model(server_args.model_path, self.dtype, self.device, server_args.quantization)
         self.loaded = loaded
         self.model = loaded.model.to(device=self.device, dtype=self.dtype)
-        self.device_setup = setup_model_for_device(self.model, self.device, self.dtype, server_args.linear_method,
-                                                   fused_ops=not server_args.disable_fused_ops)
+        # NOTE: every choice of how a forward runs is made here, once; the parts then receive theirs
+        self.execution_plan = plan_execution(self.model, self.device, self.dtype_choice, server_args)
+        self.device_setup = setup_model_for_device(self.model, self.device, self.execution_plan)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.context_len = self._context_len()
@@ -85,9 +86,8 @@ class ModelRunner:
             MAX_RUNNING_REQUESTS_CAP, max(1, self.max_total_num_tokens // TOKENS_PER_RUNNING_REQUEST))
         self._init_pools()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device,
-                                                     cascade=not server_args.disable_cascade_attention)
+                                                     plan=self.execution_plan.attention)
         self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
-        self.execution_plan = ExecutionPlan.of_runner(self)  # NOTE: once; logged here, in /get_server_info
         self._log_startup()
 
     def forward(self, forward_batch: ForwardBatch, read_done: Any = None) -> torch.Tensor:
@@ -170,11 +170,9 @@ class ModelRunner:
 
     def platform_info(self) -> dict:
         """The dtype and why, the C attention kernels in use and the CPU (start-up line, /get_server_info)."""
-        kernel = getattr(self.attn_backend, "decode_kernel", None)
-        amx = getattr(self.attn_backend, "amx_extend", None) is not None and self.dtype_choice.dtype == "bfloat16"
-        kernels = None if kernel is None else {"level": kernel.isa, "class": kernel.kernel_class,
-                                               "used": kernel.selected_kernels().get(self.dtype_choice.dtype, [])
-                                               + (["extend_amx"] if amx else [])}
+        attention = self.execution_plan.attention
+        kernels = None if attention.level is None else {"level": attention.level, "class": attention.kernel_class,
+                                                        "used": attention.used(self.dtype)}
         return {"dtype": self.dtype_choice.dtype, "dtype_reason": self.dtype_choice.reason,
                 "attention_kernels": kernels, "cpu": platform.describe(), "malloc_tuned": self.malloc_tuned,
                 "execution_plan": self.execution_plan.as_dict()}

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixserve import envs
 from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_library
-from radixserve.layers.gemv import AMX_MAX_ROWS, FLAGS, GEMV_MAX_ROWS, load_gemv_kernel
+from radixserve.layers.gemv import AMX_MAX_ROWS, FLAGS, GEMV_MAX_ROWS, GemvLinearMethod, load_gemv_kernel
+
+if TYPE_CHECKING:
+    from radixserve.models.llama import DecoderWeights
 
 SOURCE = CSRC / "decode_step.c"
 HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h"))  # simd.h includes attention_common.h
@@ -49,33 +53,36 @@ def _library() -> ctypes.CDLL | None:
 
 
 class DecodeStep:
-    """`__call__(hidden, fb)` runs every decoder layer of a decode forward; `takes(fb)` says whether it can."""
+    """`__call__(hidden, fb)` runs every decoder layer of a decode forward; `takes(fb)` says whether it can.
 
-    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
-        config, self._model, self._lib = model.config, model, lib
+    It reads the model through its exported weight view (`LlamaForCausalLM.decoder_weights`) and the KV pool
+    through `get_kv_buffer`: the layer table of pointers it hands to C is built from those two, nothing else."""
+
+    def __init__(self, weights: DecoderWeights, lib: ctypes.CDLL) -> None:
+        config, self._weights, self._lib = weights.config, weights, lib
+        self._config = config
         # NOTE: every decoder layer runs onednn_gemv with the same kernels (_fits), so one method's choice
         # of kernel per row count is every layer's, and the Python layers'
-        self._method = model.model.layers[0].self_attn.qkv_proj.method
+        self._method = weights.layers[0].qkv.method
         self.max_rows = next(rows for rows in (AMX_MAX_ROWS, GEMV_MAX_ROWS) if self._method.decode_kernel(rows))
-        cos, sin = model.rotary.tables(torch.device("cpu"))
+        cos, sin = weights.rotary.tables(torch.device("cpu"))
         self._tables = (cos.contiguous(), sin.contiguous())
-        scale = model.model.layers[0].self_attn.attn.scaling
         self._struct = _Model(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-                              config.head_dim, config.intermediate_size, cos.shape[0], 0, config.rms_norm_eps, scale,
-                              None, self._tables[0].data_ptr(), self._tables[1].data_ptr())
+                              config.head_dim, config.intermediate_size, cos.shape[0], 0, config.rms_norm_eps,
+                              weights.attention_scale, None, self._tables[0].data_ptr(), self._tables[1].data_ptr())
         self._work_per_row = lib.decode_step_work_size(ctypes.byref(self._struct), 1)
         self._pool = None  # the KV pool whose buffers the layer table points at
-        self._attention: tuple[object, int | None] = (None, None)  # (decode kernel, its bf16 function)
+        self._attention: tuple[object, int | None] = (None, None)  # (backend, its bf16 decode function)
 
     def takes(self, fb) -> bool:
         backend = fb.attn_backend
         return (fb.batch_size <= self.max_rows and getattr(backend, "decode_meta", None) is not None
-                and self._attention_fn(backend.decode_kernel) is not None)
+                and self._attention_fn(backend) is not None)
 
     def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden]."""
         bs, meta = hidden.shape[0], fb.attn_backend.decode_meta
-        attention = self._attention_fn(fb.attn_backend.decode_kernel)
+        attention = self._attention_fn(fb.attn_backend)
         if attention is None or meta is None or bs > self.max_rows:
             raise ValueError("the C decode step does not take this forward (check `takes` first)")
         if fb.token_to_kv_pool is not self._pool:
@@ -96,25 +103,25 @@ class DecodeStep:
             raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
         return hidden, residual
 
-    def _attention_fn(self, kernel) -> int | None:
-        if kernel is not self._attention[0]:
-            cfg = self._model.config
+    def _attention_fn(self, backend) -> int | None:
+        """The bf16 decode attention function the backend's plan runs for this model's heads, or None."""
+        if backend is not self._attention[0]:
+            cfg = self._config
             q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16)
-            fits = kernel is not None and kernel.supports(q, cfg.num_kv_heads)
-            self._attention = (kernel, kernel.decode_address(torch.bfloat16) if fits else None)
+            kernel = backend.decode_kernel_for(q, cfg.num_kv_heads) if hasattr(backend, "decode_kernel_for") else None
+            self._attention = (backend, None if kernel is None else kernel.decode_address(torch.bfloat16))
         return self._attention[1]
 
     def _bind_pool(self, pool) -> None:
         rows, slots = [], []
-        for i, layer in enumerate(self._model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        for i, layer in enumerate(self._weights.layers):
             k_cache, v_cache = pool.get_kv_buffer(i)
             slots += [k_cache.shape[0], v_cache.shape[0]]
-            bias = attn.qkv_proj.bias
-            rows.append([layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                         attn.qkv_proj.gemv_weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         attn.o_proj.gemv_weight.data_ptr(), mlp.gate_up_proj.gemv_weight.data_ptr(),
-                         mlp.down_proj.gemv_weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()])
+            bias = layer.qkv.bias
+            rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                         layer.qkv.method.gemv_weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         *(linear.method.gemv_weight.data_ptr() for linear in layer.linears[1:]),
+                         k_cache.data_ptr(), v_cache.data_ptr()])
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._struct.layers = self._table.data_ptr()
         self._struct.num_slots = min(slots)
@@ -142,9 +149,9 @@ class SiluAndMul:
         return out
 
 
-def load_decode_step(model: torch.nn.Module) -> DecodeStep:
-    """The C decode step for this model; only where `decode_step_refusal` found no reason against it."""
-    return DecodeStep(model, _library())
+def load_decode_step(weights: DecoderWeights) -> DecodeStep:
+    """The C decode step over a model's weight view; only where `decode_step_refusal` found no reason against it."""
+    return DecodeStep(weights, _library())
 
 
 def c_silu_and_mul(ops: Any) -> SiluAndMul:
@@ -153,36 +160,39 @@ def c_silu_and_mul(ops: Any) -> SiluAndMul:
     return SiluAndMul(_library(), ops.silu_and_mul)
 
 
-def decode_step_refusal(model: torch.nn.Module, dtype: torch.dtype, ops: Any) -> str | None:
-    """Why decode batches of `model` (to run the fused ops `ops`) run the decoder layers in Python rather than
-    in one C call; None if C."""
+def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops: Any,
+                        methods: Mapping[tuple[int, int], str]) -> str | None:
+    """Why decode batches of the model with this weight view (to run the fused ops `ops`, its float linear shapes
+    planned on `methods`) run the decoder layers in Python rather than in one C call; None if C."""
     if not envs.DECODE_STEP.get():
         return f"{envs.DECODE_STEP.name}=0"
     if dtype != torch.bfloat16:
         return f"the C decode step is bfloat16 only (dtype {str(dtype).removeprefix('torch.')})"
     if not is_x86():
         return "the C decode step is x86 only"
-    if not _fits(model, ops):
-        return "the model's layers are not all on the bf16 GEMV (a quantized or biased layer, a shape not a " \
-               "multiple of 32, fused ops off, or no AVX512-BF16 GEMV here)"
+    if weights is None:
+        return "the model exports no plain decoder weight view (q/k norms)"
+    if ops is None or ops.rotary_kv is None:
+        return "the fused ops are off (the C loop is the fused path's layer structure)"
+    if load_gemv_kernel() is None:
+        return "no AVX512-BF16 GEMV at this kernel level"
+    shape = _shape_refusal(weights, methods)
+    if shape is not None:
+        return shape
     if _library() is None:
         return "the C decode step did not build here"
     return None
 
 
-def _fits(model: torch.nn.Module, fused: Any) -> bool:
-    config = getattr(model, "config", None)
-    if config is None or fused is None or fused.rotary_kv is None or not hasattr(model, "rotary"):
-        return False  # NOTE: the C loop is the fused path's layer structure (llama.py), nothing else
+def _shape_refusal(weights: DecoderWeights, methods: Mapping[tuple[int, int], str]) -> str | None:
+    config = weights.config
     if config.hidden_size % 32 or config.head_dim % 32 or config.intermediate_size % 32:
-        return False
-    for layer in model.model.layers:
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if not all(_on_gemv(m) for m in linears) or any(m.bias is not None for m in linears[1:]):
-            return False
-    return load_gemv_kernel() is not None
-
-
-def _on_gemv(layer: torch.nn.Module) -> bool:
-    method = getattr(layer, "method", None)
-    return method is not None and method.name == "onednn_gemv" and layer.gemv_weight is not None
+        return "hidden, head or intermediate size not a multiple of 32"
+    for i, layer in enumerate(weights.layers):
+        for linear in layer.linears:
+            name = linear.method.describe() if linear.method.chosen_by_format else methods.get(linear.shape, "dense")
+            if name != GemvLinearMethod.name:
+                return f"layer {i}: a linear layer runs {name}, not the bf16 GEMV"
+        if any(linear.bias is not None for linear in layer.linears[1:]):
+            return f"layer {i}: a biased o/gate_up/down layer"
+    return None

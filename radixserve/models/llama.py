@@ -11,6 +11,7 @@ AVX512-BF16 a decode batch may run all decoder layers in one C call instead (dec
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,6 +100,35 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One decoder layer as a decoder outside the Python layers reads it: the norms' weights and the linear
+    layers, whose methods hold each weight in the form they multiply with (layers/linear.py)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearBase
+    o: LinearBase
+    gate_up: LinearBase
+    down: LinearBase
+
+    @property
+    def linears(self) -> tuple[LinearBase, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+@dataclass(frozen=True)
+class DecoderWeights:
+    """The exported weight view of the decoder (`LlamaForCausalLM.decoder_weights`): what the C decode step
+    reads, so that it never walks the model's attributes. Its structure is this file's: pre-norm layers,
+    fused qkv (bias allowed) and gate|up, rotary on q and k (no q/k norms), SiLU-and-mul."""
+
+    config: ModelConfig
+    layers: tuple[DecoderLayerWeights, ...]
+    rotary: RotaryEmbedding
+    attention_scale: float
+
+
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids, positions, forward_batch) -> float32 logits of each request's last token."""
 
@@ -119,9 +149,21 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        # NOTE: packed (quantized) modules share their table instead (layers/quantization/model_quant.py).
-        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
+        # NOTE: a packed (quantized) head shares its embedding's table instead (layers/quantization/model_quant.py).
+        if self.config.tie_word_embeddings and not self.lm_head.method.chosen_by_format:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def decoder_weights(self) -> DecoderWeights | None:
+        """The weight view a decoder outside the Python layers reads; None where the layers are not plain
+        pre-norm rotary layers (q/k norms)."""
+        if self.config.qk_norm:
+            return None
+        layers = tuple(DecoderLayerWeights(layer.input_layernorm.weight.detach(),
+                                           layer.post_attention_layernorm.weight.detach(),
+                                           layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                       for layer in self.model.layers)
+        return DecoderWeights(self.config, layers, self.rotary, self.model.layers[0].self_attn.attn.scaling)
 
     def set_decoder(self, decode_step: Any) -> None:
         """The decoder of decode batches: None, the Python layers; else a C decoder over the layers' weights

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,6 +12,25 @@ import torch
 if TYPE_CHECKING:
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What a backend is told when it is built: its name, whether it may run cascade attention, and per dtype
+    the C kernels it uses ("decode", "extend", "prefix", "extend_amx"); every other part runs in torch.
+    Decided once by `registry.plan_attention` (from the kernels' measured table, the CPU and the switches)."""
+
+    backend: str
+    cascade: bool = True
+    kernels: Mapping[torch.dtype, frozenset[str]] = field(default_factory=dict)
+    level: str | None = None  # the C kernels' ISA level
+    kernel_class: str | None = None  # the class the measured table is keyed by (the level, or amx)
+
+    def uses(self, kernel: str, dtype: torch.dtype) -> bool:
+        return kernel in self.kernels.get(dtype, frozenset())
+
+    def used(self, dtype: torch.dtype) -> list[str]:
+        return sorted(self.kernels.get(dtype, frozenset()))
 
 
 class AttentionBackend(ABC):

@@ -11,7 +11,8 @@ releases the GIL) and links the same libgomp as torch, so it runs on torch's Ope
 Without a compiler, `load_decode_kernel` returns None and the caller keeps the torch path.
 
 `SELECTED` says, per CPU class and dtype, which kernels measured faster than torch's own op at
-SmolLM2-135M's shapes (docs/attention.md, "Kernel levels"); the backend uses a kernel only there.
+SmolLM2-135M's shapes (docs/attention.md, "Kernel levels"); the backend's plan (registry.plan_attention) uses a
+kernel only there. The kernels' `*_supports` say only whether a kernel can take a shape.
 """
 
 from __future__ import annotations
@@ -73,33 +74,23 @@ class DecodeKernel:
         """The decode kernel's C function in `dtype` (for C code that calls it itself: models/decode_step.py)."""
         return ctypes.cast(self._fns[dtype], ctypes.c_void_p).value
 
-    def selected(self, kernel: str, dtype: torch.dtype) -> bool:
-        """Whether `kernel` (decode, extend, prefix) measured faster than torch's op on this class in `dtype`."""
-        return kernel in SELECTED.get((self.kernel_class, dtype), frozenset())
-
-    def selected_kernels(self) -> dict[str, list[str]]:
-        """dtype -> the kernels the backend uses on this level (for the start-up line and /get_server_info)."""
-        return {str(dtype).removeprefix("torch."): [k for k in KERNELS if self.selected(k, dtype)]
-                for dtype in _DTYPE_SUFFIX}
-
     def supports(self, q: torch.Tensor, num_kv_heads: int) -> bool:
-        """Whether the backend runs decode attention of `q` in this kernel."""
+        """Whether this kernel can run decode attention of `q` (shape and dtype)."""
         heads, dim = q.shape[1], q.shape[2]
         return (q.device.type == "cpu" and q.dtype in self._fns and dim <= MAX_DIM
-                and heads % num_kv_heads == 0 and heads // num_kv_heads <= MAX_GROUP
-                and self.selected("decode", q.dtype))
+                and heads % num_kv_heads == 0 and heads // num_kv_heads <= MAX_GROUP)
 
     def extend_supports(self, q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-        """Whether the backend runs extend attention of `q` in this kernel."""
+        """Whether this kernel can run extend attention of `q` over `k_buf` (shape and dtype)."""
         heads, dim = q.shape[1], q.shape[2]
         return (q.device.type == "cpu" and q.dtype in self._extend_fns and k_buf.dtype == q.dtype
-                and heads % k_buf.shape[1] == 0 and dim <= MAX_DIM and self.selected("extend", q.dtype))
+                and heads % k_buf.shape[1] == 0 and dim <= MAX_DIM)
 
     def prefix_supports(self, q: torch.Tensor, num_kv_heads: int) -> bool:
-        """Whether cascade's part (a) (`shared_prefix`) runs in this kernel."""
+        """Whether this kernel can run cascade's part (a) (`shared_prefix`) for `q`."""
         heads, dim = q.shape[1], q.shape[2]
         return (q.device.type == "cpu" and q.dtype in self._prefix_fns and dim <= MAX_DIM
-                and heads % num_kv_heads == 0 and self.selected("prefix", q.dtype))
+                and heads % num_kv_heads == 0)
 
     def __call__(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                  seq_lens: torch.Tensor, max_len: int, scale: float,

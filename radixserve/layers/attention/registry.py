@@ -1,13 +1,16 @@
-"""Name -> attention backend. Entries are import paths so that choosing one imports only that one."""
+"""Name -> attention backend, and the plan a backend is built with. Entries are import paths so that choosing
+one imports only that one."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+from radixserve.layers.attention.base import AttentionPlan
+
+if TYPE_CHECKING:
     from radixserve.layers.attention.base import AttentionBackend
 
 _BACKENDS: dict[str, str] = {
@@ -26,13 +29,41 @@ def attention_backend_names() -> list[str]:
     return [AUTO, *sorted(_BACKENDS)]
 
 
-def create_attention_backend(name: str, device: torch.device, cascade: bool = True) -> AttentionBackend:
-    """Builds the named backend (auto: the C kernels on a CPU, torch elsewhere); `cascade`: may split attention
-    over a prefix the whole batch shares (off with --disable-cascade-attention)."""
+def plan_attention(name: str, device: torch.device, cascade: bool = True) -> AttentionPlan:
+    """The backend `name` resolves to (auto: the C kernels on a CPU, torch elsewhere) and, for the CPU backend,
+    the C kernels it uses per dtype: those the measured table (native.SELECTED) chose for this CPU's kernel
+    class, less the extend kernels where RADIXSERVE_CPU_PREFILL_KERNEL=0, plus bf16 extend on AMX tiles where
+    the CPU has them. `cascade`: may split attention over a prefix the whole batch shares."""
     if name == AUTO:
         name = "cpu" if device.type == "cpu" else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(attention_backend_names())}")
-    module_name, class_name = _BACKENDS[name].split(":")
+    if name != "cpu":
+        return AttentionPlan(name, cascade)
+    from radixserve import envs
+    from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
+    from radixserve.layers.attention.native import SELECTED, load_decode_kernel
+
+    kernel = load_decode_kernel()
+    if kernel is None:
+        return AttentionPlan(name, cascade)
+    prefill = envs.CPU_PREFILL_KERNEL.get()
+    amx = prefill and load_amx_extend_kernel() is not None
+    kernels = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        chosen = set(SELECTED.get((kernel.kernel_class, dtype), ()))
+        if not prefill:
+            chosen.discard("extend")
+        if amx and dtype == torch.bfloat16:
+            chosen.add("extend_amx")
+        kernels[dtype] = frozenset(chosen)
+    return AttentionPlan(name, cascade, kernels, kernel.isa, kernel.kernel_class)
+
+
+def create_attention_backend(name: str, device: torch.device, cascade: bool = True,
+                             plan: AttentionPlan | None = None) -> AttentionBackend:
+    """Builds a backend from `plan`, or from `plan_attention(name, device, cascade)` without one."""
+    plan = plan or plan_attention(name, device, cascade)
+    module_name, class_name = _BACKENDS[plan.backend].split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
-    return backend_cls(use_cascade=cascade)
+    return backend_cls(plan=plan)

@@ -12,7 +12,7 @@ when some request has a cached prefix, the contexts of all requests are gathered
 shifted by its prefix length. CpuAttnBackend instead runs one C kernel call for the whole batch
 that reads every request's context in place (extend_attention.c; in bf16 on CPUs with AMX-BF16,
 extend_amx.c on the tiles, amx_extend.py; off with RADIXSERVE_CPU_PREFILL_KERNEL=0). Which C kernels run depends on the CPU's kernel level and the dtype
-(native.SELECTED, measured against the torch paths here).
+(native.SELECTED, measured against the torch paths here), as the backend's plan says (registry.plan_attention).
 Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
 `cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from radixserve import envs
 from radixserve.layers.attention import cascade
-from radixserve.layers.attention.base import AttentionBackend
+from radixserve.layers.attention.base import AttentionBackend, AttentionPlan
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.amx_extend import AmxExtendKernel
@@ -81,7 +81,9 @@ EXTEND_KERNEL_MAX_NEW_TOKENS = 512
 
 
 class TorchAttnBackend(AttentionBackend):
-    def __init__(self, use_cascade: bool = True) -> None:
+    def __init__(self, use_cascade: bool = True, plan: AttentionPlan | None = None) -> None:
+        # NOTE: the plan decides which C kernels run per dtype (registry.plan_attention); torch runs the rest
+        self.plan = plan or AttentionPlan("torch", use_cascade)
         self.decode_meta: DecodeMetadata | None = None
         self.extend_meta: ExtendMetadata | None = None
         self.cascade_decode_meta: cascade.CascadeDecodeMetadata | None = None
@@ -90,7 +92,7 @@ class TorchAttnBackend(AttentionBackend):
         self.extend_kernel: DecodeKernel | None = None  # set by CpuAttnBackend unless switched off
         self.amx_extend: AmxExtendKernel | None = None  # bf16 extend on AMX tiles (CpuAttnBackend, AMX CPUs)
         # None: cascade attention off (--disable-cascade-attention)
-        self.cascade: cascade.CascadePolicy | None = cascade.CascadePolicy() if use_cascade else None
+        self.cascade: cascade.CascadePolicy | None = cascade.CascadePolicy() if self.plan.cascade else None
         self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention
         self.extend_kernel_fits = False  # this extend batch is short enough for the C kernel
 
@@ -115,22 +117,32 @@ class TorchAttnBackend(AttentionBackend):
         self.cascade_forwards[mode] += meta is not None
         return meta
 
-    def _kernel_for(self, q: torch.Tensor, layer: RadixAttention) -> DecodeKernel | None:
+    def decode_kernel_for(self, q: torch.Tensor, num_kv_heads: int) -> DecodeKernel | None:
+        """The C decode kernel where the plan uses it in q's dtype and it takes q's shape (the C decode step
+        asks too); None: torch."""
         kernel = self.decode_kernel
-        return kernel if kernel is not None and kernel.supports(q, layer.num_kv_heads) else None
+        ok = kernel is not None and self.plan.uses("decode", q.dtype) and kernel.supports(q, num_kv_heads)
+        return kernel if ok else None
+
+    def _kernel_for(self, q: torch.Tensor, layer: RadixAttention) -> DecodeKernel | None:
+        return self.decode_kernel_for(q, layer.num_kv_heads)
 
     def _prefix_kernel_for(self, q: torch.Tensor, layer: RadixAttention) -> DecodeKernel | None:
         kernel = self.decode_kernel
-        return kernel if kernel is not None and kernel.prefix_supports(q, layer.num_kv_heads) else None
+        ok = kernel is not None and self.plan.uses("prefix", q.dtype) and kernel.prefix_supports(q, layer.num_kv_heads)
+        return kernel if ok else None
 
     def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | None:
         kernel = self.extend_kernel
-        return kernel if self.extend_kernel_fits and kernel.extend_supports(q, k_all) else None
+        ok = self.extend_kernel_fits and self.plan.uses("extend", q.dtype) and kernel.extend_supports(q, k_all)
+        return kernel if ok else None
 
     def _plain_extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | AmxExtendKernel | None:
-        """For extend without cascade: the AMX kernel where it takes q (bf16), else the C kernel."""
+        """For extend without cascade: the AMX kernel where the plan uses it and it takes q, else the C kernel."""
         amx = self.amx_extend
-        return amx if amx is not None and amx.extend_supports(q, k_all) else self._extend_kernel_for(q, k_all)
+        if amx is not None and self.plan.uses("extend_amx", q.dtype) and amx.extend_supports(q, k_all):
+            return amx
+        return self._extend_kernel_for(q, k_all)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -181,22 +193,20 @@ PREFILL_KERNEL_ENV = envs.CPU_PREFILL_KERNEL.name  # "0": extend attention stays
 
 class CpuAttnBackend(TorchAttnBackend):
     """The torch backend with decode, extend and cascade-prefix attention in compiled C kernels that read the
-    pool in place, at the kernel level of `platform.kernel_isa()`; each kernel only where `native.SELECTED`
-    says it beat torch's op on that level (else that part stays on torch)."""
+    pool in place, at the kernel level of `platform.kernel_isa()`; each kernel only where the plan uses it
+    (registry.plan_attention: where `native.SELECTED` says it beat torch's op on that level), else torch."""
 
-    def __init__(self, use_cascade: bool = True) -> None:
+    def __init__(self, use_cascade: bool = True, plan: AttentionPlan | None = None) -> None:
         from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
         from radixserve.layers.attention.native import load_decode_kernel
+        from radixserve.layers.attention.registry import plan_attention
 
-        super().__init__(use_cascade)
-        self.decode_kernel = load_decode_kernel()
-        self.extend_kernel = self.decode_kernel if prefill_kernel_enabled() else None
-        self.amx_extend = load_amx_extend_kernel() if prefill_kernel_enabled() else None
-
-
-def prefill_kernel_enabled() -> bool:
-    """The C extend kernel's switch, read when a backend is built: on unless RADIXSERVE_CPU_PREFILL_KERNEL=0."""
-    return envs.CPU_PREFILL_KERNEL.get()
+        plan = plan or plan_attention("cpu", torch.device("cpu"), use_cascade)
+        super().__init__(use_cascade, plan)
+        used = set().union(*plan.kernels.values())
+        self.decode_kernel = load_decode_kernel(plan.level) if used - {"extend_amx"} else None
+        self.extend_kernel = self.decode_kernel if "extend" in used else None
+        self.amx_extend = load_amx_extend_kernel() if "extend_amx" in used else None
 
 
 def decode_block_diagonal(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: DecodeMetadata,

@@ -1,6 +1,6 @@
-"""Modules that stand in for nn.Linear / nn.Embedding with a packed weight, and the matmul path per batch size.
+"""The linear method of packed weights, the embedding of a packed table, and the matmul path per batch size.
 
-Paths of `QuantizedLinear.forward` (measured by benchmarks/bench_quant_matmul.py at the model's shapes):
+Paths of `PackedLinearMethod.apply` (measured by benchmarks/bench_quant_matmul.py at the model's shapes):
 - M <= SMALL_M rows (decode): the C kernel, integer dot products on int8-quantized activations;
 - more rows (prefill, large decode batches): the C kernel expands the weight into a reused float
   buffer, in pieces of at most DEQUANT_CHUNK values, and torch's dense GEMM (oneDNN) multiplies;
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers.linear import LinearBase, LinearMethod
 from radixserve.layers.quantization.formats import PackedWeight
 from radixserve.layers.quantization.kernels import BoundMatmul, QuantKernel, load_quant_kernel
 from radixserve.layers.quantization.tiled import TILE, TiledWeight, load_tiled_kernel
@@ -23,47 +24,55 @@ DEQUANT_CHUNK = 1 << 21  # values per expanded piece (4 MiB in bfloat16)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class QuantizedLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W packed. `packed` is filled by `load_rows` (checkpoint shards) or set whole."""
+class PackedLinearMethod(LinearMethod):
+    """The linear method of packed weights: y = x @ W^T (+ bias) with W int8 or int4, in rows or tiles.
 
-    def __init__(self, in_features: int, out_features: int, bits: int, bias: bool = False,
-                 per_channel: bool = True, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.bits, self.per_channel = bits, per_channel
-        # NOTE: a plain attribute, not buffers: Module.to(dtype) must never cast the float16 scales.
-        self.packed: PackedWeight | None = None
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+    The method owns the packed table, filled by `load_rows` as checkpoint shards arrive (a fused layer's
+    q/k/v rows one after another) or set whole; the layer keeps only its bias. Chosen by the weight format
+    (quantization.model_quant.quantize_model), never re-chosen by linear tuning."""
+
+    name = "packed"
+    chosen_by_format = True
+
+    def __init__(self, packed: PackedWeight) -> None:
+        self.packed = packed
         self.kernel: QuantKernel | None = None
         self._bound: BoundMatmul | None = None  # the kernel bound to `packed` (decode's fast path)
 
-    def load_rows(self, tensor: torch.Tensor, start: int, length: int) -> None:
+    def load_rows(self, tensor: torch.Tensor | PackedWeight, start: int, length: int) -> None:
         """Quantizes float rows [start, start + length) of the weight (a fused layer's shard); -1: all rows."""
-        if self.packed is None:
-            self.packed = PackedWeight.empty(self.bits, self.out_features, self.in_features, self.per_channel)
         self._bound = None
         _load_rows(self.packed, tensor, start, length)
 
     def set_packed(self, packed: PackedWeight) -> None:
-        if packed.shape != (self.out_features, self.in_features):
-            raise ValueError(f"packed weight {packed.shape} does not fit [{self.out_features}, {self.in_features}]")
+        if packed.shape != self.packed.shape:
+            raise ValueError(f"packed weight {packed.shape} does not fit {list(self.packed.shape)}")
         self.packed, self._bound = packed, None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.packed, TiledWeight) and x.dim() == 2 and self.bias is None and x.dtype in _KERNEL_DTYPES:
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        bias = layer.bias
+        if isinstance(self.packed, TiledWeight) and x.dim() == 2 and bias is None and x.dtype in _KERNEL_DTYPES:
             return tiled_linear(self.packed, x.contiguous())
-        if x.dim() == 2 and x.shape[0] <= SMALL_M and self.bias is None and x.dtype in _KERNEL_DTYPES:
+        if x.dim() == 2 and x.shape[0] <= SMALL_M and bias is None and x.dtype in _KERNEL_DTYPES:
             bound = self._bound
             if bound is None or bound.packed is not self.packed:  # NOTE: `packed` may be assigned directly
                 bound = self._bind()
             if bound is not None:
                 return bound(x.contiguous(), x.dtype)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        y = packed_linear(self.packed, x2, self._kernel())
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
+        y = packed_linear(self.packed, x.reshape(-1, layer.in_features), self._kernel())
+        if bias is not None:
+            y = y + bias
+        return y.view(*shape[:-1], layer.out_features)
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        return self.packed.dequantize(torch.float32)
+
+    def own_forms(self) -> dict[int, int]:
+        return {id(self.packed): self.packed.nbytes}
+
+    def describe(self) -> str:
+        return f"packed {self.packed.format_name}"
 
     def _bind(self) -> BoundMatmul | None:
         kernel = self._kernel()
@@ -75,9 +84,12 @@ class QuantizedLinear(nn.Module):
             self.kernel = load_quant_kernel()
         return self.kernel
 
-    def extra_repr(self) -> str:
-        name = self.packed.format_name if self.packed is not None else f"int{self.bits} (empty)"
-        return f"in_features={self.in_features}, out_features={self.out_features}, format={name}"
+
+def packed_layer(in_features: int, out_features: int, packed: PackedWeight, bias: bool = False) -> LinearBase:
+    """A linear layer on a packed weight (tests, and layers built outside a model)."""
+    layer = LinearBase(in_features, out_features, bias=bias)
+    layer.set_method(PackedLinearMethod(packed))
+    return layer
 
 
 class QuantizedEmbedding(nn.Module):

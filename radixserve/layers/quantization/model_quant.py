@@ -1,4 +1,4 @@
-"""Which layers of a model get which packed format, the swap of their modules, and the start-up summary.
+"""Which layers of a model get which packed format, their packed methods, and the start-up summary.
 
 Policy (`--quantization int8|int4`): the decoder's linear layers take the asked format (int8 with one
 scale per output channel, or int4 with a scale and min per block of 32); the token embedding and
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from radixserve.layers.linear import LinearBase
 from radixserve.layers.quantization.formats import PackedWeight
-from radixserve.layers.quantization.linear import QuantizedEmbedding, QuantizedLinear
+from radixserve.layers.quantization.linear import PackedLinearMethod, QuantizedEmbedding
 
 QUANTIZATION_METHODS = {"none": None, "int8": 8, "int4": 4}
 DECODER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -47,9 +48,8 @@ def default_plan(model: nn.Module, method: str) -> dict[str, PackSpec]:
 
 
 def quantize_model(model: nn.Module, plan: dict[str, PackSpec], dtype: torch.dtype) -> nn.Module:
-    """Swaps the planned modules (on the meta device, before weights exist) for packed ones with empty weights.
-
-    A tied LM head shares its embedding's packed table."""
+    """Gives the planned linear layers a packed method and swaps the planned embedding for a packed one, on the
+    meta device before weights exist. A tied LM head's method shares its embedding's packed table."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, spec in plan.items():
         if name == LM_HEAD and tied:
@@ -58,17 +58,29 @@ def quantize_model(model: nn.Module, plan: dict[str, PackSpec], dtype: torch.dty
         if isinstance(old, nn.Embedding):
             new = QuantizedEmbedding(old.num_embeddings, old.embedding_dim, dtype)
             new.packed = PackedWeight.empty(spec.bits, old.num_embeddings, old.embedding_dim, spec.per_channel)
+            _set_submodule(model, name, new)
         else:
-            new = QuantizedLinear(old.in_features, old.out_features, spec.bits, old.bias is not None,
-                                  spec.per_channel, dtype)
-            new.packed = PackedWeight.empty(spec.bits, old.out_features, old.in_features, spec.per_channel)
-        _set_submodule(model, name, new)
+            _packed_method(old, PackedWeight.empty(spec.bits, old.out_features, old.in_features, spec.per_channel))
     if tied and EMBEDDING in plan:
-        embed = model.get_submodule(EMBEDDING)
-        head = QuantizedLinear(embed.embedding_dim, embed.num_embeddings, embed.packed.bits)
-        head.packed = embed.packed
-        _set_submodule(model, LM_HEAD, head)
+        _packed_method(model.get_submodule(LM_HEAD), model.get_submodule(EMBEDDING).packed)
     return model
+
+
+def _packed_method(layer: nn.Module, packed: PackedWeight) -> None:
+    if not isinstance(layer, LinearBase):
+        raise TypeError(f"{type(layer).__name__} has no linear method to give a packed weight")
+    layer.set_method(PackedLinearMethod(packed))
+
+
+def packed_holders(model: nn.Module) -> list[PackedLinearMethod | QuantizedEmbedding]:
+    """Every object that holds a packed table (`.packed`): packed linear methods and packed embeddings."""
+    holders: list[PackedLinearMethod | QuantizedEmbedding] = []
+    for module in model.modules():
+        if isinstance(module, QuantizedEmbedding):
+            holders.append(module)
+        elif isinstance(module, LinearBase) and isinstance(module.method, PackedLinearMethod):
+            holders.append(module.method)
+    return holders
 
 
 def tile_packed_weights(model: nn.Module) -> int:
@@ -79,56 +91,54 @@ def tile_packed_weights(model: nn.Module) -> int:
     if load_tiled_kernel() is None:
         return 0
     tiled: dict[int, TiledWeight] = {}
-    for module in model.modules():
-        packed = getattr(module, "packed", None) if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) else None
+    for holder in packed_holders(model):
+        packed = holder.packed
         if isinstance(packed, PackedWeight):
             if id(packed) not in tiled:
                 try:
                     tiled[id(packed)] = tile_weight(packed)
                 except ValueError:  # NOTE: a scale float16 cannot hold in the tiled form keeps the row layout
                     continue
-            module.packed = tiled[id(packed)]
+            holder.packed = tiled[id(packed)]
     return len(tiled)
 
 
-def packed_weight_slots(model: nn.Module) -> dict[str, QuantizedLinear | QuantizedEmbedding]:
-    """'<module>.weight' -> the packed module that loads it (`load_rows`), for `load_weights`."""
+def packed_weight_slots(model: nn.Module) -> dict[str, PackedLinearMethod | QuantizedEmbedding]:
+    """'<module>.weight' -> what loads it (`load_rows`): a packed linear method or a packed embedding."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return {f"{name}.weight": m for name, m in model.named_modules()
-            if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and not (tied and name == LM_HEAD)}
+    slots: dict[str, PackedLinearMethod | QuantizedEmbedding] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedEmbedding):
+            slots[f"{name}.weight"] = m
+        elif isinstance(m, LinearBase) and isinstance(m.method, PackedLinearMethod) and not (tied and name == LM_HEAD):
+            slots[f"{name}.weight"] = m.method
+    return slots
 
 
 def weight_summary(model: nn.Module) -> str:
     """'qkv_proj int4 g32 x30, ...; weights 81.3 MiB' for the start-up line."""
     formats: Counter[str] = Counter()
-    seen: set[int] = set()
-    total = 0
     for name, m in model.named_modules():
         kind = name.rpartition(".")[2] or name
-        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and m.packed is not None:
+        if isinstance(m, QuantizedEmbedding) and m.packed is not None:
             formats[f"{kind} {m.packed.format_name}"] += 1
-            if id(m.packed) not in seen:
-                seen.add(id(m.packed))
-                total += m.packed.nbytes
+        elif isinstance(m, LinearBase) and isinstance(m.method, PackedLinearMethod):
+            formats[f"{kind} {m.method.packed.format_name}"] += 1
         elif isinstance(m, (nn.Linear, nn.Embedding)):
             formats[f"{kind} {str(m.weight.dtype).removeprefix('torch.')}"] += 1
-    total += sum(p.numel() * p.element_size() for p in _unique_params(model)) + _prepacked_bytes(model)
     parts = [f"{fmt} x{count}" if count > 1 else fmt for fmt, count in formats.items()]
-    return f"{', '.join(parts)}; weights {total / 2**20:.1f} MiB"
+    return f"{', '.join(parts)}; weights {weight_bytes(model) / 2**20:.1f} MiB"
 
 
 def weight_bytes(model: nn.Module) -> int:
-    packed = {id(m.packed): m.packed.nbytes for m in model.modules()
-              if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and m.packed is not None}
-    return (sum(packed.values()) + sum(p.numel() * p.element_size() for p in _unique_params(model))
-            + _prepacked_bytes(model))
-
-
-def _prepacked_bytes(model: nn.Module) -> int:
-    """Weights a float linear method keeps in its own layout (layers/linear.py), beside the parameters."""
-    from radixserve.layers.linear import LinearBase
-
-    return sum(m.weight_nbytes() for m in model.modules() if isinstance(m, LinearBase) and m.packed_weight is not None)
+    """Bytes of every weight as kept: parameters, packed tables and the linear methods' own forms, each once."""
+    forms: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedEmbedding) and module.packed is not None:
+            forms[id(module.packed)] = module.packed.nbytes
+        elif isinstance(module, LinearBase):
+            forms.update(module.method.own_forms())
+    return sum(forms.values()) + sum(p.numel() * p.element_size() for p in _unique_params(model))
 
 
 def _unique_params(model: nn.Module) -> list[torch.Tensor]:
