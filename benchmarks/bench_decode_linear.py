@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 
 from radixserve.bench.docs import cpu_header, write_doc_section
-from radixserve.layers import gemv
+from radixserve.kernels import gemv as gemv_kernels
+from radixserve.kernels.quant import load_quant_kernel
+from radixserve.kernels.quant_tiled import load_tiled_kernel
 from radixserve.layers.linear import pack_onednn_weight
 from radixserve.layers.quantization import linear as qlinear
 from radixserve.layers.quantization.formats import quantize
-from radixserve.layers.quantization.kernels import load_quant_kernel
-from radixserve.layers.quantization.tiled import load_tiled_kernel, tile_weight
+from radixserve.layers.quantization.tiled import tile_weight
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -55,11 +56,11 @@ def kernels_for(name: str, shape: tuple[int, int], copies: int) -> dict[str, Cal
     fns: dict[str, Callable[[torch.Tensor], object]] = {}
     onednn = [pack_onednn_weight(w.bfloat16()) for w in weights]
     fns["bf16 onednn"] = lambda x: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn]
-    kernel = gemv.load_gemv_kernel()
+    kernel = gemv_kernels.load_gemv_kernel()
     if kernel is not None:
-        packed = [gemv.pack_gemv_weight(w.bfloat16()) for w in weights]
+        packed = [gemv_kernels.pack_gemv_weight(w.bfloat16()) for w in weights]
         fns["bf16 gemv"] = lambda x: [kernel(w, x, None, n) for w in packed]
-        amx = gemv.load_amx_kernel()
+        amx = gemv_kernels.load_amx_kernel()
         if amx is not None:
             fns["bf16 amx"] = lambda x: [amx(w, x, None, n) for w in packed]
     bits = 8 if name == "lm_head" else 4

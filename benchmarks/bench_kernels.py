@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from radixserve.bench.docs import class_env, cpu_header, runnable_classes, write_doc_section
-from radixserve.layers.attention.native import SELECTED
+from radixserve.kernels.attention import SELECTED
 from radixserve.layers.attention.torch_backend import EXTEND_KERNEL_MAX_NEW_TOKENS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,7 +123,7 @@ def prefix_case(kernel, dtype: torch.dtype, queries: int, prefix: int):
 def worker(args: argparse.Namespace) -> list[dict]:
     """One class (this process's environment): every case, torch vs C."""
     from radixserve import platform
-    from radixserve.layers.attention.native import load_decode_kernel
+    from radixserve.kernels.attention import load_decode_kernel
 
     torch.set_num_threads(args.threads)
     kernel = load_decode_kernel()
@@ -163,7 +163,7 @@ def render(rows: list[dict], args: argparse.Namespace, load: tuple[float, float]
         f"start, {load[1]:.1f} at end. SmolLM2-135M's head shape (9 query heads over 3 kv heads, dim 64), "
         f"scattered pool slots. Each class in its own process (`class_env` in `radixserve/bench/docs.py`) with "
         f"{follows}; calls alternate, medians. Speedup above 1: the C kernel is faster. Which kernels the backend "
-        "uses per class and dtype: `SELECTED` in `radixserve/layers/attention/native.py`.",
+        "uses per class and dtype: `SELECTED` in `radixserve/kernels/attention.py`.",
         "", f"Command: `python benchmarks/bench_kernels.py --classes {args.classes} --dtypes {args.dtypes} --threads "
         f"{args.threads} --batches {args.batches} --context {args.context}"
         + ("" if args.torch_follows else " --no-torch-follows") + "`", "",

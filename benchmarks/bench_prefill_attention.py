@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from radixserve.bench.docs import cpu_header, write_doc_section
-from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
-from radixserve.layers.attention.native import load_decode_kernel
+from radixserve.kernels.attention import load_decode_kernel
+from radixserve.kernels.attention_amx import load_amx_extend_kernel
 from radixserve.layers.attention.torch_backend import PREFILL_KERNEL_ENV, _causal_sdpa
 
 ROOT = Path(__file__).resolve().parent.parent

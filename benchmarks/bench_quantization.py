@@ -136,7 +136,7 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float]) -> str:
     import torch
 
     from radixserve.bench.docs import cpu_name
-    from radixserve.layers.quantization.kernels import best_quant_isa
+    from radixserve.kernels.quant import best_quant_isa
 
     def cell(n: str, key: str, fmt: str = "{:.1f}") -> str:
         return fmt.format(med[n][key]) if key in med[n] else "n/a"

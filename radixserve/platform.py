@@ -54,7 +54,7 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "portable": (),
 }
 AMX_FLAGS = (*ISA_FLAGS["avx512_bf16"], "-mamx-tile", "-mamx-bf16")  # kernels on AMX tiles (bf16)
-# The packed int8/int4 kernels' levels (layers/quantization/kernels.py): their integer dot products differ
+# The packed int8/int4 kernels' levels (kernels/quant.py): their integer dot products differ
 # by the VNNI instructions a CPU has, not by the float levels above.
 QUANT_ISAS = ("avx512_vnni", "avx_vnni", "avx2", "portable")
 _QUANT_BASE = ("-mavx2", "-mfma", "-mf16c")
@@ -157,7 +157,7 @@ def visible_features(info: CpuInfo | None = None) -> frozenset[str]:
 
 
 def kernel_class() -> str:
-    """The class our kernel selection is keyed by (native.SELECTED): the kernel level, or `amx` at
+    """The class our kernel selection is keyed by (kernels.attention.SELECTED): the kernel level, or `amx` at
     avx512_bf16 with AMX-BF16 visible, where torch's own bf16 attention runs on AMX tiles."""
     isa = kernel_isa()
     return "amx" if isa == "avx512_bf16" and "amx_bf16" in visible_features() else isa

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve import envs, platform
-from radixserve.layers.attention.native import DecodeKernel, load_decode_kernel
+from radixserve.kernels.attention import DecodeKernel, load_decode_kernel
 
 LEVELS = [pytest.param(isa, id=isa) for isa in platform.KERNEL_ISAS]
 
@@ -43,7 +43,7 @@ def force_level(isa: str, monkeypatch: pytest.MonkeyPatch) -> DecodeKernel:
 
 def select_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lets the backend use every C kernel whatever native.SELECTED says, so that tests reach the C paths."""
-    from radixserve.layers.attention import native
+    from radixserve.kernels import attention as native
 
     everything = frozenset(native.KERNELS)
     monkeypatch.setattr(native, "SELECTED", {key: everything for key in native.SELECTED})

@@ -74,3 +74,24 @@ def test_bfloat16_on_an_avx512_bf16_cpu_plans_the_c_decode_step_where_it_runs() 
         assert (plan.choice("decoder") == "C decode step") == (engine.model_runner.model.decode_step is not None)
     finally:
         engine.shutdown()
+
+
+def test_the_parts_receive_the_plan_and_decide_nothing_again(float32_engine: Engine, monkeypatch) -> None:
+    """The plan is made before anything is prepared; the layers' methods, the fused ops, the decoder and the
+    attention backend are what it says, and the backend asks its plan, not the kernels' table, what to run."""
+    from radixserve.kernels import attention as attention_kernels
+    from radixserve.layers.linear import linear_layers
+
+    runner = float32_engine.model_runner
+    plan = runner.execution_plan
+    for _, layer in linear_layers(runner.model):
+        assert layer.method.name == plan.linear_methods[layer.shape]
+    assert runner.model.fused_ops is plan.fused_ops and runner.attn_backend.plan is plan.attention
+    kernels = runner.platform_info()["attention_kernels"]
+    assert kernels is None or kernels["used"] == plan.attention.used(torch.float32)
+    if plan.attention.uses("decode", torch.float32):
+        q = torch.empty(1, 9, 64)
+        assert runner.attn_backend.decode_kernel_for(q, 3) is not None
+        # NOTE: the table is read once, by the planner; changing it now changes nothing that runs
+        monkeypatch.setattr(attention_kernels, "SELECTED", {})
+        assert runner.attn_backend.decode_kernel_for(q, 3) is not None

@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from radixserve import platform as rs_platform
+from radixserve.kernels import gemv as gemv_kernels
 from radixserve.layers import gemv
 from radixserve.layers.linear import LinearBase, process_weights_after_loading
 from radixserve.layers.linear_tuning import candidates
 
 CPU = torch.device("cpu")
-HAS_KERNEL = gemv.load_gemv_kernel() is not None
-HAS_AMX = gemv.load_amx_kernel() is not None
+HAS_KERNEL = gemv_kernels.load_gemv_kernel() is not None
+HAS_AMX = gemv_kernels.load_amx_kernel() is not None
 
 
 def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> LinearBase:
@@ -28,13 +29,13 @@ def _layer(in_features: int, out_features: int, bias: bool, seed: int = 0) -> Li
 
 def test_pack_layout_puts_pairs_of_64_rows_side_by_side():
     w = torch.arange(70 * 6, dtype=torch.float32).view(70, 6).bfloat16()
-    packed = gemv.pack_gemv_weight(w)
-    assert packed.shape == (2, 3, gemv.TILE, 2)  # 70 rows -> two tiles, the second padded with zeros
+    packed = gemv_kernels.pack_gemv_weight(w)
+    assert packed.shape == (2, 3, gemv_kernels.TILE, 2)  # 70 rows -> two tiles, the second padded with zeros
     for row, pair in ((0, 0), (5, 2), (63, 1), (64, 0), (69, 2)):
         assert torch.equal(packed[row // 64, pair, row % 64], w[row, 2 * pair : 2 * pair + 2])
     assert not packed[1, :, 6:].any()
     with pytest.raises(ValueError, match="even number"):
-        gemv.pack_gemv_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
+        gemv_kernels.pack_gemv_weight(torch.zeros(4, 5, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level (the other CPUs: test below)")
@@ -44,7 +45,7 @@ def test_kernel_matches_float32_product(rows, n, k, bias):
     layer = _layer(k, n, bias)
     x = torch.randn(rows, k).bfloat16()
     want = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-    got = gemv.load_gemv_kernel()(gemv.pack_gemv_weight(layer.weight), x, layer.bias, n)
+    got = gemv_kernels.load_gemv_kernel()(gemv_kernels.pack_gemv_weight(layer.weight), x, layer.bias, n)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # NOTE: bf16 products summed in float32, then one rounding to bf16 (relative 2^-8) of each output
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
@@ -59,18 +60,18 @@ def test_amx_kernels_match_float32_product(kernel, rows, n, k, bias):
     layer = _layer(k, n, bias, seed=rows)
     x = torch.randn(rows, k).bfloat16()
     want = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
-    fn = gemv.load_amx_kernel() if kernel == "amx" else gemv.load_amx_large_kernel()
-    got = fn(gemv.pack_gemv_weight(layer.weight), x, layer.bias, n)
+    fn = gemv_kernels.load_amx_kernel() if kernel == "amx" else gemv_kernels.load_amx_large_kernel()
+    got = fn(gemv_kernels.pack_gemv_weight(layer.weight), x, layer.bias, n)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16")
 def test_amx_kernel_rejects_what_it_cannot_take():
-    amx, packed = gemv.load_amx_kernel(), gemv.pack_gemv_weight(torch.zeros(64, 48, dtype=torch.bfloat16))
+    amx, packed = gemv_kernels.load_amx_kernel(), gemv_kernels.pack_gemv_weight(torch.zeros(64, 48, dtype=torch.bfloat16))
     with pytest.raises(ValueError):  # 48 inputs: not whole 32-input steps
         amx(packed, torch.zeros(2, 48, dtype=torch.bfloat16), None, 64)
-    packed = gemv.pack_gemv_weight(torch.zeros(64, 32, dtype=torch.bfloat16))
+    packed = gemv_kernels.pack_gemv_weight(torch.zeros(64, 32, dtype=torch.bfloat16))
     with pytest.raises(ValueError):  # more rows than its two A tiles
         amx(packed, torch.zeros(33, 32, dtype=torch.bfloat16), None, 64)
 
@@ -128,10 +129,10 @@ def test_offered_only_for_bf16_on_avx512_bf16(monkeypatch):
     assert not gemv.GemvLinearMethod.supports(torch.device("cuda"), torch.bfloat16)
     if "avx512" in rs_platform.runnable_isas():  # a forced lower level hides the method
         monkeypatch.setenv("RADIXSERVE_CPU_ISA", "avx512")
-        gemv.load_gemv_kernel.cache_clear()
+        gemv_kernels.load_gemv_kernel.cache_clear()
         try:
-            assert gemv.load_gemv_kernel() is None and gemv.load_amx_kernel() is None
+            assert gemv_kernels.load_gemv_kernel() is None and gemv_kernels.load_amx_kernel() is None
             assert "onednn_gemv" not in candidates(CPU, torch.bfloat16)
         finally:
             monkeypatch.delenv("RADIXSERVE_CPU_ISA")
-            gemv.load_gemv_kernel.cache_clear()
+            gemv_kernels.load_gemv_kernel.cache_clear()

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from kernel_levels import LEVELS, force_level, kernel_at, select_everything
 from test_model_support import one_torch_thread
 
-from radixserve.layers.attention import cascade, create_attention_backend, native
-from radixserve.layers.attention.native import DecodeKernel
+from radixserve.kernels import attention as native
+from radixserve.kernels.attention import DecodeKernel
+from radixserve.layers.attention import cascade, create_attention_backend
 from radixserve.layers.attention.torch_backend import (
     EXTEND_KERNEL_MAX_NEW_TOKENS,
     PREFILL_KERNEL_ENV,
@@ -265,7 +266,7 @@ def test_end_to_end_greedy_kernel_on_vs_off(loaded, monkeypatch):
 # ---- the AMX extend kernel (amx_extend.py): bf16 on CPUs with AMX-BF16 ----------------------------------
 
 def _amx_kernel():
-    from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
+    from radixserve.kernels.attention_amx import load_amx_extend_kernel
 
     kernel = load_amx_extend_kernel()
     if kernel is None:
@@ -330,7 +331,7 @@ def test_amx_kernel_takes_only_what_it_computes():
 def test_cpu_backend_runs_bf16_extend_on_amx(monkeypatch):
     """Auto level on an AMX CPU: bf16 extends (any length, with or without cached prefixes) go to the AMX
     kernel and equal the torch backend; float32 and cascade extends do not; the switch turns it off."""
-    from radixserve.layers.attention.amx_extend import AmxExtendKernel
+    from radixserve.kernels.attention_amx import AmxExtendKernel
 
     _amx_kernel()
     calls = []

@@ -10,8 +10,8 @@ import torch
 from test_gguf_support import Q, write_gguf
 from test_model_support import make_tiny_model, one_torch_thread, rel_err
 
+from radixserve.kernels.quant import load_quant_kernel, runnable_isas
 from radixserve.layers.quantization.formats import QK, quantize_int4, quantize_int8
-from radixserve.layers.quantization.kernels import load_quant_kernel, runnable_isas
 from radixserve.layers.quantization.linear import SMALL_M, packed_linear
 from radixserve.models.config import ModelLoadError
 from radixserve.models.gguf_loader import open_gguf

@@ -8,14 +8,15 @@ import pytest
 import torch
 from torch import nn
 
+from radixserve.kernels import quant_tiled
+from radixserve.kernels.quant import load_quant_kernel
 from radixserve.layers.quantization import linear as qlinear
 from radixserve.layers.quantization import tiled
 from radixserve.layers.quantization.formats import PackedWeight, quantize
-from radixserve.layers.quantization.kernels import load_quant_kernel
 from radixserve.layers.quantization.linear import QuantizedEmbedding, packed_layer
 from radixserve.layers.quantization.model_quant import tile_packed_weights
 
-HAS_TILED = tiled.load_tiled_kernel() is not None
+HAS_TILED = quant_tiled.load_tiled_kernel() is not None
 needs_tiled = pytest.mark.skipif(not HAS_TILED, reason="needs AVX-512 VNNI (other CPUs: test_not_offered_below_vnni)")
 FORMATS = [(4, False), (8, False), (8, True)]  # int4 g32, int8 g32, int8 per-channel
 
@@ -46,12 +47,12 @@ def test_tiled_kernel_matches_the_row_kernel(bits, per_channel, m):
     packed = _packed(bits, per_channel, 100, 96, seed=m)
     t = tiled.tile_weight(packed)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(1))
-    got = tiled.load_tiled_kernel().matmul(t, x, torch.float32)
+    got = quant_tiled.load_tiled_kernel().matmul(t, x, torch.float32)
     rows = load_quant_kernel().matmul(packed, x, torch.float32)  # same arithmetic, other summation order
     assert torch.linalg.norm(got - rows) / torch.linalg.norm(rows) < 1e-5
     want = x @ packed.dequantize().T  # activations rounded to int8 per block: ~1% of the norm
     assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 2e-2
-    got16 = tiled.load_tiled_kernel().matmul(t, x.bfloat16(), torch.bfloat16)
+    got16 = quant_tiled.load_tiled_kernel().matmul(t, x.bfloat16(), torch.bfloat16)
     assert got16.dtype == torch.bfloat16 and torch.linalg.norm(got16.float() - want) / torch.linalg.norm(want) < 3e-2
 
 
@@ -112,11 +113,11 @@ def test_not_offered_below_vnni(monkeypatch):
 
     lower = [isa for isa in rs_platform.runnable_isas() if isa in ("avx2", "portable")]
     monkeypatch.setenv("RADIXSERVE_CPU_ISA", lower[0])
-    tiled.load_tiled_kernel.cache_clear()
+    quant_tiled.load_tiled_kernel.cache_clear()
     try:
-        assert tiled.load_tiled_kernel() is None
+        assert quant_tiled.load_tiled_kernel() is None
         layer = packed_layer(32, 64, _packed(4, False, 64, 32))
         assert tile_packed_weights(nn.Sequential(layer)) == 0
     finally:
         monkeypatch.delenv("RADIXSERVE_CPU_ISA")
-        tiled.load_tiled_kernel.cache_clear()
+        quant_tiled.load_tiled_kernel.cache_clear()

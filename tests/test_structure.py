@@ -203,3 +203,35 @@ def test_one_module_builds_native_libraries_from_one_source_folder() -> None:
     assert compiles == {"kernels/build.py"}
     c_files = {path.parent.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.[ch]")}
     assert c_files == {"kernels/csrc"}
+
+
+def test_kernel_bindings_live_in_kernels_and_nothing_else_loads_our_libraries() -> None:
+    """Only kernels/ loads what build.py built (`load_library`, `load_amx_library`, `build_multilevel_library`)
+    or binds a C function of ours; ctypes elsewhere is libc's (thread and memory tuning)."""
+    loaders = ("load_library(", "load_amx_library(", "build_multilevel_library(", "ctypes.Structure")
+    outside = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+               if path.parent.name != "kernels" and any(marker in path.read_text() for marker in loaders)}
+    assert outside == set()
+    ctypes_users = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+                    if path.parent.name != "kernels" and "import ctypes" in path.read_text()}
+    assert ctypes_users <= {"model_executor/cpu_threads.py", "model_executor/cpu_memory.py",
+                            "entrypoints/dp_processes.py"}
+
+
+def test_quantization_gives_linear_layers_a_method_and_swaps_no_linear_module() -> None:
+    import torch
+
+    from radixserve.layers.linear import LinearBase
+    from radixserve.layers.quantization.linear import PackedLinearMethod, QuantizedEmbedding
+    from radixserve.models.config import ModelConfig
+    from radixserve.models.loader import build_model
+
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                         context_len=64, tie_word_embeddings=True)
+    model = build_model(config, torch.float32, torch.device("cpu"), "int4")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * 2 + 1 and all(isinstance(m, LinearBase) for m in linears)
+    assert all(isinstance(m.method, PackedLinearMethod) and m.weight is None for m in linears)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert model.lm_head.method.packed is model.model.embed_tokens.packed  # tied: one table

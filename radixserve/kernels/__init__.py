@@ -1,6 +1,14 @@
-"""radixserve's native code: the C sources of every kernel family (csrc/) and their one builder (build.py).
+"""radixserve's native code: the C sources of every kernel family (csrc/), their one builder (build.py), and a
+thin ctypes binding per family, which loads what `build.py` built and says nothing of when to use it:
 
-The Python bindings of each family load what `build.py` built: attention (layers/attention/native.py,
-amx_extend.py), bf16 GEMV and AMX GEMM (layers/gemv.py), packed int8/int4 (layers/quantization/kernels.py,
-tiled.py) and the C decode step (models/decode_step.py). The levels and their flags are platform.py's.
+- attention.py: paged decode, causal extend and shared-prefix attention, one library holding every ISA level
+  (and `SELECTED`, the measured table the attention plan reads);
+- attention_amx.py: bf16 extend attention on AMX tiles;
+- gemv.py: the bf16 GEMV (AVX512-BF16) and AMX products over a tile-interleaved weight;
+- quant.py: packed int8/int4 products and expansion, one library per ISA level;
+- quant_tiled.py: the tiled packed layout's product, expansion and row lookup (AVX-512 VNNI);
+- decode_step.py: the one-call decode step's model struct and functions.
+
+The levels and their flags are platform.py's. Where each kernel runs is decided by the execution plan and the
+layers that call them (model_executor/execution_plan.py, layers/).
 """

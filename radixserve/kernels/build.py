@@ -4,7 +4,7 @@
 per kernel level (platform.ISA_FLAGS) into one library whose symbols carry the level as a suffix. A library
 lands in $RADIXSERVE_CACHE_DIR/kernels under a name keyed by the sources, the headers they include, the
 flags and the compiler, so a change builds a new file and concurrent builders never load a half-written one.
-Only this module runs the compiler; the bindings (layers/, models/decode_step.py) load what it built.
+Only this module runs the compiler; the bindings (the other modules of kernels/) load what it built.
 """
 
 from __future__ import annotations

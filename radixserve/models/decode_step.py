@@ -11,46 +11,19 @@ runs the layers in Python. Prefill batches of such a model use the step's SiLU-a
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixserve import envs
-from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_library
-from radixserve.layers.gemv import AMX_MAX_ROWS, FLAGS, GEMV_MAX_ROWS, GemvLinearMethod, load_gemv_kernel
+from radixserve.kernels.build import is_x86
+from radixserve.kernels.decode_step import DecodeStepKernel, ModelStruct, load_decode_step_kernel
+from radixserve.kernels.gemv import load_gemv_kernel
+from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
 
 if TYPE_CHECKING:
     from radixserve.models.llama import DecoderWeights
-
-SOURCE = CSRC / "decode_step.c"
-HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h"))  # simd.h includes attention_common.h
-LAYER_POINTERS = 9  # IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                      "intermediate", "max_position", "num_slots")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                *((name, ctypes.c_void_p) for name in ("layers", "cos_table", "sin_table"))]
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE, "decode-step", FLAGS, "decode step kernel", "decode runs the layers in Python",
-                       HEADERS)
-    if lib is None:
-        return None
-    lib.decode_step_bf16.restype = ctypes.c_int
-    lib.decode_step_bf16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
-    lib.decode_step_work_size.restype = ctypes.c_int64
-    lib.decode_step_work_size.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.silu_mul_bf16.restype = ctypes.c_int
-    lib.silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-    return lib
-
 
 class DecodeStep:
     """`__call__(hidden, fb)` runs every decoder layer of a decode forward; `takes(fb)` says whether it can.
@@ -58,8 +31,8 @@ class DecodeStep:
     It reads the model through its exported weight view (`LlamaForCausalLM.decoder_weights`) and the KV pool
     through `get_kv_buffer`: the layer table of pointers it hands to C is built from those two, nothing else."""
 
-    def __init__(self, weights: DecoderWeights, lib: ctypes.CDLL) -> None:
-        config, self._weights, self._lib = weights.config, weights, lib
+    def __init__(self, weights: DecoderWeights, kernel: DecodeStepKernel) -> None:
+        config, self._weights, self._kernel = weights.config, weights, kernel
         self._config = config
         # NOTE: every decoder layer runs onednn_gemv with the same kernels (_fits), so one method's choice
         # of kernel per row count is every layer's, and the Python layers'
@@ -67,10 +40,10 @@ class DecodeStep:
         self.max_rows = next(rows for rows in (AMX_MAX_ROWS, GEMV_MAX_ROWS) if self._method.decode_kernel(rows))
         cos, sin = weights.rotary.tables(torch.device("cpu"))
         self._tables = (cos.contiguous(), sin.contiguous())
-        self._struct = _Model(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-                              config.head_dim, config.intermediate_size, cos.shape[0], 0, config.rms_norm_eps,
-                              weights.attention_scale, None, self._tables[0].data_ptr(), self._tables[1].data_ptr())
-        self._work_per_row = lib.decode_step_work_size(ctypes.byref(self._struct), 1)
+        self._struct = ModelStruct(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+                                   config.head_dim, config.intermediate_size, cos.shape[0], 0, config.rms_norm_eps,
+                                   weights.attention_scale, None, self._tables[0].data_ptr(), self._tables[1].data_ptr())
+        self._work_per_row = kernel.work_size(self._struct, 1)
         self._pool = None  # the KV pool whose buffers the layer table points at
         self._attention: tuple[object, int | None] = (None, None)  # (backend, its bf16 decode function)
 
@@ -93,10 +66,8 @@ class DecodeStep:
         linear = self._method.decode_kernel(bs).address
         positions, slots = fb.positions.to(torch.int64).contiguous(), fb.out_cache_loc.to(torch.int32).contiguous()
         kv_indices, seq_lens = meta.kv_indices.to(torch.int32).contiguous(), fb.seq_lens.to(torch.int64).contiguous()
-        status = call_profiled(
-            "radixserve::decode_step", self._lib.decode_step_bf16, ctypes.byref(self._struct), linear,
-            attention, hidden.data_ptr(), residual.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-            kv_indices.data_ptr(), seq_lens.data_ptr(), bs, meta.max_len, work.data_ptr(), torch.get_num_threads())
+        status = self._kernel.run(self._struct, linear, attention, hidden, residual, positions, slots, kv_indices,
+                                  seq_lens, meta.max_len, work)
         if status == 1:
             raise ValueError("decode step: a position beyond the rotary table or a slot beyond the KV pool")
         if status != 0:
@@ -135,29 +106,28 @@ class SiluAndMul:
 
     MIN_ROWS = 64
 
-    def __init__(self, lib: ctypes.CDLL, compiled) -> None:
-        self._fn, self._compiled = lib.silu_mul_bf16, compiled
+    def __init__(self, kernel: DecodeStepKernel, compiled) -> None:
+        self._kernel, self._compiled = kernel, compiled
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
         rows, width = gate_up.shape
         if rows < self.MIN_ROWS or not gate_up.is_contiguous() or gate_up.dtype != torch.bfloat16:
             return self._compiled(gate_up)
         out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-        if call_profiled("radixserve::fused::silu_and_mul_c", self._fn, gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
-                         torch.get_num_threads()):
+        if self._kernel.silu_mul(gate_up, out):
             raise ValueError(f"SiLU-and-mul needs a [gate | up] width that is a multiple of 32, got {width}")
         return out
 
 
 def load_decode_step(weights: DecoderWeights) -> DecodeStep:
     """The C decode step over a model's weight view; only where `decode_step_refusal` found no reason against it."""
-    return DecodeStep(weights, _library())
+    return DecodeStep(weights, load_decode_step_kernel())
 
 
 def c_silu_and_mul(ops: Any) -> SiluAndMul:
     """The SiLU-and-mul a model with the C decode step runs in Python too (prefill): the C loop from
     SiluAndMul.MIN_ROWS rows, the compiled op below, so both paths round alike."""
-    return SiluAndMul(_library(), ops.silu_and_mul)
+    return SiluAndMul(load_decode_step_kernel(), ops.silu_and_mul)
 
 
 def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops: Any,
@@ -179,7 +149,7 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
     shape = _shape_refusal(weights, methods)
     if shape is not None:
         return shape
-    if _library() is None:
+    if load_decode_step_kernel() is None:
         return "the C decode step did not build here"
     return None
 

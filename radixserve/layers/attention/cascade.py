@@ -6,7 +6,7 @@ The radix cache makes requests with a common prefix point at the same KV slots, 
 
 (a) all query tokens of the batch against the P shared K/V rows, unmasked (every query sits at a
     position >= P), in one call that reads the prefix once: the C kernel `prefix_attention.c` on the
-    CPU (where selected for the kernel level, native.SELECTED), else one attention over [1, heads, all
+    CPU (where selected for the kernel level, kernels.attention.SELECTED), else one attention over [1, heads, all
     queries, P];
 (b) each request's own positions P.. (decode: the C decode kernel, or one padded batch; extend:
     the C extend kernel, or causal attention per request, the diagonal shifted by the request's
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from radixserve.layers.attention.native import DecodeKernel
+    from radixserve.kernels.attention import DecodeKernel
     from radixserve.model_executor.forward_batch import ForwardBatch
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -31,7 +31,7 @@ def attention_backend_names() -> list[str]:
 
 def plan_attention(name: str, device: torch.device, cascade: bool = True) -> AttentionPlan:
     """The backend `name` resolves to (auto: the C kernels on a CPU, torch elsewhere) and, for the CPU backend,
-    the C kernels it uses per dtype: those the measured table (native.SELECTED) chose for this CPU's kernel
+    the C kernels it uses per dtype: those the measured table (kernels.attention.SELECTED) chose for this CPU's kernel
     class, less the extend kernels where RADIXSERVE_CPU_PREFILL_KERNEL=0, plus bf16 extend on AMX tiles where
     the CPU has them. `cascade`: may split attention over a prefix the whole batch shares."""
     if name == AUTO:
@@ -41,8 +41,8 @@ def plan_attention(name: str, device: torch.device, cascade: bool = True) -> Att
     if name != "cpu":
         return AttentionPlan(name, cascade)
     from radixserve import envs
-    from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
-    from radixserve.layers.attention.native import SELECTED, load_decode_kernel
+    from radixserve.kernels.attention import SELECTED, load_decode_kernel
+    from radixserve.kernels.attention_amx import load_amx_extend_kernel
 
     kernel = load_decode_kernel()
     if kernel is None:

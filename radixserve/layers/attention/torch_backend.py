@@ -5,14 +5,14 @@ Decode: one gather per layer for the whole batch. Each request's slots are read 
 so the K/V rows of all requests come out of the pool in one `index_select` per buffer. With few kv
 heads the queries are widened over all kv heads instead of transposing K/V (decode_block_diagonal);
 with many, K/V are gathered head-major (decode_head_major). CpuAttnBackend replaces both with a C
-kernel that reads the slots in place (native.py), which removes the gather copy altogether.
+kernel that reads the slots in place (kernels/attention.py), which removes the gather copy altogether.
 Extend: requests without a cached prefix attend over their own new K/V directly (no gather);
 when some request has a cached prefix, the contexts of all requests are gathered in one
 `index_select` and each request runs causal SDPA over its slice, with the causal diagonal
 shifted by its prefix length. CpuAttnBackend instead runs one C kernel call for the whole batch
 that reads every request's context in place (extend_attention.c; in bf16 on CPUs with AMX-BF16,
-extend_amx.c on the tiles, amx_extend.py; off with RADIXSERVE_CPU_PREFILL_KERNEL=0). Which C kernels run depends on the CPU's kernel level and the dtype
-(native.SELECTED, measured against the torch paths here), as the backend's plan says (registry.plan_attention).
+extend_amx.c on the tiles, kernels/attention_amx.py; off with RADIXSERVE_CPU_PREFILL_KERNEL=0). Which C kernels run depends on the CPU's kernel level and the dtype
+(kernels.attention.SELECTED, measured against the torch paths here), as the backend's plan says (registry.plan_attention).
 Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
 `cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
 """
@@ -31,8 +31,8 @@ from radixserve.layers.attention import cascade
 from radixserve.layers.attention.base import AttentionBackend, AttentionPlan
 
 if TYPE_CHECKING:
-    from radixserve.layers.attention.amx_extend import AmxExtendKernel
-    from radixserve.layers.attention.native import DecodeKernel
+    from radixserve.kernels.attention import DecodeKernel
+    from radixserve.kernels.attention_amx import AmxExtendKernel
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.model_executor.forward_batch import ForwardBatch
 
@@ -194,11 +194,11 @@ PREFILL_KERNEL_ENV = envs.CPU_PREFILL_KERNEL.name  # "0": extend attention stays
 class CpuAttnBackend(TorchAttnBackend):
     """The torch backend with decode, extend and cascade-prefix attention in compiled C kernels that read the
     pool in place, at the kernel level of `platform.kernel_isa()`; each kernel only where the plan uses it
-    (registry.plan_attention: where `native.SELECTED` says it beat torch's op on that level), else torch."""
+    (registry.plan_attention: where `kernels.attention.SELECTED` says it beat torch's op on that level), else torch."""
 
     def __init__(self, use_cascade: bool = True, plan: AttentionPlan | None = None) -> None:
-        from radixserve.layers.attention.amx_extend import load_amx_extend_kernel
-        from radixserve.layers.attention.native import load_decode_kernel
+        from radixserve.kernels.attention import load_decode_kernel
+        from radixserve.kernels.attention_amx import load_amx_extend_kernel
         from radixserve.layers.attention.registry import plan_attention
 
         plan = plan or plan_attention("cpu", torch.device("cpu"), use_cascade)

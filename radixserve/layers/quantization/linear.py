@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.kernels.quant import BoundMatmul, QuantKernel, load_quant_kernel
+from radixserve.kernels.quant_tiled import load_tiled_kernel
 from radixserve.layers.linear import LinearBase, LinearMethod
 from radixserve.layers.quantization.formats import PackedWeight
-from radixserve.layers.quantization.kernels import BoundMatmul, QuantKernel, load_quant_kernel
-from radixserve.layers.quantization.tiled import TILE, TiledWeight, load_tiled_kernel
+from radixserve.layers.quantization.tiled import TILE, TiledWeight
 
 SMALL_M = 4
 TILED_MAX_M = 32  # the tiled kernel up to here, then expansion + dense GEMM (docs/quantization.md)

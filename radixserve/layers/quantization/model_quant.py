@@ -86,7 +86,8 @@ def packed_holders(model: nn.Module) -> list[PackedLinearMethod | QuantizedEmbed
 def tile_packed_weights(model: nn.Module) -> int:
     """Re-lays every packed weight in the tiled layout where its kernels run here (tiled.py); a table
     shared by a tied embedding and LM head is tiled once. Returns how many weights were tiled."""
-    from radixserve.layers.quantization.tiled import TiledWeight, load_tiled_kernel, tile_weight
+    from radixserve.kernels.quant_tiled import load_tiled_kernel
+    from radixserve.layers.quantization.tiled import TiledWeight, tile_weight
 
     if load_tiled_kernel() is None:
         return 0

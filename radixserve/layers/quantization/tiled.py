@@ -12,18 +12,12 @@ The values are the same: int4 stays scale * u + min; int8 becomes u = q + 128 wi
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from dataclasses import dataclass
 
 import torch
 
-from radixserve.kernels.build import CSRC, call_profiled, load_library
 from radixserve.layers.quantization.formats import QK, PackedWeight
-from radixserve.platform import QUANT_ISA_FLAGS
 
-SOURCE = CSRC / "quant_tiled.c"
-FLAGS = QUANT_ISA_FLAGS["avx512_vnni"]
 TILE = 64  # output rows per tile
 SUB = 16  # rows per 64-byte weight vector
 
@@ -43,6 +37,8 @@ class TiledWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The float weight, or only `rows` of it (the embedding's lookup)."""
+        from radixserve.kernels.quant_tiled import load_tiled_kernel
+
         kernel = load_tiled_kernel()
         if rows is None:
             return kernel.expand_t(self, 0, self.shape[0], dtype).T
@@ -77,61 +73,3 @@ def tile_weight(packed: PackedWeight) -> TiledWeight:
 
     data = torch.cat((per_block(scales16), per_block(mins16), weights), dim=-1).contiguous()
     return TiledWeight(packed.bits, data, packed.shape, packed.format_name)
-
-
-class TiledKernel:
-    """ctypes bindings of csrc/quant_tiled.c (ctypes releases the GIL; the kernels run on torch's OpenMP pool)."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self._matmul, self._expand, self._rows = lib.tiled_matmul, lib.tiled_expand_t, lib.tiled_rows
-        self._matmul.argtypes = [i32, ptr, ptr, i32, ptr, i32, i64, i64, i64, i32]
-        self._expand.argtypes = [i32, ptr, i64, i64, i64, ptr, i32, i32]
-        self._rows.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, i32, i32]
-        for fn in (self._matmul, self._expand, self._rows):
-            fn.restype = i32
-
-    def matmul(self, w: TiledWeight, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """x [M, K] float32/bfloat16 contiguous -> [M, N] (activations rounded to int8 per block of 32)."""
-        m, (n, k) = x.shape[0], w.shape
-        y = torch.empty(m, n, dtype=out_dtype)
-        args = (w.bits, w.data.data_ptr(), x.data_ptr(), x.dtype == torch.bfloat16, y.data_ptr(),
-                out_dtype == torch.bfloat16, m, n, k, torch.get_num_threads())
-        _check(call_profiled("radixserve::linear::tiled_matmul", self._matmul, *args), w)
-        return y
-
-    def expand_t(self, w: TiledWeight, start: int, stop: int, dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows [start, stop) of the weight, transposed: [K, stop - start] (start a multiple of 64)."""
-        k = w.shape[1]
-        out = torch.empty(k, stop - start, dtype=dtype) if out is None else out
-        _check(self._expand(w.bits, w.data.data_ptr(), start, stop, k, out.data_ptr(), dtype == torch.bfloat16,
-                            torch.get_num_threads()), w)
-        return out
-
-    def rows(self, w: TiledWeight, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ids = rows.reshape(-1).to(torch.int64).contiguous()
-        out = torch.empty(ids.numel(), w.shape[1], dtype=dtype)
-        status = self._rows(w.bits, w.data.data_ptr(), ids.data_ptr(), ids.numel(), w.shape[0], w.shape[1],
-                            out.data_ptr(), dtype == torch.bfloat16, torch.get_num_threads())
-        if status == -2:
-            raise IndexError(f"row id out of range for a weight of {w.shape[0]} rows")
-        _check(status, w)
-        return out
-
-
-def _check(status: int, w: TiledWeight) -> None:
-    if status != 0:
-        raise ValueError(f"tiled kernel rejected a {w.format_name} weight of shape {w.shape} (status {status})")
-
-
-@functools.cache
-def load_tiled_kernel() -> TiledKernel | None:
-    """The kernels, where the quantized kernels run at the avx512_vnni level; else None."""
-    from radixserve import platform as rs_platform
-    from radixserve.layers.quantization.kernels import best_quant_isa
-
-    if best_quant_isa(rs_platform.visible_features()) != "avx512_vnni":
-        return None
-    lib = load_library(SOURCE, "quant-tiled", FLAGS, "tiled quantized kernels", "packed layers keep the row layout")
-    return None if lib is None else TiledKernel(lib)
