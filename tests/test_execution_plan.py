@@ -55,8 +55,8 @@ def test_switches_show_in_the_plan() -> None:
     finally:
         engine.shutdown()
     linear = {p: e for p, e in plan.items() if p.startswith("linear ")}
-    assert linear and all(e["choice"].startswith("dense x") and e["reason"] == "--linear-method dense"
-                          for e in linear.values())
+    assert linear and all(e["choice"].startswith("dense x")
+                          and e["reason"] == "--linear-method dense; F.linear at every row count" for e in linear.values())
     assert plan["fused ops"] == {"choice": "off", "reason": "--disable-fused-ops"}
     assert plan["attention shared prefix"] == {"choice": "off", "reason": "--disable-cascade-attention"}
     assert plan["attention decode"]["choice"] == "torch" and "no C kernels" in plan["attention decode"]["reason"]
@@ -84,8 +84,12 @@ def test_the_parts_receive_the_plan_and_decide_nothing_again(float32_engine: Eng
 
     runner = float32_engine.model_runner
     plan = runner.execution_plan
+    entries = plan.as_dict()
     for _, layer in linear_layers(runner.model):
         assert layer.method.name == plan.linear_methods[layer.shape]
+        # the entry merges the method's row thresholds and its timed choices into one row-count table
+        rows = layer.method.row_kernels(layer.in_features, plan.large_rows.get(layer.shape, frozenset()))
+        assert entries[f"linear {layer.out_features}x{layer.in_features}"]["reason"].endswith("; " + rows)
     assert runner.model.fused_ops is plan.fused_ops and runner.attn_backend.plan is plan.attention
     kernels = runner.platform_info()["attention_kernels"]
     assert kernels is None or kernels["used"] == plan.attention.used(torch.float32)

@@ -83,6 +83,12 @@ class GemvLinearMethod(OneDNNLinearMethod):
             return self.large(self.gemv_weight, x, layer.bias, layer.out_features)
         return super().apply(layer, x)
 
+    def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
+        amx = in_features % 32 == 0 and load_amx_kernel() is not None
+        small = f"1-{AMX_MAX_ROWS} rows AMX" if amx else f"1-{GEMV_MAX_ROWS} rows GEMV"
+        large = f", the large AMX product at {len(large_rows)} of {len(LARGE_GRID)} prefill row counts" if large_rows else ""
+        return f"{small}, oneDNN above{large}"
+
     def own_forms(self) -> dict[int, int]:
         gemv = self.gemv_weight
         return {**super().own_forms(), **({} if gemv is None else {id(gemv): gemv.numel() * gemv.element_size()})}

@@ -57,6 +57,11 @@ class LinearMethod(ABC):
     def describe(self) -> str:
         return self.name
 
+    def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
+        """Which kernel multiplies how many rows (the method's thresholds and its timed choices, merged), for
+        the execution plan."""
+        return f"{self.name} at every row count"
+
 
 class DenseLinearMethod(LinearMethod):
     """The weight as loaded, multiplied by `F.linear` (the path on CUDA, and the fallback everywhere)."""
@@ -65,6 +70,9 @@ class DenseLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
+        return "F.linear at every row count"
 
 
 class OneDNNLinearMethod(LinearMethod):
@@ -91,6 +99,9 @@ class OneDNNLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, layer.bias, "none", [], "")
+
+    def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
+        return "oneDNN at every row count"
 
     def own_weight(self) -> torch.Tensor | None:
         return self.packed_weight

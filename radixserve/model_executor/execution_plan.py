@@ -101,19 +101,18 @@ def _op_names(ops: FusedOps | None) -> tuple[str, ...]:
 def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Shape, frozenset[int]],
                     requested: str) -> list[PlanEntry]:
     """One entry per (weight shape, method), counting the layers."""
-    from radixserve.layers.linear import DenseLinearMethod, linear_layers
+    from radixserve.layers.linear import LINEAR_METHODS, DenseLinearMethod, linear_layers
 
     tuned = (f"--linear-method {requested}" if requested != "auto" else
              "the fastest of the candidates timed here at 1, 32 and 512 rows (cached per machine)")
     counts: Counter[tuple[str, str, str]] = Counter()
     for _, layer in linear_layers(model):
         if layer.method.chosen_by_format:
-            choice, reason = layer.method.describe(), "the weight format (--quantization, or the GGUF file's type)"
+            method, reason = layer.method, "the weight format (--quantization, or the GGUF file's type)"
         else:
-            choice, reason = methods.get(layer.shape, DenseLinearMethod.name), tuned
-            if large.get(layer.shape):
-                choice += f" (large AMX product at {len(large[layer.shape])} row counts)"
-        counts[(f"{layer.out_features}x{layer.in_features}", choice, reason)] += 1
+            method, reason = LINEAR_METHODS[methods.get(layer.shape, DenseLinearMethod.name)](), tuned
+        rows = method.row_kernels(layer.in_features, large.get(layer.shape, frozenset()))
+        counts[(f"{layer.out_features}x{layer.in_features}", method.describe(), f"{reason}; {rows}")] += 1
     return [PlanEntry(f"linear {shape}", f"{method} x{n}", reason)
             for (shape, method, reason), n in sorted(counts.items())]
 

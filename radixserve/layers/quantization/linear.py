@@ -75,6 +75,11 @@ class PackedLinearMethod(LinearMethod):
     def describe(self) -> str:
         return f"packed {self.packed.format_name}"
 
+    def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
+        if isinstance(self.packed, TiledWeight) or load_tiled_kernel() is not None:
+            return f"1-{TILED_MAX_M} rows the tiled integer kernel, expansion + dense GEMM above"
+        return f"1-{SMALL_M} rows the integer kernel, expansion + dense GEMM above"
+
     def _bind(self) -> BoundMatmul | None:
         kernel = self._kernel()
         self._bound = None if kernel is None else kernel.bind(self.packed)
