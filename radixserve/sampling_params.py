@@ -8,6 +8,7 @@ checks token ids against the vocabulary; `check_input_ids` checks a token-id pro
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,8 @@ TEMPERATURE_FLOOR = 1e-5
 REPETITION_PENALTY_FLOOR = 1e-6
 MAX_TOP_K = 2**31 - 1  # a larger top_k means the whole vocabulary as much as -1 does; refused, not wrapped
 MAX_TOKEN_ID = 2**31 - 1
+GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 1 << 20
 _FLOAT32_MAX = 3.4e38
 
 
@@ -43,6 +46,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL's, in [1e-6, 2]: shrinks the logits of prompt and generated tokens
     min_new_tokens: int = 0  # EOS and stop token ids are banned until this many tokens were generated
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> value in [-100, 100] added to its logit
+    # Constrained decoding (at most one; SGLang's names): the output must match a JSON schema (a JSON string, or
+    # a dict), a regular expression, or an EBNF grammar (GBNF syntax, `root` rule). constrained/grammar_backend.py
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +61,8 @@ class SamplingParams:
                f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.json_schema, dict):
+            self.json_schema = json.dumps(self.json_schema)
         self.verify()
 
     def verify(self) -> None:
@@ -85,6 +95,14 @@ class SamplingParams:
             _is_int(t) and 0 <= t <= MAX_TOKEN_ID and _is_number(v) and -100 <= v <= 100
             for t, v in self.logit_bias.items())), "logit_bias",
             "must map token ids (integers >= 0) to values in [-100, 100]")
+        grammars = [name for name in GRAMMAR_PARAMS if getattr(self, name) is not None]
+        for name in grammars:
+            value = getattr(self, name)
+            _check(isinstance(value, str) and value.strip() != "", name, "must be a non-empty string")
+            _check(_is_text(value), name, "must be valid Unicode (no lone surrogates)")
+            _check(len(value) <= MAX_GRAMMAR_CHARS, name, f"is longer than {MAX_GRAMMAR_CHARS} characters")
+        _check(len(grammars) <= 1, grammars[-1] if grammars else "json_schema",
+               f"cannot be combined with {', '.join(grammars[:-1])}: give at most one of json_schema, regex, ebnf")
 
     def verify_for_model(self, vocab_size: int) -> None:
         """Token ids (stop ids, logit_bias keys) must lie in the loaded model's vocabulary [0, vocab_size)."""

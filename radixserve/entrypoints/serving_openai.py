@@ -116,9 +116,13 @@ class OpenAIServing:
                             logit_bias=req.logit_bias)
 
     def _sampling(self, req: Any, max_new_tokens: int) -> Any:
+        try:
+            schema = None if req.response_format is None else req.response_format.grammar()
+        except ValueError as e:
+            raise bad_request(str(e), param="response_format", code="invalid_value") from None
         return make_sampling_params(
-            True, self.tm.info.vocab_size, max_new_tokens=max_new_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-            min_p=req.min_p, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+            True, self.tm.info.vocab_size, json_schema=schema, max_new_tokens=max_new_tokens,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
             min_new_tokens=req.min_tokens, logit_bias=token_id_keys(req.logit_bias, self.tm.info.vocab_size))
@@ -175,8 +179,8 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, extra_key: Any, request: Request, key: Any = None) -> Response:
         self._check_common(req)
-        if req.tools or req.response_format:
-            raise bad_request("'tools' and 'response_format' are not supported", code="unsupported_parameter")
+        if req.tools:
+            raise bad_request("'tools' are not supported yet", param="tools", code="unsupported_parameter")
         if req.echo:
             raise bad_request("'echo' is supported by /v1/completions only", param="echo",
                               code="unsupported_parameter")

@@ -1,7 +1,7 @@
 """Fused passes between the matrix products of a decoder layer, compiled ahead of time on the CPU.
 
-Three ops, written below in plain torch with the same rounding steps as the eager layers (so their
-results equal the eager path's in float32, and follow the same bf16 rounding):
+Three ops, each the eager layers' own torch function (`rms_norm`, `apply_rotary`, `silu_and_mul`: one
+definition, compiled here or run eagerly there, so the results follow the same rounding steps):
 
 - `add_rmsnorm`: x + residual, then RMSNorm of the sum; returns (normed, sum).
 - `rotary_kv`: splits a fused qkv row into q, k, v, rotates q and k, and writes k and v into this
@@ -21,10 +21,12 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.aot_cache import AotOp, compile_aot_op
+from radixserve.layers.layernorm import rms_norm
+from radixserve.layers.rotary_embedding import apply_rotary
 from radixserve.mem_cache.memory_pool import SLOT_DTYPE
 
 logger = logging.getLogger(__name__)
@@ -37,10 +39,7 @@ class AddRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
         x = x + residual
-        # NOTE: the eager RMSNorm's rounding steps (layernorm.py): normalise in float32, round, scale.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype), x
+        return rms_norm(x, weight, self.eps), x
 
 
 class RotaryKV(nn.Module):
@@ -54,9 +53,8 @@ class RotaryKV(nn.Module):
         qk_heads = self.num_heads + self.num_kv_heads
         cos = cos_table[positions].to(dtype).unsqueeze(1)
         sin = sin_table[positions].to(dtype).unsqueeze(1)
-        # NOTE: the eager rotary's rounding steps (rotary_embedding.apply_rotary), q and k heads at once.
-        x1, x2 = qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim).chunk(2, dim=-1)
-        qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        # NOTE: q and k heads side by side in qkv: one rotary pass covers both
+        qk = apply_rotary(qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         k_cache.index_put_((loc,), k)
@@ -66,8 +64,7 @@ class RotaryKV(nn.Module):
 
 class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_and_mul(gate_up)
 
 
 @dataclass

@@ -23,8 +23,14 @@ class RMSNorm(nn.Module):
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: same rounding steps as Hugging Face's LlamaRMSNorm (normalise in float32, round to the
-        # model dtype, then scale), so bf16 outputs stay as close to transformers as possible.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The one torch definition of RMSNorm, run eagerly here and compiled by the fused ops (fused_ops.py).
+
+    NOTE: same rounding steps as Hugging Face's LlamaRMSNorm (normalise in float32, round to the model dtype,
+    then scale), so bf16 outputs stay as close to transformers as possible."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)

@@ -8,6 +8,7 @@ token depends only on its own logits and that pair, whatever batch it runs in.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ from radixserve.layers.penalties import PenaltyBatchInfo, PenaltyState
 from radixserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+FORBIDDEN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -34,6 +36,11 @@ class SamplingBatchInfo:
     need_min_p: bool
     generator_seed: int | None = None  # seeds the Sampler's stream for rows without a seed
     penalties: PenaltyBatchInfo | None = None  # penalties, min_new_tokens, logit_bias (set by the scheduler)
+    # Constrained decoding (managers/grammar_manager.py): int32 [bs, ceil(vocab / 32)] allowed tokens, filled by
+    # the scheduler once the rows' earlier tokens are accepted; sampling waits for `mask_ready`.
+    vocab_mask: torch.Tensor | None = None
+    mask_ready: threading.Event | None = None
+    grammar_reqs: list | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], output_lens: list[int], device: torch.device | str,
@@ -70,8 +77,12 @@ class TokenLogprobs(NamedTuple):
 def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, info: SamplingBatchInfo,
                      top_k: int) -> TokenLogprobs:
     """Log-probabilities under the temperature-scaled distribution, before top-k/top-p/min-p (as
-    SGLang); greedy rows use temperature 1, i.e. the model's own distribution."""
-    return compute_input_logprobs(logits.float() / info.temperatures, next_ids, top_k)
+    SGLang); greedy rows use temperature 1, i.e. the model's own distribution. A token a grammar forbids
+    (logit -inf) gets -9999.0, OpenAI's stand-in, so that every logprob is a JSON number."""
+    out = compute_input_logprobs(logits.float() / info.temperatures, next_ids, top_k)
+    if info.vocab_mask is None:
+        return out
+    return TokenLogprobs(*(torch.nan_to_num(t, neginf=FORBIDDEN_LOGPROB) if t.is_floating_point() else t for t in out))
 
 
 def compute_input_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, top_k: int) -> TokenLogprobs:
@@ -91,7 +102,16 @@ class Sampler:
         self.penalties = PenaltyState(num_rows)  # one history row per ReqToTokenPool row
 
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """logits: float [bs, vocab] -> int64 [bs]. Penalties apply to greedy rows too."""
+        """logits: float [bs, vocab] -> int64 [bs]. Penalties apply to greedy rows too.
+
+        A grammar's bitmask is applied to `logits` in place first, so the logprobs computed from them afterwards
+        are those of the constrained distribution (as SGLang's)."""
+        if info.vocab_mask is not None:
+            from radixserve.constrained.grammar_backend import apply_token_bitmask
+
+            if info.mask_ready is not None:
+                info.mask_ready.wait()
+            apply_token_bitmask(logits, info.vocab_mask)
         if info.penalties is not None:
             logits = self.penalties.process(logits, info.penalties)
         next_ids = self._sample(logits, info)

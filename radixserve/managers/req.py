@@ -86,6 +86,7 @@ class Req:
         self.input_logprobs_sent = False
         self.penalty_reset = False  # a new row: its penalty history must be rebuilt in the next forward
         self.kv = ReqKV()
+        self.grammar: Any = None  # constrained decoding: its matcher (constrained/grammar_backend.Grammar), once compiled
         # Lifecycle.
         self.finished_reason: FinishReason | None = None
         self.to_abort: FinishReason | None = None
@@ -138,6 +139,10 @@ class Req:
     def finish(self, reason: FinishReason) -> None:
         self.finished_reason = reason
 
+    def set_grammar(self, grammar: Any) -> None:
+        """Its grammar compiled: from now on each appended token is accepted by the matcher."""
+        self.grammar = grammar
+
     def note_match(self, matched: int) -> None:
         """The length of its cached prefix, as the cache-aware policy last matched it."""
         self.num_matched_prefix_tokens = matched
@@ -166,6 +171,8 @@ class Req:
 
     def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None) -> None:
         self.output_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.accept_token(token)
         if self.logprob.return_logprob:
             # NOTE: one entry per output token, so output_token_logprobs stays aligned with output_ids.
             self.output_token_logprobs.append(logprob)
@@ -230,6 +237,10 @@ class Req:
         last = self.output_ids[-1]
         if last in self.stop_token_ids or (not self.sampling_params.ignore_eos and last in self.eos_token_ids):
             self.finished_reason = FinishReason("stop", matched=last)
+            return
+        if self.grammar is not None and (self.grammar.rejected or self.grammar.is_terminated()):
+            self.finished_reason = (FinishReason("stop", matched=last) if not self.grammar.rejected else
+                                    FinishReason.abort(f"the grammar rejected token {last}", status_code=500))
             return
         if self.stop_str_max_len and tokenizer is not None:
             tail = tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 1):], skip_special_tokens=True)

@@ -7,6 +7,7 @@ process a result: the batch just launched in `event_loop_normal`, the previous o
 
 - `RequestQueue` (request_queue.py): the waiting queue and every live request by id;
 - `InputProcessor` (scheduler_input_processor.py): admit or reject a request, abort one;
+- `GrammarManager` (grammar_manager.py): requests whose grammar compiles, and each batch's token bitmask;
 - `PrefillPlanner` (prefill_planner.py): the next prefill; owns the chunked request;
 - `DecodePlanner` (decode_planner.py): the next decode step, with retraction;
 - `OutputProcessor` (scheduler_output_processor.py): results -> request progress, finishes, outputs;
@@ -32,6 +33,7 @@ from radixserve.client.requests import RequestLimits
 from radixserve.managers.cache_observer import cache_tree_snapshot
 from radixserve.managers.decode_planner import DecodePlanner
 from radixserve.managers.forward_pipeline import ForwardPipeline, LaunchedBatch
+from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.io_struct import (
     AbortReq,
     CacheTreeReq,
@@ -112,8 +114,11 @@ class Scheduler:
         self.output = OutputProcessor(self.kv_manager, self.queue, self.prefill, self.stats, self.tokenizer,
                                       lambda out: self.output_sink(out), args.log_interval, pool)
         self.decode = DecodePlanner(self.queue, self.prefill, self.output, self.new_token_ratio, self.stats, pool)
-        self.inputs = InputProcessor(self.queue, self.output, self.stats, RequestLimits.of_runner(self.model_runner))
-        self.pipelines = Pipelines(self.model_runner, self.device)
+        self.grammars = GrammarManager(self.model_runner, self.queue, self.output, self.eos_token_ids,
+                                       args.grammar_compile_timeout)
+        self.inputs = InputProcessor(self.queue, self.output, self.stats, RequestLimits.of_runner(self.model_runner),
+                                     self.grammars)
+        self.pipelines = Pipelines(self.model_runner, self.device, release=self.grammars.release)
         self.failures = FailureContainment(self, self.pipelines, self.queue, self.prefill, self.output)
         self.state_report = StateReport(self)
 
@@ -176,6 +181,7 @@ class Scheduler:
             self.running_batch.merge_batch(last)
             self.last_batch = None
         self._finish_marked_aborts(self.running_batch)
+        self.grammars.move_ready()
         self._expire_waiting()
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
@@ -189,7 +195,11 @@ class Scheduler:
         # one step, the allocated length does not (0 for a non-final chunk, whose token is dropped).
         output_lens = [max(r.kv.kv_allocated_len - len(r.origin_input_ids), 0) for r in reqs]
         info = self.sampling_info(reqs, output_lens, batch.forward_mode.is_extend())
-        return (pipeline or self.normal_pipeline()).launch(batch, info, logprob_top_k(reqs))
+        pipeline = pipeline or self.normal_pipeline()
+        self.grammars.attach(info, reqs)
+        if not pipeline.pending:
+            self.grammars.fill(info)  # NOTE: every earlier result is processed: the rows' grammars are current
+        return pipeline.launch(batch, info, logprob_top_k(reqs))
 
     # ---- the parts' entry points, under SGLang's names ----------------------------------------------
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
@@ -200,6 +210,9 @@ class Scheduler:
 
     def process_batch_result(self, launched: LaunchedBatch) -> None:
         self.output.process_batch_result(launched, self.pipelines.counters)
+        for pipeline in (self.pipelines.overlap, self.pipelines.normal):
+            if pipeline is not None and pipeline.pending:  # NOTE: the next batch's rows are current now
+                self.grammars.fill(pipeline.pending[0].sampling_info)
 
     def run_step_contained(self, step: Callable[[], Any]) -> Any:
         return self.failures.run_step_contained(step)
@@ -329,7 +342,8 @@ class Scheduler:
     # ---- state and checks -----------------------------------------------------------------------
     def is_idle(self) -> bool:
         """Nothing queued and nothing holding KV (a prefill batch not yet merged into running counts)."""
-        return not self.queue.waiting and self.prefill.chunked_req is None and not self.active_requests()
+        return (not self.queue.waiting and self.prefill.chunked_req is None and not self.grammars.compiling
+                and not self.active_requests())
 
     def active_requests(self) -> list[Req]:
         """Requests holding KV or locks: running, in the batch just run, or mid-chunk."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from radixserve.client.requests import RequestLimits, check_request
+from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.managers.req import FinishReason, Req
 from radixserve.managers.request_queue import RequestQueue
@@ -20,17 +21,18 @@ logger = logging.getLogger(__name__)
 
 class InputProcessor:
     def __init__(self, queue: RequestQueue, output: OutputProcessor, stats: SchedulerStats,
-                 limits: RequestLimits) -> None:
+                 limits: RequestLimits, grammars: GrammarManager) -> None:
         self.queue = queue
         self.output = output
         self.stats = stats
         self.limits = limits
+        self.grammars = grammars
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.limits.eos_token_ids,
                   msg.logprob)
         error = self.validate_request(req)
-        if self.queue.get(msg.rid) is not None:
+        if self.queue.get(msg.rid) is not None or self.grammars.get(msg.rid) is not None:
             error = f"request id {msg.rid!r} is already in use"
         if error is not None:
             self.stats.num_rejected += 1
@@ -38,8 +40,9 @@ class InputProcessor:
             self.output.finish_now(req, FinishReason.abort(error, status_code=400))
             return
         req.admit(self.limits.context_len)
-        self.queue.add(req)
         self.stats.num_requests += 1
+        if not self.grammars.submit(req):  # NOTE: a request with a grammar is queued once it has compiled
+            self.queue.add(req)
 
     def validate_request(self, req: Req) -> str | None:
         """Why `req` can never run (with the numbers), or None. Checked on arrival, so it never blocks the queue;
@@ -49,6 +52,8 @@ class InputProcessor:
     def abort_request(self, rid: str) -> None:
         """Abort at any stage; unknown or already finished ids are ignored (abort is idempotent)."""
         req = self.queue.get(rid)
+        if req is None and self.grammars.abort(rid):
+            return
         if req is None or req.finished():
             return
         reason = FinishReason.abort("aborted by the client", status_code=499)

@@ -16,8 +16,9 @@ from radixserve.model_executor.cpu_threads import limit_openmp_threads
 
 
 class Pipelines:
-    def __init__(self, model_runner: Any, device: Any) -> None:
+    def __init__(self, model_runner: Any, device: Any, release: Callable[[Any], None] = lambda info: None) -> None:
         self.model_runner = model_runner
+        self.release = release  # lets a dropped batch's sampling go on (grammar_manager.GrammarManager.release)
         self.device = device
         self.counters = PipelineCounters()
         self.debug: OverlapDebug | None = None
@@ -55,6 +56,8 @@ class Pipelines:
                 while drain and pipeline.pending:
                     process(pipeline.pending.popleft())
         finally:
+            for launched in pipeline.pending:
+                self.release(launched.sampling_info)
             pipeline.close()
             self.overlap = None
             if self._openmp_threads is not None:
@@ -72,6 +75,7 @@ class Pipelines:
                 continue  # NOTE: nothing launched and no failed work: its streams and future map are sound
             for launched in pipeline.pending:
                 reqs.extend(launched.batch.reqs)
+                self.release(launched.sampling_info)
                 try:
                     launched.copy_done.synchronize()  # NOTE: no forward may still write KV we are about to free
                 except Exception:  # noqa: BLE001 - the failure being contained, seen again

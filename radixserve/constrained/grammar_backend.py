@@ -1,0 +1,136 @@
+"""Grammars for constrained decoding, on xgrammar: compiled off the scheduler thread, cached, one matcher each.
+
+A request that asks for structured output names one grammar (`GrammarSpec`: a JSON schema, any JSON
+object is the schema {"type": "object"}, a regex or an EBNF grammar). `GrammarBackend.submit` compiles it on a worker thread (xgrammar's
+compiler, built once per tokenizer) and caches the result by the spec, so a thousand requests with one
+schema compile it once and a request never holds up the batch while its grammar compiles: it waits in the
+scheduler's grammar queue (managers/grammar_manager.py). Each request then gets its own `Grammar`, a
+matcher that follows its tokens: it fills the request's row of the batch's token bitmask before sampling
+and accepts each sampled token after.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from radixserve.sampling_params import GRAMMAR_PARAMS
+
+CACHE_ENTRIES = 256  # compiled grammars kept (LRU); a JSON schema's is tens of kB
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile: the message is the compiler's, prefixed with the field's name."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request asks its output to match: `kind` is a GRAMMAR_PARAMS name, `source` its text (OpenAI's
+    `json_object` is the schema {"type": "object"})."""
+
+    kind: str
+    source: str
+
+    @staticmethod
+    def of_params(params: Any) -> GrammarSpec | None:
+        """The grammar a SamplingParams names, or None (at most one is allowed; SamplingParams checks)."""
+        for field in GRAMMAR_PARAMS:
+            value = getattr(params, field, None)
+            if value is not None:
+                return GrammarSpec(field, value)
+        return None
+
+
+class Grammar:
+    """One request's matcher: which tokens may come next, and the tokens that came."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+        self.rejected = False  # a token the grammar did not allow was appended (a bug or an unmasked row)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept_token(self, token: int) -> None:
+        if not self.rejected and not self._matcher.accept_token(token):
+            self.rejected = True
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+class GrammarBackend:
+    """xgrammar's compiler for one tokenizer and vocabulary, a worker thread that runs it, and the cache."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=stop_token_ids or None)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def submit(self, spec: GrammarSpec) -> Future:
+        """A future of the compiled grammar (raises GrammarError when it does not compile); one per spec."""
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is None:
+                future = self._pool.submit(self._compile, spec)
+                self._cache[spec] = future
+                while len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(spec)
+            return future
+
+    def matcher(self, compiled: Any) -> Grammar:
+        return Grammar(self._xgr.GrammarMatcher(compiled))
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """int32 [rows, ceil(vocab / 32)], every token allowed."""
+        return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        compiler = self._compiler
+        try:
+            if spec.kind == "json_schema":
+                json.loads(spec.source)  # NOTE: a clear message for text that is not JSON at all
+                # NOTE: compact JSON (no free whitespace between tokens): a small model given free whitespace
+                # can emit newlines until max_new_tokens (seen with the 135M default model), as vLLM also found
+                return compiler.compile_json_schema(spec.source, any_whitespace=False)
+            if spec.kind == "regex":
+                return compiler.compile_regex(spec.source)
+            return compiler.compile_grammar(spec.source)
+        except json.JSONDecodeError as e:
+            raise GrammarError(spec.kind, f"is not valid JSON ({e})") from None
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with the parser's message
+            raise GrammarError(spec.kind, _first_line(e)) from None
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Sets the logits of tokens outside each row's mask to -inf, in place (rows of all ones are untouched)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text if len(text) <= 500 else text[:497] + "..."

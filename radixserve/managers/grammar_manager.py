@@ -1,0 +1,135 @@
+"""Requests whose grammar is compiling, and the token bitmask of each batch that has grammar rows.
+
+`GrammarManager` is a part of `Scheduler` with one job: constrained decoding's scheduling. A request that
+names a grammar (sampling parameters `json_schema`, `regex`, `ebnf`) waits here, outside the waiting queue,
+while its grammar compiles on the backend's worker thread; `move_ready` (every step) queues it once compiled,
+or ends it with a 400 carrying the compiler's message, or with a 400 after `--grammar-compile-timeout`
+seconds. So a slow grammar never holds up the batch.
+
+The bitmask. A batch with grammar rows carries a bitmask (`SamplingBatchInfo.vocab_mask`) that sampling
+applies to the logits in place, after waiting for `mask_ready`. Row r may only be filled once the request
+has accepted every token it sampled before, that is once every earlier batch's result is processed:
+- the normal loop processes each batch before the next launch, so `fill` runs at launch;
+- the overlap loop launches batch k+1 before processing batch k: k+1's mask is filled right after k's
+  result is processed, while k+1's forward runs, and its sampling waits only if the forward finishes first.
+A batch dropped after a failure has its mask released unfilled (`release`), so no sampling waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from radixserve.managers.req import FinishReason, Req
+
+if TYPE_CHECKING:
+    from radixserve.constrained.grammar_backend import GrammarBackend
+    from radixserve.managers.request_queue import RequestQueue
+    from radixserve.managers.scheduler_output_processor import OutputProcessor
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarManager:
+    def __init__(self, model_runner: Any, queue: RequestQueue, output: OutputProcessor, eos_token_ids: tuple[int, ...],
+                 compile_timeout_s: float) -> None:
+        self.model_runner = model_runner
+        self.queue = queue
+        self.output = output
+        self.eos_token_ids = eos_token_ids
+        self.compile_timeout_s = compile_timeout_s
+        self.compiling: dict[str, tuple[Req, Future, float]] = {}  # rid -> (request, compiled grammar, since)
+        self._backend: GrammarBackend | None = None  # built on the first grammar (xgrammar's tokenizer tables)
+
+    @property
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:
+            from radixserve.constrained.grammar_backend import GrammarBackend
+
+            runner = self.model_runner
+            self._backend = GrammarBackend(runner.tokenizer, runner.model_config.vocab_size, list(self.eos_token_ids))
+        return self._backend
+
+    # ---- requests waiting for their grammar ---------------------------------------------------------
+    def submit(self, req: Req) -> bool:
+        """Starts compiling `req`'s grammar and holds the request until it is ready; False: it names none."""
+        from radixserve.constrained.grammar_backend import GrammarSpec
+
+        spec = GrammarSpec.of_params(req.sampling_params)
+        if spec is None:
+            return False
+        self.compiling[req.rid] = (req, self.backend.submit(spec), time.monotonic())
+        return True
+
+    def get(self, rid: str) -> Req | None:
+        entry = self.compiling.get(rid)
+        return None if entry is None else entry[0]
+
+    def move_ready(self) -> None:
+        """Queues requests whose grammar compiled; ends those whose grammar failed or took too long (400)."""
+        from radixserve.constrained.grammar_backend import GrammarError
+
+        now = time.monotonic()
+        for rid, (req, future, since) in list(self.compiling.items()):
+            if future.done():
+                del self.compiling[rid]
+                try:
+                    compiled = future.result()
+                except GrammarError as e:
+                    self.output.finish_now(req, FinishReason.abort(f"invalid grammar: {e}", status_code=400))
+                    continue
+                req.set_grammar(self.backend.matcher(compiled))
+                self.queue.add(req)
+            elif now - since > self.compile_timeout_s:
+                del self.compiling[rid]
+                self.output.finish_now(req, FinishReason.abort(
+                    f"the grammar did not compile within {self.compile_timeout_s:g} s (--grammar-compile-timeout)",
+                    status_code=400))
+
+    def abort(self, rid: str) -> bool:
+        """Ends a request still waiting for its grammar; False if none waits under `rid`."""
+        entry = self.compiling.pop(rid, None)
+        if entry is None:
+            return False
+        self.output.finish_now(entry[0], FinishReason.abort("aborted by the client", status_code=499))
+        return True
+
+    # ---- the batch's bitmask --------------------------------------------------------------------------
+    def attach(self, info: Any, reqs: list[Req]) -> None:
+        """Gives a batch with grammar rows an all-allowed bitmask to fill, and the event sampling waits on."""
+        if not any(r.grammar is not None for r in reqs):
+            return
+        info.vocab_mask = self.backend.allocate_bitmask(len(reqs))
+        info.mask_ready = threading.Event()
+        info.grammar_reqs = list(reqs)
+
+    @staticmethod
+    def fill(info: Any) -> None:
+        """Fills each grammar row of the batch's bitmask, then lets sampling go on. Only once every earlier
+        result is processed (module docstring); rows of requests that finished or whose token is dropped
+        (a non-final chunk) stay unconstrained."""
+        event = getattr(info, "mask_ready", None)
+        if event is None or event.is_set():
+            return
+        try:
+            for row, req in enumerate(info.grammar_reqs):
+                grammar = req.grammar
+                if grammar is None or req.finished() or req.is_chunked or grammar.rejected or grammar.is_terminated():
+                    continue
+                grammar.fill_next_token_bitmask(info.vocab_mask, row)
+        finally:
+            event.set()
+
+    @staticmethod
+    def release(info: Any) -> None:
+        """Lets a dropped batch's sampling go on without filling (after a failure: its result is discarded)."""
+        event = getattr(info, "mask_ready", None)
+        if event is not None:
+            event.set()
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()

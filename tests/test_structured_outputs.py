@@ -1,0 +1,173 @@
+"""Constrained decoding (constrained/, managers/grammar_manager.py) on the embedded model, both loops.
+
+Every output of a `json_schema` request parses and validates (jsonschema), over generated schemas and
+sampling settings; regex outputs full-match; EBNF outputs match the grammar; a permissive grammar leaves
+greedy tokens unchanged; bad grammars end with a 400 naming the field; conservation holds after every test
+(the `engines` fixture's check).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from radixserve.sampling_params import SamplingParams, SamplingParamsError
+
+PROMPT = "Answer in JSON. Describe a person with a name, an age and a city."
+
+SAMPLINGS = [
+    {"temperature": 0},
+    {"temperature": 0.9, "seed": 11},
+    {"temperature": 1.2, "top_p": 0.9, "top_k": 40, "seed": 5},
+    {"temperature": 0.7, "min_p": 0.1, "seed": 3, "frequency_penalty": 0.5, "repetition_penalty": 1.1},
+    {"temperature": 0, "logit_bias": {28: 5.0, 90: -5.0}},
+]
+
+
+def _property() -> st.SearchStrategy[dict]:
+    words = st.text(alphabet="abcdefghij", min_size=1, max_size=6)
+    return st.one_of(
+        st.just({"type": "boolean"}),
+        st.integers(-50, 50).map(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 100}),
+        st.lists(words, min_size=1, max_size=4, unique=True).map(lambda values: {"enum": values}),
+        st.integers(1, 8).map(lambda n: {"type": "string", "maxLength": n}),
+        st.integers(1, 3).map(lambda n: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "maxItems": n}),
+    )
+
+
+def _schema() -> st.SearchStrategy[dict]:
+    names = st.lists(st.text(alphabet="klmnopqrs", min_size=1, max_size=5), min_size=1, max_size=4, unique=True)
+    return names.flatmap(lambda keys: st.tuples(*[_property() for _ in keys]).map(
+        lambda props: {"type": "object", "properties": dict(zip(keys, props, strict=True)), "required": list(keys),
+                       "additionalProperties": False}))
+
+
+def _generate(engine, params: list[dict], prompt: str = PROMPT) -> list[dict]:
+    return engine.generate([prompt] * len(params), sampling_params=params)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, phases=[Phase.generate],
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schemas=st.lists(_schema(), min_size=len(SAMPLINGS), max_size=len(SAMPLINGS)))
+def test_every_json_schema_output_validates(engines, schemas):
+    for engine in engines:
+        params = [{**sampling, "json_schema": json.dumps(schema), "max_new_tokens": 160}
+                  for schema, sampling in zip(schemas, SAMPLINGS, strict=True)]
+        for out, schema, p in zip(_generate(engine, params), schemas, params, strict=True):
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", (out, p)
+            jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_a_schema_given_as_a_dict_and_n_choices(engines):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 3}},
+              "required": ["city", "rank"]}
+    for engine in engines:
+        outs = engine.generate(PROMPT, sampling_params={"json_schema": schema, "n": 3, "temperature": 1.0,
+                                                        "seed": 1, "max_new_tokens": 60})
+        assert len(outs) == 3
+        for out in outs:
+            jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_regex_outputs_full_match(engines):
+    pattern = r"(yes|no), [0-9]{3}-[a-z]{2,4}\."
+    for engine in engines:
+        params = [{**sampling, "regex": pattern, "max_new_tokens": 40} for sampling in SAMPLINGS]
+        for out in _generate(engine, params, "Is it raining? Answer then give a code."):
+            assert re.fullmatch(pattern, out["text"]), out["text"]
+
+
+def test_ebnf_outputs_match_the_grammar(engines):
+    grammar = 'root ::= "The answer is " number "."\nnumber ::= [1-9] [0-9]*'
+    for engine in engines:
+        params = [{**sampling, "ebnf": grammar, "max_new_tokens": 30} for sampling in SAMPLINGS[:3]]
+        for out in _generate(engine, params, "What is six times seven?"):
+            assert re.fullmatch(r"The answer is [1-9][0-9]*\.", out["text"]), out["text"]
+
+
+def _literal(text: str) -> str:
+    """`text` as a regex that matches it literally (only the metacharacters escaped, newlines as \\n)."""
+    return "".join("\\n" if c == "\n" else "\\" + c if c in ".^$*+?()[]{}|\\/-" else c for c in text)
+
+
+def test_a_permissive_grammar_leaves_greedy_tokens_unchanged(engines):
+    """The unconstrained greedy text, then a regex that allows it and anything after: the same tokens, so the
+    mask lands on the right rows and allows what it should (in a batch beside a constrained request)."""
+    for engine in engines:
+        ids = engine.apply_chat_template([{"role": "user", "content": "Write one sentence about the sea."}])
+        free = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 12})
+        assert free["meta_info"]["finish_reason"]["type"] == "length"  # twelve text tokens, no special one
+        constrained, other = engine.generate(
+            input_ids=[ids, ids], sampling_params=[
+                {"temperature": 0, "max_new_tokens": 12, "regex": _literal(free["text"]) + r"[\s\S]*"},
+                {"temperature": 0, "max_new_tokens": 40, "json_schema": '{"type": "object"}'}])
+        assert constrained["output_ids"] == free["output_ids"]
+        assert other["text"].startswith("{")
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length_and_partial_text(engines):
+    for engine in engines:
+        out = engine.generate(PROMPT, sampling_params={"regex": "a{100}", "max_new_tokens": 5, "temperature": 0})
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        assert re.fullmatch("a+", out["text"]) and len(out["text"]) <= 100
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("json_schema", "{not json", "is not valid JSON"),
+    ("json_schema", '{"type": "object", "properties": {"a": {"type": "frobnicate"}}}', "json_schema"),
+    ("regex", "(unclosed", "regex"),
+    ("ebnf", "root ::= missing_rule", "ebnf"),
+])
+def test_a_bad_grammar_ends_with_400_naming_the_field(engines, field, value, message):
+    for engine in engines:
+        out = engine.generate(PROMPT, sampling_params={field: value, "max_new_tokens": 8})
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 400 and out["output_ids"] == []
+        assert reason["message"].startswith(f"invalid grammar: {field}: ") and message in reason["message"]
+        # the scheduler goes on serving others
+        after = engine.generate(PROMPT, sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        assert after["meta_info"]["completion_tokens"] == 3
+
+
+def test_grammar_parameters_are_checked_before_sending():
+    with pytest.raises(SamplingParamsError, match="at most one of json_schema, regex, ebnf"):
+        SamplingParams(json_schema='{"type": "object"}', regex="a+")
+    with pytest.raises(SamplingParamsError, match="regex must be a non-empty string"):
+        SamplingParams(regex="")
+    with pytest.raises(SamplingParamsError, match="ebnf must be a non-empty string"):
+        SamplingParams(ebnf=12)
+    assert SamplingParams(json_schema={"type": "object"}).json_schema == '{"type": "object"}'
+
+
+def test_one_schema_compiles_once_for_many_requests(engines):
+    engine = engines[0]
+    schema = json.dumps({"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 5}},
+                         "required": ["x"]})
+    outs = _generate(engine, [{"json_schema": schema, "max_new_tokens": 30, "temperature": 0.8, "seed": i}
+                              for i in range(6)])
+    assert all(0 <= json.loads(o["text"])["x"] <= 5 for o in outs)
+    backend = engine.scheduler.grammars.backend
+    from radixserve.constrained.grammar_backend import GrammarSpec
+
+    assert backend.submit(GrammarSpec("json_schema", schema)).done()  # the cached compile, not a new one
+
+
+def test_logprobs_under_a_grammar_are_finite_json_numbers(engines):
+    """The logprobs are the constrained distribution's: sampled tokens are finite, forbidden alternatives
+    -9999.0 (OpenAI's stand-in for -inf), never -inf or NaN."""
+    import math
+
+    for engine in engines:
+        out = engine.generate(PROMPT, sampling_params={"regex": "(yes|no)!", "max_new_tokens": 8, "temperature": 0},
+                              return_logprob=True, top_logprobs_num=5)
+        chosen = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+        assert all(math.isfinite(v) and v > -9999.0 for v in chosen)
+        tops = [lp for position in out["meta_info"]["output_top_logprobs"] for lp, _, _ in position]
+        assert all(math.isfinite(v) for v in tops) and -9999.0 in tops  # a few tokens only are allowed there
