@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -171,3 +172,76 @@ def test_logprobs_under_a_grammar_are_finite_json_numbers(engines):
         assert all(math.isfinite(v) and v > -9999.0 for v in chosen)
         tops = [lp for position in out["meta_info"]["output_top_logprobs"] for lp, _, _ in position]
         assert all(math.isfinite(v) for v in tops) and -9999.0 in tops  # a few tokens only are allowed there
+
+
+def test_grammars_follow_their_requests_through_retraction_and_abort(engines, monkeypatch):
+    """One request retracted every 2 decode steps (re-prefilled with the outputs it made, in chunks of 16): the
+    matcher has accepted exactly the tokens the request keeps, so greedy outputs equal an undisturbed run's and
+    validate; aborting a request that runs under a grammar loses nothing."""
+    from radixserve import Engine
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                        "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    params = [{"json_schema": schema, "max_new_tokens": 60, "temperature": 0}] * 3 + \
+             [{"regex": "[a-z]{3,9}( [a-z]{3,9}){2}", "max_new_tokens": 30, "temperature": 0}] * 3
+    prompts = [f"Item {i}: describe it briefly." for i in range(len(params))]
+    calm = [o["output_ids"] for o in engines[1].generate(prompts, sampling_params=params)]
+    monkeypatch.setenv("RADIXSERVE_TEST_RETRACT_INTERVAL", "2")
+    for overlap in (True, False):
+        engine = Engine(dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, log_level="warning",
+                        disable_overlap_schedule=not overlap)
+        try:
+            outs = engine.generate(prompts, sampling_params=params)
+            assert engine.scheduler.stats.num_retractions >= 2
+            assert [o["output_ids"] for o in outs] == calm, overlap
+            for out in outs[:3]:
+                jsonschema.validate(json.loads(out["text"]), schema)
+            stream = engine.generate(PROMPT, sampling_params={"json_schema": schema, "max_new_tokens": 60},
+                                     stream=True)
+            next(stream)
+            stream.close()  # NOTE: aborts the running request
+            for _ in range(200):
+                state = engine.get_internal_state()
+                if state["num_running_reqs"] == 0 and state["kv_conservation"] is not None:
+                    break
+                time.sleep(0.05)
+            assert "error" not in state["kv_conservation"] and state["num_running_reqs"] == 0
+        finally:
+            engine.shutdown()
+
+
+def test_a_compiling_grammar_holds_up_no_one_and_times_out_with_400(engines, monkeypatch):
+    """While one grammar compiles (made slow here) an unconstrained request runs to the end; past
+    --grammar-compile-timeout the waiting request ends with a 400 and nothing leaks."""
+    import threading
+
+    engine = engines[0]
+    grammars = engine.scheduler.grammars
+    backend = grammars.backend
+    release = threading.Event()
+    compile_real = backend._compile
+
+    def slow(spec):
+        if spec.source == "slow+":
+            release.wait(10)
+        return compile_real(spec)
+
+    monkeypatch.setattr(backend, "_compile", slow)
+    monkeypatch.setattr(grammars, "compile_timeout_s", 3.0)
+    results = {}
+    waiting = threading.Thread(target=lambda: results.setdefault(
+        "slow", engine.generate(PROMPT, sampling_params={"regex": "slow+", "max_new_tokens": 4})))
+    waiting.start()
+    for _ in range(200):
+        if grammars.compiling:
+            break
+        time.sleep(0.01)
+    assert grammars.compiling  # the constrained request waits for its grammar now
+    free = engine.generate(PROMPT, sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    assert free["meta_info"]["completion_tokens"] == 8 and "slow" not in results  # it did not wait for the grammar
+    waiting.join(20)
+    release.set()
+    reason = results["slow"]["meta_info"]["finish_reason"]
+    assert reason["status_code"] == 400 and "did not compile within 3 s" in reason["message"]

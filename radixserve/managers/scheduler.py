@@ -156,7 +156,8 @@ class Scheduler:
 
     def _run_step(self, pipeline: ForwardPipeline, block_when_idle: bool) -> ScheduleBatch | None:
         with pipeline.streams.schedule.context():
-            idle = self.is_idle() and not pipeline.pending
+            # NOTE: requests whose grammar compiles leave nothing to run: block (briefly) on the queue, not spin
+            idle = self._nothing_to_run() and not pipeline.pending
             self.process_input_requests(self.recv_requests(block=block_when_idle and idle))
             batch = self.get_next_batch_to_run()
             self.cur_batch = batch
@@ -341,9 +342,11 @@ class Scheduler:
 
     # ---- state and checks -----------------------------------------------------------------------
     def is_idle(self) -> bool:
-        """Nothing queued and nothing holding KV (a prefill batch not yet merged into running counts)."""
-        return (not self.queue.waiting and self.prefill.chunked_req is None and not self.grammars.compiling
-                and not self.active_requests())
+        """Nothing queued, compiling or holding KV (a prefill batch not yet merged into running counts)."""
+        return self._nothing_to_run() and not self.grammars.compiling
+
+    def _nothing_to_run(self) -> bool:
+        return not self.queue.waiting and self.prefill.chunked_req is None and not self.active_requests()
 
     def active_requests(self) -> list[Req]:
         """Requests holding KV or locks: running, in the batch just run, or mid-chunk."""
