@@ -245,3 +245,22 @@ def test_a_compiling_grammar_holds_up_no_one_and_times_out_with_400(engines, mon
     release.set()
     reason = results["slow"]["meta_info"]["finish_reason"]
     assert reason["status_code"] == 400 and "did not compile within 3 s" in reason["message"]
+
+
+@pytest.mark.parametrize("vocab", [49152, 49150, 33])
+def test_our_bitmask_application_equals_xgrammars(vocab):
+    import torch
+    import xgrammar as xgr
+
+    from radixserve.constrained.grammar_backend import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, words), dtype=torch.int32, generator=g)
+    bitmask[1] = -1  # a row with every token allowed
+    bitmask[2, 3:] = 0  # a row with few allowed
+    logits = torch.randn(5, vocab, generator=g)
+    want, got = logits.clone(), logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab)
+    apply_token_bitmask(got, bitmask)
+    assert torch.equal(got, want) and torch.equal(got[1], logits[1])

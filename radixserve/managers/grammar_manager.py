@@ -106,8 +106,7 @@ class GrammarManager:
         info.mask_ready = threading.Event()
         info.grammar_reqs = list(reqs)
 
-    @staticmethod
-    def fill(info: Any) -> None:
+    def fill(self, info: Any) -> None:
         """Fills each grammar row of the batch's bitmask, then lets sampling go on. Only once every earlier
         result is processed (module docstring); rows of requests that finished or whose token is dropped
         (a non-final chunk) stay unconstrained."""
@@ -115,11 +114,10 @@ class GrammarManager:
         if event is None or event.is_set():
             return
         try:
-            for row, req in enumerate(info.grammar_reqs):
-                grammar = req.grammar
-                if grammar is None or req.finished() or req.is_chunked or grammar.rejected or grammar.is_terminated():
-                    continue
-                grammar.fill_next_token_bitmask(info.vocab_mask, row)
+            rows = [(row, req.grammar) for row, req in enumerate(info.grammar_reqs)
+                    if req.grammar is not None and not (req.finished() or req.is_chunked or req.grammar.rejected
+                                                        or req.grammar.is_terminated())]
+            self.backend.fill_bitmask(info.vocab_mask, rows)
         finally:
             event.set()
 
