@@ -24,7 +24,7 @@ TEMPERATURE_FLOOR = 1e-5
 REPETITION_PENALTY_FLOOR = 1e-6
 MAX_TOP_K = 2**31 - 1  # a larger top_k means the whole vocabulary as much as -1 does; refused, not wrapped
 MAX_TOKEN_ID = 2**31 - 1
-GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf")
+GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf", "structural_tag")
 MAX_GRAMMAR_CHARS = 1 << 20
 _FLOAT32_MAX = 3.4e38
 
@@ -47,10 +47,13 @@ class SamplingParams:
     min_new_tokens: int = 0  # EOS and stop token ids are banned until this many tokens were generated
     logit_bias: dict[int, float] | None = None  # OpenAI's: token id -> value in [-100, 100] added to its logit
     # Constrained decoding (at most one; SGLang's names): the output must match a JSON schema (a JSON string, or
-    # a dict), a regular expression, or an EBNF grammar (GBNF syntax, `root` rule). constrained/grammar_backend.py
+    # a dict), a regular expression, an EBNF grammar (GBNF syntax, `root` rule), or a structural tag (free text,
+    # and after a trigger a tagged grammar; xgrammar's JSON format or SGLang's structures + triggers; a string
+    # or a dict). constrained/grammar_backend.py
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +66,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.json_schema, dict):
             self.json_schema = json.dumps(self.json_schema)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag)
         self.verify()
 
     def verify(self) -> None:
@@ -102,7 +107,7 @@ class SamplingParams:
             _check(_is_text(value), name, "must be valid Unicode (no lone surrogates)")
             _check(len(value) <= MAX_GRAMMAR_CHARS, name, f"is longer than {MAX_GRAMMAR_CHARS} characters")
         _check(len(grammars) <= 1, grammars[-1] if grammars else "json_schema",
-               f"cannot be combined with {', '.join(grammars[:-1])}: give at most one of json_schema, regex, ebnf")
+               f"cannot be combined with {', '.join(grammars[:-1])}: give at most one of {', '.join(GRAMMAR_PARAMS)}")
 
     def verify_for_model(self, vocab_size: int) -> None:
         """Token ids (stop ids, logit_bias keys) must lie in the loaded model's vocabulary [0, vocab_size)."""

@@ -44,8 +44,8 @@ class ServerArgs:
     radix_eviction_policy: str = _opt("lru", "which unlocked leaf the radix cache evicts first", EVICTION_POLICIES)
     disable_radix_cache: bool = _opt(False, "no prefix reuse; every request computes its whole prompt")
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
-    grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf) may take "
-                                                "to compile; then it ends with 400")
+    grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf, "
+                                                "structural_tag) may take to compile; then it ends with 400")
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
     attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")

@@ -84,12 +84,28 @@ def test_native_generate_regex_and_streaming_ebnf(server: ServerHandle) -> None:
     assert text in ("colour: red", "colour: green", "colour: blue")
 
 
+def test_response_format_structural_tag(server: ServerHandle) -> None:
+    answer = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}
+    fmt = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<answer>"], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": answer},
+                  "end": "</answer>"}]}}
+    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 60, "temperature": 0,
+        "response_format": fmt})
+    assert r.status_code == 200, r.text
+    tagged = re.fullmatch(r"(?s).*?<answer>(.*?)</answer>", r.json()["choices"][0]["message"]["content"])
+    assert tagged is not None and json.loads(tagged.group(1))["city"] in ("Paris", "Rome")
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, "regex"),
     ("/generate", {"text": "x", "sampling_params": {"json_schema": "{nope"}}, "json_schema"),
     ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}}, "ebnf"),
     ("/v1/chat/completions", {"messages": QUESTION, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": QUESTION, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": QUESTION, "response_format": {"type": "structural_tag"}}, "response_format"),
+    ("/generate", {"text": "x", "sampling_params": {"structural_tag": "[1, 2]"}}, "structural_tag"),
 ])
 def test_a_bad_grammar_is_a_400_naming_the_field(server: ServerHandle, path: str, body: dict, param: str) -> None:
     r = httpx.post(server.base_url + path, json=body, timeout=60)

@@ -264,3 +264,31 @@ def test_our_bitmask_application_equals_xgrammars(vocab):
     xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab)
     apply_token_bitmask(got, bitmask)
     assert torch.equal(got, want) and torch.equal(got[1], logits[1])
+
+
+ANSWER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+          "additionalProperties": False}
+
+
+def test_a_structural_tag_lets_text_run_until_its_trigger_then_holds_the_tagged_schema(engines):
+    """xgrammar's format with `at_least_one`: free text, then `<answer>` + JSON matching the schema +
+    `</answer>`; SGLang's older `structures` + `triggers` form is accepted too (the model may never trigger it,
+    so each tagged part it wrote is checked)."""
+    triggered = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<answer>"], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": ANSWER},
+                  "end": "</answer>"}]}}
+    legacy = {"structures": [{"begin": "<answer>", "schema": ANSWER, "end": "</answer>"}], "triggers": ["<answer>"]}
+    for engine in engines:
+        out = engine.generate("Which city is the capital of France?",
+                              sampling_params={"structural_tag": triggered, "max_new_tokens": 60, "temperature": 0})
+        tagged = re.fullmatch(r"(?s)(.*?)<answer>(.*?)</answer>", out["text"])
+        assert tagged is not None, out["text"]
+        jsonschema.validate(json.loads(tagged.group(2)), ANSWER)
+        out = engine.generate("Which city is the capital of France?",
+                              sampling_params={"structural_tag": legacy, "max_new_tokens": 30, "temperature": 0})
+        for part in re.findall(r"<answer>(.*?)</answer>", out["text"], flags=re.S):
+            jsonschema.validate(json.loads(part), ANSWER)
+        bad = engine.generate(PROMPT, sampling_params={"structural_tag": {"type": "structural_tag", "format": 3}})
+        reason = bad["meta_info"]["finish_reason"]
+        assert reason["status_code"] == 400 and reason["message"].startswith("invalid grammar: structural_tag: ")

@@ -115,14 +115,27 @@ class GrammarBackend:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def _compile_structural_tag(self, source: str) -> Any:
+        """xgrammar's format ({"type": "structural_tag", "format": ...}) as it is; SGLang's older one
+        ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}) through xgrammar's items."""
+        tag = json.loads(source)
+        if isinstance(tag, dict) and "structures" in tag:
+            items = [self._xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return self._compiler.compile_structural_tag(items, tag.get("triggers") or [])
+        return self._compiler.compile_structural_tag(source)
+
     def _compile(self, spec: GrammarSpec) -> Any:
         compiler = self._compiler
         try:
-            if spec.kind == "json_schema":
+            if spec.kind in ("json_schema", "structural_tag"):
                 json.loads(spec.source)  # NOTE: a clear message for text that is not JSON at all
+            if spec.kind == "json_schema":
                 # NOTE: compact JSON (no free whitespace between tokens): a small model given free whitespace
                 # can emit newlines until max_new_tokens (seen with the 135M default model), as vLLM also found
                 return compiler.compile_json_schema(spec.source, any_whitespace=False)
+            if spec.kind == "structural_tag":
+                return self._compile_structural_tag(spec.source)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
             return compiler.compile_grammar(spec.source)

@@ -48,18 +48,29 @@ class JsonSchemaFormat(_Request):
 class ResponseFormat(_Request):
     """OpenAI's `response_format` (vLLM accepts it on /v1/completions too): text, any JSON object, or a schema."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag (SGLang's): `structures` + `triggers`, or xgrammar's `format`
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    format: dict[str, Any] | None = None
 
-    def grammar(self) -> str | None:
-        """The JSON schema the output must match (the `json_schema` sampling parameter), or None for text."""
+    def grammar(self) -> dict[str, str]:
+        """The grammar sampling parameter this format means ({} for text)."""
         if self.type == "json_object":
-            return '{"type": "object"}'
+            return {"json_schema": '{"type": "object"}'}
         if self.type == "json_schema":
             if self.json_schema is None:
                 raise ValueError("'response_format' of type json_schema needs a 'json_schema' object")
-            return json.dumps(self.json_schema.schema_)
-        return None
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        if self.type == "structural_tag":
+            if self.format is not None:
+                return {"structural_tag": json.dumps({"type": "structural_tag", "format": self.format})}
+            if self.structures is None:
+                raise ValueError("'response_format' of type structural_tag needs 'structures' and 'triggers', "
+                                 "or a 'format'")
+            return {"structural_tag": json.dumps({"structures": self.structures, "triggers": self.triggers or []})}
+        return {}
 
 
 class _SamplingFields(_Request):
@@ -150,6 +161,7 @@ class NativeSamplingParams(_Request):
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 class GenerateRequest(_Request):

@@ -193,7 +193,8 @@ async def guarded(work: Callable[[], Awaitable[T]]) -> T:
 # ---------------------------------------------------------------------------------- requests in
 
 
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format"}
+_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format",
+                "structural_tag": "response_format"}
 
 
 def token_id_keys(bias: dict[str, float] | None, vocab_size: int, param: str = "logit_bias") -> dict[int, float] | None:

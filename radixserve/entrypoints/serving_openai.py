@@ -117,11 +117,11 @@ class OpenAIServing:
 
     def _sampling(self, req: Any, max_new_tokens: int) -> Any:
         try:
-            schema = None if req.response_format is None else req.response_format.grammar()
+            grammar = {} if req.response_format is None else req.response_format.grammar()
         except ValueError as e:
             raise bad_request(str(e), param="response_format", code="invalid_value") from None
         return make_sampling_params(
-            True, self.tm.info.vocab_size, json_schema=schema, max_new_tokens=max_new_tokens,
+            True, self.tm.info.vocab_size, **grammar, max_new_tokens=max_new_tokens,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,

@@ -1,10 +1,10 @@
 """Requests whose grammar is compiling, and the token bitmask of each batch that has grammar rows.
 
 `GrammarManager` is a part of `Scheduler` with one job: constrained decoding's scheduling. A request that
-names a grammar (sampling parameters `json_schema`, `regex`, `ebnf`) waits here, outside the waiting queue,
-while its grammar compiles on the backend's worker thread; `move_ready` (every step) queues it once compiled,
-or ends it with a 400 carrying the compiler's message, or with a 400 after `--grammar-compile-timeout`
-seconds. So a slow grammar never holds up the batch.
+names a grammar (sampling parameters `json_schema`, `regex`, `ebnf`, `structural_tag`) waits here, outside the
+waiting queue, while its grammar compiles on the backend's worker thread; `move_ready` (every step) queues it
+once compiled, or ends it with a 400 carrying the compiler's message, or with a 400 after
+`--grammar-compile-timeout` seconds. So a slow grammar never holds up the batch.
 
 The bitmask. A batch with grammar rows carries a bitmask (`SamplingBatchInfo.vocab_mask`) that sampling
 applies to the logits in place, after waiting for `mask_ready`. Row r may only be filled once the request
