@@ -112,9 +112,6 @@ class GrammarBackend:
         """int32 [rows, ceil(vocab / 32)], every token allowed."""
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     def _compile_structural_tag(self, source: str) -> Any:
         """xgrammar's format ({"type": "structural_tag", "format": ...}) as it is; SGLang's older one
         ({"structures": [{"begin", "schema", "end"}], "triggers": [...]}) through xgrammar's items."""

@@ -17,7 +17,6 @@ A batch dropped after a failure has its mask released unfilled (`release`), so n
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -29,9 +28,6 @@ if TYPE_CHECKING:
     from radixserve.constrained.grammar_backend import GrammarBackend
     from radixserve.managers.request_queue import RequestQueue
     from radixserve.managers.scheduler_output_processor import OutputProcessor
-
-logger = logging.getLogger(__name__)
-
 
 class GrammarManager:
     def __init__(self, model_runner: Any, queue: RequestQueue, output: OutputProcessor, eos_token_ids: tuple[int, ...],
@@ -127,7 +123,3 @@ class GrammarManager:
         event = getattr(info, "mask_ready", None)
         if event is not None:
             event.set()
-
-    def close(self) -> None:
-        if self._backend is not None:
-            self._backend.close()

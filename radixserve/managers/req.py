@@ -238,9 +238,11 @@ class Req:
         if last in self.stop_token_ids or (not self.sampling_params.ignore_eos and last in self.eos_token_ids):
             self.finished_reason = FinishReason("stop", matched=last)
             return
-        if self.grammar is not None and (self.grammar.rejected or self.grammar.is_terminated()):
-            self.finished_reason = (FinishReason("stop", matched=last) if not self.grammar.rejected else
-                                    FinishReason.abort(f"the grammar rejected token {last}", status_code=500))
+        if self.grammar is not None and self.grammar.rejected:
+            self.finished_reason = FinishReason.abort(f"the grammar rejected token {last}", status_code=500)
+            return
+        if self.grammar is not None and self.grammar.is_terminated():
+            self.finished_reason = FinishReason("stop", matched=last)
             return
         if self.stop_str_max_len and tokenizer is not None:
             tail = tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 1):], skip_special_tokens=True)
