@@ -273,6 +273,7 @@ async def _server_info(tm: TokenizerManager, server_args: ServerArgs) -> dict[st
         "in_flight_requests": tm.num_in_flight,
         "admission": {"waiting": tm.admission.num_waiting, "queued": tm.admission.num_queued,
                       "outstanding": tm.admission.num_outstanding},
+        "frontend_work": {w.name: w.stats() for w in (tm.parse_work, tm.cpu_work, tm.tokenize_work)},
         "scheduler_state": state,
     }
 

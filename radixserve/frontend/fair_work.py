@@ -70,6 +70,10 @@ class FairWork:
     def num_waiting(self) -> int:
         return sum(len(jobs) for jobs in self._waiting.values())
 
+    def stats(self) -> dict[str, int]:
+        """Jobs running, waiting and run to the end (the admin's /get_server_info)."""
+        return {"running": self._running, "waiting": self.num_waiting, "completed": self.completed}
+
     async def run(self, key: Any, fn: Callable[..., T], *args: Any, admit: bool = True) -> T:
         """Runs `fn(*args)` on one of the threads when `key`'s turn comes; returns its result or raises its error.
 
