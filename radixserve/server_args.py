@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.function_call.formats import TOOL_CALL_PARSERS
+
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
@@ -16,7 +18,7 @@ REQUEST_BOUNDS = ("max_stop_string_chars", "max_stop_token_ids", "max_logit_bias
                   "max_id_chars", "max_request_items")
 # NOTE: the other ServerArgs fields the HTTP process applies; FrontendConfig takes their defaults from here.
 FRONTEND_LIMITS = ("max_request_fanout", "max_queued_requests", "fair_share_slice", "frontend_workers",
-                   "max_frontend_queue", "keyless_rate_limit")
+                   "max_frontend_queue", "keyless_rate_limit", "tool_call_parser")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -46,6 +48,9 @@ class ServerArgs:
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
     grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf, "
                                                 "structural_tag) may take to compile; then it ends with 400")
+    tool_call_parser: str = _opt("auto", "the text format of tool calls: auto (from the chat template; SmolLM2's "
+                                         "own for a template without tools), hermes (also Qwen 2.5), llama3, "
+                                         "mistral, smollm2", TOOL_CALL_PARSERS)
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
     attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
@@ -81,7 +86,7 @@ class ServerArgs:
     log_interval: int = _opt(40, "decode steps between decode log lines")
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "quantization", "schedule_policy", "radix_eviction_policy"):
+        for name in ("dtype", "quantization", "schedule_policy", "radix_eviction_policy", "tool_call_parser"):
             choices = _choices(name)
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")

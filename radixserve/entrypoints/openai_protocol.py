@@ -115,10 +115,46 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None  # accepted; the grammar always enforces the parameters' schema
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Request):
+    """A call of an earlier assistant turn, sent back in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -133,7 +169,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None  # 0-20, only with logprobs
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
     echo: bool = False  # vLLM's (the last message first in the reply): refused when true
 
 
@@ -276,16 +314,28 @@ class CompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
+class FunctionCallOut(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -297,16 +347,31 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    """A piece of a streamed call: the first has `id`, `type` and the name, later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(_Response):

@@ -9,7 +9,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from starlette.responses import StreamingResponse
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, overloaded, unavailable
@@ -171,6 +172,8 @@ async def collect(outputs: AsyncIterator[tuple[int, GenerateOutput]], num_choice
 
 
 CLIENT_ABORT = 499  # the scheduler's status of an abort the client asked for (/abort_request, disconnect)
+CLIENT_CLOSED = CLIENT_ABORT  # nginx's code; nobody reads it, the client is gone
+_INLINE_EVENT_TOKENS = 256  # a stream event with more tokens is rendered off the loop
 
 
 def raise_if_aborted(result: ChoiceResult | GenerateOutput) -> None:
@@ -330,3 +333,49 @@ def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | 
             f"{where}, {asked} in the completion). Please reduce the length of the {where} or completion.",
             param=culprit, code="kv_pool_exceeded")
     return asked
+
+
+Render = Callable[[int, GenerateOutput], list[dict[str, Any]]]
+
+
+async def stream_response(request: Request, outputs: AsyncIterator[tuple[int, GenerateOutput]], render: Render,
+                          finale: Callable[[], list[dict[str, Any]]],
+                          offload: Callable[..., Awaitable[Any]] | None = None) -> Response:
+    """SSE whose status line waits for the first output, so a dead scheduler is still a 503.
+
+    `offload(fn, *args)`: where a big event is rendered (one with prompt logprobs, or many tokens), off the loop."""
+
+    def events_of(index: int, out: GenerateOutput) -> bytes:
+        return b"".join(sse(chunk) for chunk in render(index, out))
+
+    watcher = DisconnectWatcher(request.receive)
+    try:
+        first = await guarded(lambda: watcher.run(anext(outputs, END)))
+    except ClientDisconnected:
+        watcher.close()
+        await outputs.aclose()
+        return Response(status_code=CLIENT_CLOSED)
+    except BaseException:
+        watcher.close()
+        await outputs.aclose()
+        raise
+
+    async def events() -> AsyncIterator[bytes]:
+        item = first
+        async with aclosing(outputs):
+            try:
+                while item is not END:
+                    index, out = item
+                    raise_if_aborted(out)
+                    big = out.input_logprobs is not None or len(out.token_ids) > _INLINE_EVENT_TOKENS
+                    yield await offload(events_of, index, out) if big and offload else events_of(index, out)
+                    item = await anext(outputs, END)
+                for chunk in finale():
+                    yield sse(chunk)
+            except SchedulerUnavailable as e:
+                yield sse(unavailable(str(e)).body())
+            except ApiError as e:
+                yield sse(e.body())
+        yield sse("[DONE]")
+
+    return EventStreamResponse(events(), watcher)

@@ -14,6 +14,7 @@ from radixserve.entrypoints.http_errors import bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, check_top_logprobs, native_logprobs
 from radixserve.entrypoints.openai_protocol import GenerateRequest, NativeSamplingParams
 from radixserve.entrypoints.serving_common import (
+    CLIENT_CLOSED,
     ChoiceResult,
     ClientDisconnected,
     DisconnectWatcher,
@@ -26,10 +27,10 @@ from radixserve.entrypoints.serving_common import (
     make_sampling_params,
     raise_if_aborted,
     resolve_max_tokens,
+    stream_response,
     token_id_keys,
     tokenize_text,
 )
-from radixserve.entrypoints.serving_openai import CLIENT_CLOSED, stream_response
 from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
 from radixserve.sampling_params import SamplingParams
 

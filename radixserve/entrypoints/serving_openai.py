@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing
+import json
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -14,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.client.requests import per_choice_params
 from radixserve.client.text_stream import decode_all
 from radixserve.entrypoints.gateway_api import GATEWAY_UNSET_MODEL
-from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, unavailable
+from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, chat_logprobs, check_top_logprobs, completion_logprobs
 from radixserve.entrypoints.openai_protocol import (
     ChatChoice,
@@ -36,12 +35,11 @@ from radixserve.entrypoints.openai_protocol import (
     now,
 )
 from radixserve.entrypoints.serving_common import (
-    CLIENT_ABORT,
-    END,
+    CLIENT_CLOSED,
     ChoiceResult,
     ClientDisconnected,
     DisconnectWatcher,
-    EventStreamResponse,
+    Render,
     check_fanout,
     check_prompt,
     check_prompt_chars,
@@ -52,16 +50,14 @@ from radixserve.entrypoints.serving_common import (
     make_sampling_params,
     raise_if_aborted,
     resolve_max_tokens,
-    sse,
+    stream_response,
     token_id_keys,
     tokenize_text,
 )
-from radixserve.frontend.tokenizer_manager import GenerateOutput, SchedulerUnavailable, TokenizerManager
-
-Render = Callable[[int, GenerateOutput], list[dict[str, Any]]]
-
-CLIENT_CLOSED = CLIENT_ABORT  # nginx's code; nobody reads it, the client is gone
-_INLINE_EVENT_TOKENS = 256  # a stream event with more tokens is rendered off the loop
+from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
+from radixserve.function_call.answer import StreamedCalls, whole_message
+from radixserve.function_call.chat_tools import ToolError, ToolPlan, plan_tools, template_messages
+from radixserve.function_call.formats import choose_format
 
 
 class _Usage:
@@ -100,6 +96,7 @@ class OpenAIServing:
         self.tm = tm
         self.model_name = tm.info.model_name
         self.texts = texts or TokenTexts(tm.tokenizer)
+        self.tool_format = choose_format(tm.config.tool_call_parser, getattr(tm.tokenizer, "chat_template", None))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, GATEWAY_UNSET_MODEL):
@@ -115,11 +112,18 @@ class OpenAIServing:
         check_request_items(self.tm, sequences=sequences, stop=req.stop, stop_token_ids=req.stop_token_ids,
                             logit_bias=req.logit_bias)
 
-    def _sampling(self, req: Any, max_new_tokens: int) -> Any:
+    def _sampling(self, req: Any, max_new_tokens: int, tools: ToolPlan | None = None) -> Any:
         try:
             grammar = {} if req.response_format is None else req.response_format.grammar()
         except ValueError as e:
             raise bad_request(str(e), param="response_format", code="invalid_value") from None
+        if tools is not None and tools.parses_calls:
+            if grammar and "json_schema" not in grammar:
+                raise bad_request("a structural_tag 'response_format' cannot be combined with 'tools'",
+                                  param="response_format", code="unsupported_parameter")
+            # NOTE: a forced call replaces the answer's format; under auto the answer is that JSON or calls
+            answer = json.loads(grammar["json_schema"]) if grammar and tools.choice == "auto" else None
+            grammar = tools.grammar(answer)
         return make_sampling_params(
             True, self.tm.info.vocab_size, **grammar, max_new_tokens=max_new_tokens,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
@@ -179,8 +183,10 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, extra_key: Any, request: Request, key: Any = None) -> Response:
         self._check_common(req)
-        if req.tools:
-            raise bad_request("'tools' are not supported yet", param="tools", code="unsupported_parameter")
+        try:
+            tools = plan_tools(self.tool_format, req.tools, req.tool_choice, req.parallel_tool_calls)
+        except ToolError as e:
+            raise bad_request(str(e), param=e.param, code="invalid_value") from None
         if req.echo:
             raise bad_request("'echo' is supported by /v1/completions only", param="echo",
                               code="unsupported_parameter")
@@ -191,23 +197,29 @@ class OpenAIServing:
             check_top_logprobs(req.top_logprobs, "top_logprobs")
         check_fanout(self.tm, 1, req.n, "messages")
         self._check_items(req, req.n)
-        ids = await self.tm.run_tokenizer(key, self.chat_prompt, req.messages)
+        ids = await self.tm.run_tokenizer(key, self.chat_prompt, req.messages, tools)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = [self._sampling(req, resolve_max_tokens(self.tm, len(ids), max_tokens, "messages", max_param))]
+        params = [self._sampling(req, resolve_max_tokens(self.tm, len(ids), max_tokens, "messages", max_param),
+                                 tools)]
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._serve(req, request, [ids], params, extra_key, key, chat=True, top_logprobs=top_logprobs)
+        return await self._serve(req, request, [ids], params, extra_key, key, chat=True, top_logprobs=top_logprobs,
+                                 tools=tools if tools is not None and tools.parses_calls else None)
 
-    def chat_prompt(self, chat: list[ChatMessage]) -> list[int]:
+    def chat_prompt(self, chat: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
+        """The prompt's ids: the chat (its earlier tool calls and results, and `tools`) through the template."""
         if not chat:
             raise bad_request("'messages' must hold at least one message", param="messages", code="empty_prompt")
-        messages = []
         for i, m in enumerate(chat):
             check_text(m.text(), f"messages.{i}.content")
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": m.text()})
-        check_prompt_chars(self.tm, sum(len(m["content"]) for m in messages), "messages")
+        messages = template_messages(chat, self.tool_format, tools)
+        native_tools = [dict(t) for t in tools.tools] if tools is not None and self.tool_format.native_in_template \
+            else None
+        tool_chars = len(json.dumps(native_tools, ensure_ascii=False)) if native_tools else 0
+        check_prompt_chars(self.tm, sum(len(m["content"]) for m in messages) + tool_chars, "messages")
         try:
-            text = self.tm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tm.tokenizer.apply_chat_template(messages, tools=native_tools, tokenize=False,
+                                                         add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - template errors are the client's messages
             raise bad_request(f"cannot apply the chat template: {e}", param="messages") from None
         ids = list(self.tm.tokenizer.encode(text, add_special_tokens=False))
@@ -238,8 +250,9 @@ class OpenAIServing:
     # -------------------------------------------------------------------------- shared
 
     async def _serve(self, req: Any, request: Request, prompts: list[list[int]], params: list[Any],
-                     extra_key: Any, key: Any, chat: bool, top_logprobs: int | None, echo: _Echo | None = None) -> Response:
-        """`top_logprobs`: None without logprobs, else the alternatives per token."""
+                     extra_key: Any, key: Any, chat: bool, top_logprobs: int | None, echo: _Echo | None = None,
+                     tools: ToolPlan | None = None) -> Response:
+        """`top_logprobs`: None without logprobs, else the alternatives per token; `tools`: parse calls."""
         choice_params = [per_choice_params(p, req.n) for p in params]
         if req.rid is not None:
             check_text(req.rid, "rid")
@@ -251,7 +264,7 @@ class OpenAIServing:
         logprobs = top_logprobs is not None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            render = self._chat_renderer(rid, usage, logprobs) if chat else self._completion_renderer(
+            render = self._chat_renderer(rid, usage, logprobs, tools) if chat else self._completion_renderer(
                 rid, usage, logprobs, echo)
             chunk_type = ChatCompletionChunk if chat else CompletionChunk
 
@@ -274,7 +287,8 @@ class OpenAIServing:
             usage.completion[i], usage.cached[i] = r.completion_tokens, r.cached_tokens
         # NOTE: built and JSON-encoded on a front-end thread: with echo and logprobs it holds every prompt token.
         if chat:
-            return await self.tm.run_cpu(key, self._chat_response, rid, results, usage.info(), logprobs, admit=False)
+            return await self.tm.run_cpu(key, self._chat_response, rid, results, usage.info(), logprobs, tools,
+                                         admit=False)
         return await self.tm.run_cpu(key, self._completion_response, rid, results, usage.info(), logprobs, echo,
                                      admit=False)
 
@@ -290,10 +304,13 @@ class OpenAIServing:
         return JSONResponse(body.model_dump())
 
     def _chat_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo,
-                       logprobs: bool) -> JSONResponse:
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason,
-                              logprobs=chat_logprobs(self.texts, r) if logprobs else None)
-                   for i, r in enumerate(results)]
+                       logprobs: bool, tools: ToolPlan | None = None) -> JSONResponse:
+        choices = []
+        for i, r in enumerate(results):
+            message, reason = whole_message(tools, r.text, r.finish_reason) if tools else ({"content": r.text},
+                                                                                          r.finish_reason)
+            choices.append(ChatChoice(index=i, message=ChatResponseMessage(**message), finish_reason=reason,
+                                      logprobs=chat_logprobs(self.texts, r) if logprobs else None))
         body = ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
         return JSONResponse(body.model_dump())
 
@@ -314,8 +331,9 @@ class OpenAIServing:
             return [CompletionChunk(id=rid, created=now(), model=self.model_name, choices=[choice]).model_dump()]
         return render
 
-    def _chat_renderer(self, rid: str, usage: _Usage, logprobs: bool) -> Render:
+    def _chat_renderer(self, rid: str, usage: _Usage, logprobs: bool, tools: ToolPlan | None = None) -> Render:
         started: set[int] = set()
+        calls = StreamedCalls(tools) if tools is not None else None
 
         def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
             usage.add(index, out)
@@ -324,12 +342,19 @@ class OpenAIServing:
                 started.add(index)
                 choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             # NOTE: with logprobs every step's tokens get a chunk, even while their text is held back.
-            if out.text_delta or out.finish_reason is not None or (logprobs and out.token_ids):
-                choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(content=out.text_delta or None),
+            delta, reason, pieces = {"content": out.text_delta or None}, out.finish_reason, None
+            if calls is not None:
+                delta, reason = calls.delta(index, out.text_delta, out.finish_reason)
+                pieces = delta.pop("tool_calls")
+            if delta["content"] or pieces or reason is not None or (logprobs and out.token_ids):
+                choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(**delta),
                                                 logprobs=chat_logprobs(self.texts, out) if logprobs else None,
-                                                finish_reason=out.finish_reason))
-            return [ChatCompletionChunk(id=rid, created=now(), model=self.model_name, choices=[c]).model_dump()
-                    for c in choices]
+                                                finish_reason=reason))
+            chunks = [ChatCompletionChunk(id=rid, created=now(), model=self.model_name, choices=[c]).model_dump()
+                      for c in choices]
+            if pieces:  # NOTE: OpenAI's call pieces carry only the fields they set (a later piece: no name, no id)
+                chunks[-1]["choices"][0]["delta"]["tool_calls"] = pieces
+            return chunks
         return render
 
 
@@ -338,46 +363,3 @@ def _num_prompts(prompt: Any) -> int:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         return len(prompt)
     return 1
-
-
-async def stream_response(request: Request, outputs: AsyncIterator[tuple[int, GenerateOutput]], render: Render,
-                          finale: Callable[[], list[dict[str, Any]]],
-                          offload: Callable[..., Awaitable[Any]] | None = None) -> Response:
-    """SSE whose status line waits for the first output, so a dead scheduler is still a 503.
-
-    `offload(fn, *args)`: where a big event is rendered (one with prompt logprobs, or many tokens), off the loop."""
-
-    def events_of(index: int, out: GenerateOutput) -> bytes:
-        return b"".join(sse(chunk) for chunk in render(index, out))
-
-    watcher = DisconnectWatcher(request.receive)
-    try:
-        first = await guarded(lambda: watcher.run(anext(outputs, END)))
-    except ClientDisconnected:
-        watcher.close()
-        await outputs.aclose()
-        return Response(status_code=CLIENT_CLOSED)
-    except BaseException:
-        watcher.close()
-        await outputs.aclose()
-        raise
-
-    async def events() -> AsyncIterator[bytes]:
-        item = first
-        async with aclosing(outputs):
-            try:
-                while item is not END:
-                    index, out = item
-                    raise_if_aborted(out)
-                    big = out.input_logprobs is not None or len(out.token_ids) > _INLINE_EVENT_TOKENS
-                    yield await offload(events_of, index, out) if big and offload else events_of(index, out)
-                    item = await anext(outputs, END)
-                for chunk in finale():
-                    yield sse(chunk)
-            except SchedulerUnavailable as e:
-                yield sse(unavailable(str(e)).body())
-            except ApiError as e:
-                yield sse(e.body())
-        yield sse("[DONE]")
-
-    return EventStreamResponse(events(), watcher)

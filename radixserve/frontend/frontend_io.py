@@ -31,6 +31,7 @@ class FrontendConfig:
     frontend_workers: int = ServerArgs.frontend_workers  # parser processes, render threads (fair_work)
     max_frontend_queue: int = ServerArgs.max_frontend_queue  # jobs waiting for a front-end thread; more: 503
     keyless_rate_limit: float = ServerArgs.keyless_rate_limit  # keyless /health_generate, /get_load per second
+    tool_call_parser: str = ServerArgs.tool_call_parser  # the tool-call format (function_call/formats.py)
     bounds: RequestBounds = RequestBounds()  # per-request size bounds (request_bounds.py)
 
     @classmethod
