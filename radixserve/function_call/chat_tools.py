@@ -39,7 +39,10 @@ class ToolPlan:
         if self.choice == "named":
             functions = [f for f in functions if f["name"] == self.named]
         tags = [{"type": "tag", "begin": self.fmt.call_begin(f["name"]),
-                 "content": {"type": "json_schema", "json_schema": f.get("parameters") or _ANY_OBJECT},
+                 # NOTE: one whitespace character at most between tokens: a small model given free whitespace
+                 # may write newlines until max_tokens
+                 "content": {"type": "json_schema", "json_schema": f.get("parameters") or _ANY_OBJECT,
+                             "max_whitespace_cnt": 1},
                  "end": self.fmt.call_end()} for f in functions]
         stop_after_first = not self.parallel or self.choice == "named"
         if self.choice == "auto" and answer_schema is None:
