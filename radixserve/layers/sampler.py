@@ -1,9 +1,11 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, and per-request seeds.
 
-Sampling uses the exponential-race form of the Gumbel-max trick: the sampled token is
-argmax(probs / E) with E ~ Exp(1) drawn per vocabulary entry, which draws from `probs` with no
-host sync. A request with a `seed` draws E from a generator seeded by (seed, output index), so its
-token depends only on its own logits and that pair, whatever batch it runs in.
+Sampling inverts each row's cumulative distribution at one uniform number per row: the sampled token is
+the first whose cumulative probability exceeds u * total (a float64 cumsum and a searchsorted, no host
+sync). A request with a `seed` takes u from a hash of (seed, output index), so its token depends only on its
+own logits and that pair, whatever batch it runs in. NOTE: one number per row, not one per vocabulary entry
+(the exponential race, argmax(probs / E)): at batch 32 over a 49k vocabulary the race drew 1.5M exponentials
+per step, 27 ms on 2 cores (48 ms with per-row seeded generators), the inversion takes ~1.3 ms.
 """
 
 from __future__ import annotations
@@ -126,18 +128,24 @@ class Sampler:
         probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = _filter_probs(probs, info)
-        noise = self._exponential_noise(probs, info)
-        sampled = torch.argmax(probs / noise, dim=-1)
+        cdf = probs.double().cumsum(dim=-1)
+        target = self._uniforms(probs, info).unsqueeze(1) * cdf[:, -1:]
+        # NOTE: right=True: the first token whose cumulative mass exceeds the target, so a token of zero
+        # probability (its cumulative mass equal to its predecessor's) is never chosen
+        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
         return torch.where(info.greedy, greedy_ids, sampled)
 
-    def _exponential_noise(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    def _uniforms(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """float64 [bs] in [0, 1): seeded rows from (seed, output index), the others from the stream."""
         seed = self.seed if info.generator_seed is None else info.generator_seed
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(probs.device, seed))
-        for row, row_seed in enumerate(info.seeds):
-            if row_seed is not None:
-                g = torch.Generator(device=probs.device).manual_seed(_mix_seed(row_seed, info.output_lens[row]))
-                noise[row].exponential_(generator=g)
-        return noise
+        u = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device,
+                       generator=self._generator(probs.device, seed))
+        seeded = [(row, s) for row, s in enumerate(info.seeds) if s is not None]
+        if seeded:
+            rows = torch.tensor([row for row, _ in seeded], device=probs.device)
+            values = [(_mix_seed(s, info.output_lens[row]) >> 10) * 2.0 ** -53 for row, s in seeded]
+            u[rows] = torch.tensor(values, dtype=torch.float64, device=probs.device)
+        return u
 
     def _generator(self, device: torch.device, seed: int | None) -> torch.Generator:
         key = (device, seed)

@@ -45,11 +45,6 @@ class PackedLinearMethod(LinearMethod):
         self._bound = None
         _load_rows(self.packed, tensor, start, length)
 
-    def set_packed(self, packed: PackedWeight) -> None:
-        if packed.shape != self.packed.shape:
-            raise ValueError(f"packed weight {packed.shape} does not fit {list(self.packed.shape)}")
-        self.packed, self._bound = packed, None
-
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         bias = layer.bias
         if isinstance(self.packed, TiledWeight) and x.dim() == 2 and bias is None and x.dtype in _KERNEL_DTYPES:
