@@ -48,6 +48,8 @@ class ServerArgs:
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
     grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf, "
                                                 "structural_tag) may take to compile; then it ends with 400")
+    disable_jump_forward: bool = _opt(False, "never append a grammar's forced continuation without decode steps "
+                                             "(docs/structured_outputs.md)")
     tool_call_parser: str = _opt("auto", "the text format of tool calls: auto (from the chat template; SmolLM2's "
                                          "own for a template without tools), hermes (also Qwen 2.5), llama3, "
                                          "mistral, smollm2", TOOL_CALL_PARSERS)

@@ -292,3 +292,42 @@ def test_a_structural_tag_lets_text_run_until_its_trigger_then_holds_the_tagged_
         bad = engine.generate(PROMPT, sampling_params={"structural_tag": {"type": "structural_tag", "format": 3}})
         reason = bad["meta_info"]["finish_reason"]
         assert reason["status_code"] == 400 and reason["message"].startswith("invalid grammar: structural_tag: ")
+
+
+LONG_KEYS = {"type": "object", "additionalProperties": False, "properties": {
+    "customer_full_name_as_written_on_the_invoice": {"type": "string", "maxLength": 12},
+    "customer_billing_address_country_code": {"enum": ["FR", "IT"]},
+    "total_amount_including_all_taxes_in_euros": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["customer_full_name_as_written_on_the_invoice", "customer_billing_address_country_code",
+                 "total_amount_including_all_taxes_in_euros"]}
+
+
+def test_jump_forward_appends_the_forced_text_without_decode_steps(engines):
+    """A schema with long keys: the keys and punctuation come from jump-forward (one extend per jump instead of a
+    decode step per token), the outputs still validate, logprobs stay one per token, a stream spells the same
+    text, max_new_tokens holds; with jump-forward off, every token is a decode step."""
+    params = [{"json_schema": LONG_KEYS, "max_new_tokens": 120, "temperature": t, "seed": 9} for t in (0, 0.9)]
+    for engine in engines:
+        jump, stats = engine.scheduler.output.jump_forward, engine.scheduler.stats
+        assert jump.enabled  # on by default
+        counted = {}
+        for enabled in (False, True):
+            jump.enabled = enabled
+            before, steps = stats.jump_forward_tokens, stats.num_decode_batches
+            outs = engine.generate(["Write an invoice as JSON."] * 2, sampling_params=params, return_logprob=True,
+                                   top_logprobs_num=2)
+            for out in outs:
+                jsonschema.validate(json.loads(out["text"]), LONG_KEYS)
+                meta = out["meta_info"]
+                assert meta["finish_reason"]["type"] == "stop"
+                assert len(meta["output_token_logprobs"]) == len(meta["output_top_logprobs"]) == \
+                    meta["completion_tokens"]
+            counted[enabled] = (stats.jump_forward_tokens - before, stats.num_decode_batches - steps)
+        (off_jumped, off_steps), (on_jumped, on_steps) = counted[False], counted[True]
+        assert off_jumped == 0 and on_jumped >= 40 and on_steps < off_steps / 2, counted
+        streamed = "".join(piece["text"] for piece in engine.generate("Write an invoice as JSON.", stream=True,
+                                                                       sampling_params=params[0]))
+        whole = engine.generate("Write an invoice as JSON.", sampling_params=params[0])
+        assert streamed == whole["text"]
+        short = engine.generate("Write an invoice as JSON.", sampling_params={**params[0], "max_new_tokens": 12})
+        assert short["meta_info"]["completion_tokens"] == 12 and short["meta_info"]["finish_reason"]["type"] == "length"

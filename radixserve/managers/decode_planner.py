@@ -37,6 +37,7 @@ class DecodePlanner:
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch | None:
         """Prepare a decode step of the running batch, retracting requests if the pool is short."""
         batch.filter_batch()
+        self._extend_jumped(batch)
         if batch.is_empty():
             return None
         self.decode_steps += 1
@@ -50,6 +51,18 @@ class DecodePlanner:
                 return None
         batch.prepare_for_decode()
         return batch
+
+    def _extend_jumped(self, batch: ScheduleBatch) -> None:
+        """Requests that took jump-forward tokens (constrained/jump_forward.py) leave for one extend: their
+        computed KV to the tree, themselves to the front of the queue."""
+        jumped = [r for r in batch.reqs if r.forced_pending]
+        if not jumped:
+            return
+        for req in jumped:
+            self.prefill.kv_manager.release(req, insert=True)
+        batch.reqs = [r for r in batch.reqs if not r.forced_pending]
+        self.prefill.room_freed()
+        self.queue.push_front(jumped)
 
     def _retract(self, batch: ScheduleBatch) -> None:
         old_ratio = self.new_token_ratio.value

@@ -87,6 +87,7 @@ class Req:
         self.penalty_reset = False  # a new row: its penalty history must be rebuilt in the next forward
         self.kv = ReqKV()
         self.grammar: Any = None  # constrained decoding: its matcher (constrained/grammar_backend.Grammar), once compiled
+        self.forced_pending = 0  # jump-forward tokens appended since its last round: it needs an extend
         # Lifecycle.
         self.finished_reason: FinishReason | None = None
         self.to_abort: FinishReason | None = None
@@ -212,6 +213,7 @@ class Req:
     def init_next_round_input(self) -> None:
         """This round covers the whole sequence (the prefill adder may cut it to a chunk)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
+        self.forced_pending = 0
 
     @property
     def prefix_match_limit(self) -> int:
@@ -250,6 +252,16 @@ class Req:
                 if stop in tail:
                     self.finished_reason = FinishReason("stop", matched=stop)
                     return
+
+    def jump_forward(self, tokens: list[int]) -> None:
+        """The tokens its grammar forced (its matcher accepted them) follow its outputs, each with logprob 0 (the
+        only choice left); no decode step may run it until an extend has computed them (`forced_pending`)."""
+        self.output_ids.extend(tokens)
+        self.forced_pending += len(tokens)
+        if self.logprob.return_logprob:
+            self.output_token_logprobs.extend([0.0] * len(tokens))
+            self.output_top_logprobs.extend([(t, 0.0)][: self.logprob.top_logprobs_num] for t in tokens)
+        self.retracted_stain = True  # NOTE: its prompt was counted; the re-prefill's cache hit is not the prompt's
 
     def reset_for_retract(self) -> None:
         """After its KV was released: keep the outputs, so the request resumes where it was."""

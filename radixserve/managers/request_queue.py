@@ -45,7 +45,9 @@ class RequestQueue:
     def expired(self, timeout_s: float, now: float | None = None) -> list[Req]:
         """Waiting requests older than `timeout_s`, taken out of the queue."""
         now = time.monotonic() if now is None else now
-        # NOTE: a retracted request was admitted once and holds a client's partial output: never expired.
-        expired = [r for r in self.waiting if not r.retraction_count and now - r.wait_since > timeout_s]
+        # NOTE: a retracted (or jumped-forward) request was admitted once and holds a client's partial output:
+        # never expired.
+        expired = [r for r in self.waiting if not r.retraction_count and not r.output_ids
+                   and now - r.wait_since > timeout_s]
         self.remove(expired)
         return expired

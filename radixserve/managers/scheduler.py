@@ -30,6 +30,7 @@ from typing import Any
 
 from radixserve import envs
 from radixserve.client.requests import RequestLimits
+from radixserve.constrained.jump_forward import JumpForward
 from radixserve.managers.cache_observer import cache_tree_snapshot
 from radixserve.managers.decode_planner import DecodePlanner
 from radixserve.managers.forward_pipeline import ForwardPipeline, LaunchedBatch
@@ -111,8 +112,10 @@ class Scheduler:
         self.prefill = PrefillPlanner(self.kv_manager, self.queue, self.policy, self.new_token_ratio, self.stats,
                                       PrefillLimits(self.max_running_requests, args.max_prefill_tokens, chunk, pool),
                                       self.device)
+        # NOTE: without the radix cache a jump's extend would recompute the whole sequence
+        jump = JumpForward(self.tokenizer, enabled=not (args.disable_jump_forward or args.disable_radix_cache))
         self.output = OutputProcessor(self.kv_manager, self.queue, self.prefill, self.stats, self.tokenizer,
-                                      lambda out: self.output_sink(out), args.log_interval, pool)
+                                      lambda out: self.output_sink(out), args.log_interval, pool, jump)
         self.decode = DecodePlanner(self.queue, self.prefill, self.output, self.new_token_ratio, self.stats, pool)
         self.grammars = GrammarManager(self.model_runner, self.queue, self.output, self.eos_token_ids,
                                        args.grammar_compile_timeout)

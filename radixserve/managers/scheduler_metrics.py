@@ -19,6 +19,8 @@ class SchedulerStats:
     num_rejected: int = 0  # of the aborts: refused at admission
     num_queue_timeouts: int = 0  # of the aborts: waited longer than --queue-timeout
     num_retractions: int = 0
+    jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a decode step
+    num_jump_forwards: int = 0
     prompt_tokens: int = 0  # Σ prompt lengths of admitted requests (first prefill only)
     cached_tokens: int = 0  # Σ of their cache hits (first prefill only)
     generated_tokens: int = 0

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from radixserve.constrained.jump_forward import JumpForward
 from radixserve.managers.io_struct import BatchTokenIDOut
 from radixserve.managers.req import FinishReason, Req
 from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, decode_log_line
@@ -68,8 +69,10 @@ def host_logprobs(lp: TokenLogprobs | None) -> tuple[list[float] | None, list[li
 
 class OutputProcessor:
     def __init__(self, kv_manager: KVManager, queue: RequestQueue, planner: PrefillPlanner, stats: SchedulerStats,
-                 tokenizer: Any, output_sink: Callable[[Any], None], log_interval: int, pool_tokens: int) -> None:
+                 tokenizer: Any, output_sink: Callable[[Any], None], log_interval: int, pool_tokens: int,
+                 jump_forward: JumpForward | None = None) -> None:
         self.kv_manager = kv_manager
+        self.jump_forward = jump_forward
         self.pool_tokens = pool_tokens
         self.queue = queue
         self.planner = planner
@@ -127,22 +130,35 @@ class OutputProcessor:
                 self.release_finished_req(req)
             else:
                 self.kv_manager.cache_unfinished_req(req)
+                self.jump(req)
         self.stream_output(batch.reqs)
 
     def process_batch_result_decode(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if req.finished():
                 continue
+            if req.forced_pending and req.to_abort is None:
+                continue  # NOTE: launched before its jump-forward: sampled from the state before the forced tokens
             if req.to_abort is None:
                 self.append_output_token(req, token, result, i)
             req.check_finished(self.tokenizer)
             if req.finished():
                 self.release_finished_req(req)
+            else:
+                self.jump(req)
         self.decode_throughput.add(len(batch.reqs))
         self.stats.num_decode_batches += 1
         if self.stats.num_decode_batches % self.log_interval == 0:
             self.log_decode_stats(len(batch.reqs))
         self.stream_output(batch.reqs)
+
+    def jump(self, req: Req) -> None:
+        """Appends what the request's grammar forces next, if enough (constrained/jump_forward.py)."""
+        tokens = self.jump_forward.forced_tokens(req) if self.jump_forward is not None else []
+        if tokens:
+            req.jump_forward(tokens)
+            self.stats.num_jump_forwards += 1
+            self.stats.jump_forward_tokens += len(tokens)
 
     def append_output_token(self, req: Req, token: int, result: GenerationBatchResult, row: int) -> None:
         self.stats.generated_tokens += 1
