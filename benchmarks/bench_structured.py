@@ -1,9 +1,11 @@
 """Constrained decoding's cost: decode tokens/s with a JSON schema against unconstrained, at batch 1 and 32,
-and grammar compile time (first and cached), on the embedded SmolLM2-135M in one Engine.
+with jump-forward off (the mask's cost per token) and on (what a schema's fixed text saves), on a schema of
+short keys and one of long keys; the share of tokens jump-forward wrote; grammar compile time (first and
+cached); on the embedded SmolLM2-135M in one Engine.
 
-Both sides generate the same number of tokens: the unconstrained rows ignore EOS, and the schema (an array
-of at least 64 small objects) cannot finish before `--new-tokens`, so every row ends by length. Rounds
-alternate the two sides; the table shows medians. A figure of the mask's cost per token, not of a workload.
+Every side generates the same number of tokens: the unconstrained rows ignore EOS, and each schema (an array
+of at least 64 objects) cannot finish before `--new-tokens`, so every row ends by length. Rounds rotate the
+sides; the table shows medians.
 
     python benchmarks/bench_structured.py                 # docs/benchmarks.md section + docs/bench_structured.png
     python benchmarks/bench_structured.py --no-docs --rounds 1
@@ -27,6 +29,17 @@ SCHEMA = {"type": "array", "minItems": 64, "items": {
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
                                                                         "maximum": 120},
                    "city": {"enum": ["Paris", "Rome", "Oslo", "Lima"]}}}}
+LONG_KEYS = {**SCHEMA, "items": {**SCHEMA["items"], "required": ["customer_full_name_as_on_the_invoice",
+                                                                   "customer_age_in_completed_years",
+                                                                   "customer_billing_city_name"],
+                                  "properties": {"customer_full_name_as_on_the_invoice": {"type": "string",
+                                                                                          "maxLength": 12},
+                                                 "customer_age_in_completed_years": {"type": "integer",
+                                                                                     "minimum": 0, "maximum": 120},
+                                                 "customer_billing_city_name": {"enum": ["Paris", "Rome", "Oslo",
+                                                                                         "Lima"]}}}}
+SCHEMAS = {"short keys": SCHEMA, "long keys": LONG_KEYS}
+MODES = ("free", "schema", "schema+jump")  # unconstrained; json_schema, jump-forward off; and on
 PROMPT = "List people as JSON objects with a name, an age and a city. " * 8
 
 
@@ -39,18 +52,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(engine, batch: int, constrained: bool, new_tokens: int) -> float:
-    """Output tokens/s of `batch` rows generating `new_tokens` each (prefill included, the same on both sides)."""
+def run(engine, batch: int, mode: str, schema: dict, new_tokens: int) -> tuple[float, float]:
+    """Output tokens/s of `batch` rows generating `new_tokens` each (prefill included, the same on every side),
+    and the share of them jump-forward wrote."""
     params = {"max_new_tokens": new_tokens, "temperature": 0.8, "ignore_eos": True}
-    if constrained:
-        params["json_schema"] = json.dumps(SCHEMA)
+    if mode != "free":
+        params["json_schema"] = json.dumps(schema)
+    jump, stats = engine.scheduler.output.jump_forward, engine.scheduler.stats
+    jump.enabled, jumped = mode == "schema+jump", stats.jump_forward_tokens
     start = time.perf_counter()
     outs = engine.generate([PROMPT + f" #{i}" for i in range(batch)], sampling_params=[params] * batch)
     elapsed = time.perf_counter() - start
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    if constrained and any(o["meta_info"]["finish_reason"]["type"] != "length" for o in outs):
+    if mode != "free" and any(o["meta_info"]["finish_reason"]["type"] != "length" for o in outs):
         raise SystemExit("a constrained row finished before --new-tokens: lengthen the schema")
-    return tokens / elapsed
+    return tokens / elapsed, (stats.jump_forward_tokens - jumped) / tokens
 
 
 def compile_times(engine) -> tuple[float, float]:
@@ -75,20 +91,25 @@ def main() -> None:
     engine = Engine(dtype=args.dtype, log_level="warning")
     try:
         first, cached = compile_times(engine)
-        run(engine, 2, True, 8)  # NOTE: warm-up of both paths
-        run(engine, 2, False, 8)
-        speeds: dict[tuple[int, bool], list[float]] = {}
+        for mode in MODES:  # NOTE: warm-up of every path
+            run(engine, 2, mode, SCHEMA, 8)
+        speeds: dict[tuple[str, int, str], list[float]] = {}
+        shares: dict[tuple[str, int, str], list[float]] = {}
+        cases = [(name, batch) for name in SCHEMAS for batch in (1, 32)]
         for round_ in range(args.rounds):
-            for batch in (1, 32):
-                for constrained in ((False, True) if round_ % 2 == 0 else (True, False)):
-                    speeds.setdefault((batch, constrained), []).append(run(engine, batch, constrained, args.new_tokens))
-                    print(f"round {round_} batch {batch} {'json_schema' if constrained else 'free'}: "
-                          f"{speeds[(batch, constrained)][-1]:.1f} tok/s", file=sys.stderr, flush=True)
+            for name, batch in cases:
+                for mode in MODES[round_ % 3:] + MODES[:round_ % 3]:
+                    speed, share = run(engine, batch, mode, SCHEMAS[name], args.new_tokens)
+                    speeds.setdefault((name, batch, mode), []).append(speed)
+                    shares.setdefault((name, batch, mode), []).append(share)
+                    print(f"round {round_} {name} batch {batch} {mode}: {speed:.1f} tok/s, {share:.0%} jumped",
+                          file=sys.stderr, flush=True)
         dtype = engine.model_runner.dtype_choice.dtype
     finally:
         engine.shutdown()
     medians = {key: statistics.median(values) for key, values in speeds.items()}
-    section = render(args, medians, speeds, first, cached, dtype, torch.__version__)
+    share = {key: statistics.median(values) for key, values in shares.items()}
+    section = render(args, medians, share, first, cached, dtype, torch.__version__)
     print(section)
     if not args.no_docs:
         from radixserve.bench.docs import write_doc_section
@@ -97,7 +118,7 @@ def main() -> None:
         plot(medians)
 
 
-def render(args, medians, speeds, first: float, cached: float, dtype: str, torch_version: str) -> str:
+def render(args, medians, share, first: float, cached: float, dtype: str, torch_version: str) -> str:
     import platform
 
     from radixserve.bench.docs import cpu_header
@@ -105,15 +126,23 @@ def render(args, medians, speeds, first: float, cached: float, dtype: str, torch
     lines = ["## Structured outputs: decode with a JSON schema vs unconstrained (`benchmarks/bench_structured.py`)", "",
              f"{cpu_header(dtype)}; Python {platform.python_version()}, torch {torch_version}, xgrammar 0.2.8. "
              f"One Engine, embedded SmolLM2-135M, {args.new_tokens} new tokens per row (temperature 0.8), "
-             f"{args.rounds} rounds alternating the sides; medians. Command: `python benchmarks/bench_structured.py"
-             f" --rounds {args.rounds} --new-tokens {args.new_tokens}`.", "",
-             "| batch | unconstrained tok/s | json_schema tok/s | json_schema / unconstrained | target |",
-             "|---:|---:|---:|---:|---|"]
-    for batch in (1, 32):
-        free, schema = medians[(batch, False)], medians[(batch, True)]
-        target = "at most 10% slower: " + ("met" if schema >= 0.9 * free else "MISSED") if batch == 32 else "-"
-        lines.append(f"| {batch} | {free:.1f} | {schema:.1f} | {schema / free:.2f} | {target} |")
-    lines += ["", f"Grammar compile time of the schema: {first * 1000:.0f} ms the first time, "
+             f"{args.rounds} rounds rotating the sides; medians. Short keys: `name`, `age`, `city`; long keys: "
+             f"`customer_full_name_as_on_the_invoice`, `customer_age_in_completed_years`, "
+             f"`customer_billing_city_name`. Command: `python benchmarks/bench_structured.py --rounds "
+             f"{args.rounds} --new-tokens {args.new_tokens}`.", "",
+             "| schema | batch | unconstrained tok/s | json_schema, jump-forward off | / unconstrained | "
+             "json_schema, jump-forward on | / unconstrained | tokens jump-forward wrote | on / off |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name in SCHEMAS:
+        for batch in (1, 32):
+            free, off, on = (medians[(name, batch, m)] for m in MODES)
+            lines.append(f"| {name} | {batch} | {free:.1f} | {off:.1f} | {off / free:.2f} | {on:.1f} | {on / free:.2f} "
+                         f"| {share[(name, batch, 'schema+jump')]:.0%} | {on / off:.2f}x |")
+    free, off, on = (medians[("short keys", 32, m)] for m in MODES)
+    lines += ["", f"Target (batch 32, at most 10% slower than unconstrained): {off / free:.2f} with jump-forward off "
+              f"({'met' if off >= 0.9 * free else 'MISSED'}), {on / free:.2f} on "
+              f"({'met' if on >= 0.9 * free else 'MISSED'}), short keys.", "",
+              f"Grammar compile time of the schema: {first * 1000:.0f} ms the first time, "
               f"{cached * 1000:.2f} ms cached (the same text again).", "",
               f"![structured outputs]({PLOT.name})"]
     return "\n".join(lines)
@@ -125,15 +154,14 @@ def plot(medians) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3))
-    xs = range(2)
-    free = [medians[(b, False)] for b in (1, 32)]
-    schema = [medians[(b, True)] for b in (1, 32)]
-    ax.bar([x - 0.2 for x in xs], free, 0.4, label="unconstrained")
-    ax.bar([x + 0.2 for x in xs], schema, 0.4, label="json_schema")
-    ax.set_xticks(list(xs), ["batch 1", "batch 32"])
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    cases = [(name, batch) for name in SCHEMAS for batch in (1, 32)]
+    for i, mode in enumerate(MODES):
+        ax.bar([x + (i - 1) * 0.27 for x in range(len(cases))], [medians[(n, b, mode)] for n, b in cases], 0.27,
+               label={"free": "unconstrained", "schema": "json_schema", "schema+jump": "json_schema + jump-forward"}[mode])
+    ax.set_xticks(range(len(cases)), [f"{n}, batch {b}" for n, b in cases])
     ax.set_ylabel("output tokens/s")
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=110)
 
