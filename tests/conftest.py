@@ -64,3 +64,29 @@ def _engines_conserved(request):
             state = engine.get_internal_state()
             assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
             assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
+
+
+@pytest.fixture(scope="module")
+def api_server():
+    """The shared `radixserve serve` on the embedded model (server_harness.API_SERVER_ARGS)."""
+    from server_harness import API_SERVER_ARGS, shared_server
+
+    return shared_server(*API_SERVER_ARGS)
+
+
+@pytest.fixture(scope="module")
+def api_client(api_server):
+    """The openai client on `api_server`."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=api_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def _api_server_conserved(request):
+    """After each test that used `api_server`: nothing in flight, and the KV conservation identity holds."""
+    yield
+    if "api_server" in request.fixturenames:
+        from server_harness import check_idle_conservation
+
+        check_idle_conservation(request.getfixturevalue("api_server"))

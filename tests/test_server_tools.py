@@ -1,4 +1,4 @@
-"""Tool calls through the real server: `required` and a named function always give valid calls (their
+"""Tool calls through the real api_server: `required` and a named function always give valid calls (their
 arguments validate against the function's schema) over tool sets and sampling settings; streamed deltas
 reassemble to the non-streamed call; the next turn finds the history cached; bad tools are 400s; LangChain
 (`bind_tools`, `with_structured_output`) and the OpenAI Agents SDK each finish a tool loop with a local
@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
-from server_harness import API_SERVER_ARGS, ServerHandle, check_idle_conservation, shared_server
+from server_harness import ServerHandle
 
 pytestmark = pytest.mark.slow
 
@@ -38,24 +38,8 @@ SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 7, "top_p": 0.95},
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerHandle:
-    return shared_server(*API_SERVER_ARGS)
-
-
-@pytest.fixture(autouse=True)
-def _conservation_after_each_test(server: ServerHandle):
-    yield
-    check_idle_conservation(server)
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerHandle) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client: OpenAI) -> str:
-    return client.models.list().data[0].id
+def model(api_client: OpenAI) -> str:
+    return api_client.models.list().data[0].id
 
 
 def _check_calls(message, tools: list[dict], only: str | None = None) -> None:
@@ -75,12 +59,12 @@ def _drop_the_call_cut_short(message) -> None:
         message.tool_calls.pop()
 
 
-def test_required_and_named_choices_always_give_valid_calls(client: OpenAI, model: str) -> None:
+def test_required_and_named_choices_always_give_valid_calls(api_client: OpenAI, model: str) -> None:
     for i, tools in enumerate(TOOLSETS):
         for sampling in SAMPLINGS:
             choices = ["required", {"type": "function", "function": {"name": tools[-1]["function"]["name"]}}]
             for choice in choices:
-                done = client.chat.completions.create(model=model, messages=ASK, tools=tools, tool_choice=choice,
+                done = api_client.chat.completions.create(model=model, messages=ASK, tools=tools, tool_choice=choice,
                                                       parallel_tool_calls=i % 2 == 1, max_tokens=80, n=2,
                                                       **sampling)
                 for c in done.choices:
@@ -94,14 +78,14 @@ def test_required_and_named_choices_always_give_valid_calls(client: OpenAI, mode
                     _check_calls(c.message, tools, only)
 
 
-def test_streamed_deltas_reassemble_to_the_non_streamed_call(client: OpenAI, model: str) -> None:
+def test_streamed_deltas_reassemble_to_the_non_streamed_call(api_client: OpenAI, model: str) -> None:
     for tools, parallel in (([WEATHER, ADD], False), ([WEATHER, ADD, FLIGHTS], True)):
         args = dict(model=model, messages=ASK, tools=tools, tool_choice="required", parallel_tool_calls=parallel,
                     max_tokens=120, temperature=0)
-        whole = client.chat.completions.create(**args).choices[0]
+        whole = api_client.chat.completions.create(**args).choices[0]
         calls: dict[int, dict] = {}
         reasons, first_pieces = [], []
-        for chunk in client.chat.completions.create(stream=True, **args):
+        for chunk in api_client.chat.completions.create(stream=True, **args):
             choice = chunk.choices[0]
             reasons.append(choice.finish_reason)
             for piece in choice.delta.tool_calls or []:
@@ -117,24 +101,24 @@ def test_streamed_deltas_reassemble_to_the_non_streamed_call(client: OpenAI, mod
         assert reasons[-1] == whole.finish_reason
 
 
-def test_the_next_turn_finds_the_call_and_the_history_cached(client: OpenAI, model: str) -> None:
-    first = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, ADD], max_tokens=60,
+def test_the_next_turn_finds_the_call_and_the_history_cached(api_client: OpenAI, model: str) -> None:
+    first = api_client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, ADD], max_tokens=60,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                            temperature=0)
     call = first.choices[0].message.tool_calls[0]
     history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "22 degrees, sunny"}]
-    second = client.chat.completions.create(model=model, messages=history, tools=[WEATHER, ADD], max_tokens=30,
+    second = api_client.chat.completions.create(model=model, messages=history, tools=[WEATHER, ADD], max_tokens=30,
                                             temperature=0)
     # the first turn's prompt and every token of its call: the call renders to the text the model wrote
     seen = first.usage.prompt_tokens + first.usage.completion_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= seen - 1, (second.usage, first.usage)
 
 
-def test_auto_with_a_json_response_format_answers_json_or_calls(client: OpenAI, model: str) -> None:
+def test_auto_with_a_json_response_format_answers_json_or_calls(api_client: OpenAI, model: str) -> None:
     answer = {"type": "object", "properties": {"weather": {"enum": ["sunny", "rainy"]}}, "required": ["weather"],
               "additionalProperties": False}
-    done = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=60, n=3,
+    done = api_client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], max_tokens=60, n=3,
                                           parallel_tool_calls=False,
                                           temperature=1.0, seed=5, response_format={
                                               "type": "json_schema", "json_schema": {"name": "a", "schema": answer}})
@@ -157,16 +141,16 @@ def test_auto_with_a_json_response_format_answers_json_or_calls(client: OpenAI, 
      "response_format", "cannot be combined"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type", ""),
 ])
-def test_bad_tools_are_400s_naming_the_field(server: ServerHandle, body: dict, param: str | None,
+def test_bad_tools_are_400s_naming_the_field(api_server: ServerHandle, body: dict, param: str | None,
                                              message: str) -> None:
-    r = httpx.post(server.base_url + "/v1/chat/completions", timeout=60,
+    r = httpx.post(api_server.base_url + "/v1/chat/completions", timeout=60,
                    json={"messages": ASK, "max_tokens": 5} | body)
     error = r.json()["error"]
     assert r.status_code == 400 and message in error["message"], r.text
     assert param is None or error["param"] == param, error
 
 
-def test_langchain_bind_tools_loop_and_structured_output(server: ServerHandle, model: str) -> None:
+def test_langchain_bind_tools_loop_and_structured_output(api_server: ServerHandle, model: str) -> None:
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
@@ -177,7 +161,7 @@ def test_langchain_bind_tools_loop_and_structured_output(server: ServerHandle, m
         """The current weather in a city."""
         return f"22 degrees and sunny in {city}"
 
-    llm = ChatOpenAI(model=model, base_url=server.base_url + "/v1", api_key="unused", temperature=0,
+    llm = ChatOpenAI(model=model, base_url=api_server.base_url + "/v1", api_key="unused", temperature=0,
                      max_tokens=60, max_retries=0)
     messages = [HumanMessage("What is the weather in Paris?")]
     asked = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(messages)
@@ -198,7 +182,7 @@ def test_langchain_bind_tools_loop_and_structured_output(server: ServerHandle, m
         assert isinstance(city, City), method
 
 
-def test_the_openai_agents_sdk_runs_a_tool_loop(server: ServerHandle, model: str) -> None:
+def test_the_openai_agents_sdk_runs_a_tool_loop(api_server: ServerHandle, model: str) -> None:
     from agents import (
         Agent,
         ModelSettings,
@@ -218,9 +202,9 @@ def test_the_openai_agents_sdk_runs_a_tool_loop(server: ServerHandle, model: str
         calls.append(city)
         return f"22 degrees and sunny in {city}"
 
-    client = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    async_client = AsyncOpenAI(base_url=api_server.base_url + "/v1", api_key="unused", max_retries=0)
     agent = Agent(name="weather", instructions="Answer weather questions with the weather tool.", tools=[weather],
-                  model=OpenAIChatCompletionsModel(model=model, openai_client=client),
+                  model=OpenAIChatCompletionsModel(model=model, openai_client=async_client),
                   model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
                                                max_tokens=60))
     # NOTE: the SDK resets tool_choice to auto after a call, so the second turn may answer in text
