@@ -9,7 +9,7 @@ import uuid
 import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from server_harness import API_SERVER_ARGS, ServerHandle, check_idle_conservation, shared_server
+from server_harness import ServerHandle, check_idle_conservation
 
 pytestmark = pytest.mark.slow
 
@@ -17,24 +17,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France? Answer i
 
 
 @pytest.fixture(scope="module")
-def server() -> ServerHandle:
-    return shared_server(*API_SERVER_ARGS)
-
-
-@pytest.fixture(autouse=True)
-def _conservation_after_each_test(server: ServerHandle):
-    yield
-    check_idle_conservation(server)
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerHandle) -> OpenAI:
-    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model_name(client: OpenAI) -> str:
-    return client.models.list().data[0].id
+def model_name(api_client: OpenAI) -> str:
+    return api_client.models.list().data[0].id
 
 
 def _unique_text(words: int = 40) -> str:
@@ -42,22 +26,22 @@ def _unique_text(words: int = 40) -> str:
     return f"Note {uuid.uuid4().hex}: " + " ".join(["the river flows past the old mill"] * (words // 7 + 1))
 
 
-def test_models_lists_the_served_model_with_its_effective_context(server: ServerHandle, client: OpenAI) -> None:
-    models = client.models.list().data
+def test_models_lists_the_served_model_with_its_effective_context(api_server: ServerHandle, api_client: OpenAI) -> None:
+    models = api_client.models.list().data
     assert len(models) == 1 and models[0].id == "SmolLM2-135M-Instruct"
-    raw = server.get("/v1/models").json()["data"][0]
+    raw = api_server.get("/v1/models").json()["data"][0]
     assert raw["max_model_len"] == 1024  # min(context 2048, pool 1024)
 
 
-def test_chat_sync_stream_and_non_stream_agree_and_report_usage(client: OpenAI, model_name: str) -> None:
-    full = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0)
+def test_chat_sync_stream_and_non_stream_agree_and_report_usage(api_client: OpenAI, model_name: str) -> None:
+    full = api_client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0)
     choice = full.choices[0]
     assert "Paris" in choice.message.content
     assert choice.finish_reason in ("stop", "length")
     usage = full.usage
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens >= 0
-    stream = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
+    stream = api_client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -71,16 +55,16 @@ def test_chat_sync_stream_and_non_stream_agree_and_report_usage(client: OpenAI, 
     assert final.usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
 
 
-def test_streaming_without_include_usage_has_no_usage_chunk(client: OpenAI, model_name: str) -> None:
-    chunks = list(client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=4,
+def test_streaming_without_include_usage_has_no_usage_chunk(api_client: OpenAI, model_name: str) -> None:
+    chunks = list(api_client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=4,
                                                  temperature=0, stream=True))
     assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
 
 
-def test_completions_async_batch_of_prompts_with_n_and_seed(client: OpenAI, server: ServerHandle,
+def test_completions_async_batch_of_prompts_with_n_and_seed(api_client: OpenAI, api_server: ServerHandle,
                                                             model_name: str) -> None:
     async def run() -> tuple:
-        aclient = AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        aclient = AsyncOpenAI(base_url=api_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
         prompts = ["The sky is", "My favourite fruit is"]
         full = await aclient.completions.create(model=model_name, prompt=prompts, n=2, max_tokens=6,
                                                 temperature=0.8, seed=7)
@@ -101,40 +85,40 @@ def test_completions_async_batch_of_prompts_with_n_and_seed(client: OpenAI, serv
     assert [c.text for c in full.choices] == streamed  # a seed makes sampling reproducible
     assert all(c.finish_reason == "length" for c in full.choices)
     assert full.usage.completion_tokens == 4 * 6 == usage.completion_tokens
-    lengths = [len(server.post("/tokenize", json={"prompt": p}).json()["tokens"])
+    lengths = [len(api_server.post("/tokenize", json={"prompt": p}).json()["tokens"])
                for p in ["The sky is", "My favourite fruit is"]]
     assert full.usage.prompt_tokens == usage.prompt_tokens == sum(lengths)
     assert usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_completions_accept_token_ids_and_match_text_prompt(client: OpenAI, server: ServerHandle,
+def test_completions_accept_token_ids_and_match_text_prompt(api_client: OpenAI, api_server: ServerHandle,
                                                             model_name: str) -> None:
-    native = server.post("/generate", json={"text": "The capital of Italy is",
+    native = api_server.post("/generate", json={"text": "The capital of Italy is",
                                             "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
-    text = client.completions.create(model=model_name, prompt="The capital of Italy is", max_tokens=8,
+    text = api_client.completions.create(model=model_name, prompt="The capital of Italy is", max_tokens=8,
                                      temperature=0).choices[0].text
     assert text == native["text"]
-    prompt_ids = _tokenize(server, "The capital of Italy is")
-    by_ids = client.completions.create(model=model_name, prompt=prompt_ids, max_tokens=8, temperature=0)
+    prompt_ids = _tokenize(api_server, "The capital of Italy is")
+    by_ids = api_client.completions.create(model=model_name, prompt=prompt_ids, max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == text
     assert by_ids.usage.prompt_tokens == len(prompt_ids) == native["meta_info"]["prompt_tokens"]
 
 
-def _tokenize(server: ServerHandle, text: str) -> list[int]:
-    r = server.post("/tokenize", json={"prompt": text})
+def _tokenize(api_server: ServerHandle, text: str) -> list[int]:
+    r = api_server.post("/tokenize", json={"prompt": text})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 1024
-    assert server.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"] == text
+    assert api_server.post("/detokenize", json={"tokens": body["tokens"]}).json()["prompt"] == text
     return body["tokens"]
 
 
-def test_cached_tokens_on_repeated_prefix_and_zero_under_another_salt(client: OpenAI, model_name: str) -> None:
+def test_cached_tokens_on_repeated_prefix_and_zero_under_another_salt(api_client: OpenAI, model_name: str) -> None:
     prompt = _unique_text()
     salt_a, salt_b = uuid.uuid4().hex, uuid.uuid4().hex
 
     def cached(**extra: str) -> int:
-        r = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0,
+        r = api_client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0,
                                       extra_body=extra or None)
         return r.usage.prompt_tokens_details.cached_tokens
 
@@ -147,52 +131,52 @@ def test_cached_tokens_on_repeated_prefix_and_zero_under_another_salt(client: Op
     assert cached() > 0
 
 
-def test_native_generate_text_ids_stream_and_meta_info(server: ServerHandle) -> None:
+def test_native_generate_text_ids_stream_and_meta_info(api_server: ServerHandle) -> None:
     body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
-    first = server.post("/generate", json=body).json()
+    first = api_server.post("/generate", json=body).json()
     assert len(first["output_ids"]) == 6 and first["meta_info"]["completion_tokens"] == 6
     assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 6}  # SGLang's shape, whole
-    meta = server.post("/generate", json=body).json()["meta_info"]
+    meta = api_server.post("/generate", json=body).json()["meta_info"]
     assert meta["cached_tokens"] == meta["prompt_tokens"] - 1
-    with server.client() as c, c.stream("POST", "/generate", json=body | {"stream": True}) as r:
+    with api_server.client() as c, c.stream("POST", "/generate", json=body | {"stream": True}) as r:
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["text"] == first["text"] and last["output_ids"] == first["output_ids"]
-    batch = server.post("/generate", json={"input_ids": [first["output_ids"], [1, 2, 3]],
+    batch = api_server.post("/generate", json={"input_ids": [first["output_ids"], [1, 2, 3]],
                                            "sampling_params": {"max_new_tokens": 2}}).json()
     assert isinstance(batch, list) and len(batch) == 2
 
 
-def test_max_tokens_unset_means_the_rest_of_the_context(server: ServerHandle) -> None:
-    limit = server.info()["model"]["effective_max_context"]
+def test_max_tokens_unset_means_the_rest_of_the_context(api_server: ServerHandle) -> None:
+    limit = api_server.info()["model"]["effective_max_context"]
     ids = [28120 + i % 50 for i in range(limit - 5)]
-    r = server.post("/v1/completions", json={"prompt": ids, "temperature": 0, "ignore_eos": True})
+    r = api_server.post("/v1/completions", json={"prompt": ids, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] == 5
     assert body["choices"][0]["finish_reason"] == "length"
 
 
-def test_stop_string_cuts_the_text_and_finishes_with_stop(client: OpenAI, model_name: str) -> None:
-    base = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0)
+def test_stop_string_cuts_the_text_and_finishes_with_stop(api_client: OpenAI, model_name: str) -> None:
+    base = api_client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0)
     text = base.choices[0].message.content
     word = "Paris"
     assert word in text
-    cut = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
+    cut = api_client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
                                          stop=[word])
     assert cut.choices[0].message.content == text[:text.index(word)]
     assert cut.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
+    streamed = api_client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=16, temperature=0,
                                               stop=[word], stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == text[:text.index(word)]
 
 
-def test_health_health_generate_and_server_info(server: ServerHandle) -> None:
-    assert server.get("/health").json() == {"status": "ok"}
-    r = server.get("/health_generate")
+def test_health_health_generate_and_server_info(api_server: ServerHandle) -> None:
+    assert api_server.get("/health").json() == {"status": "ok"}
+    r = api_server.get("/health_generate")
     assert r.status_code == 200 and r.json()["status"] == "ok"
-    info = server.info()
+    info = api_server.info()
     assert info["scheduler_alive"] is True
     model = info["model"]
     assert model["max_total_num_tokens"] == 1024 and model["context_len"] == 2048
@@ -207,39 +191,39 @@ def test_health_health_generate_and_server_info(server: ServerHandle) -> None:
     assert plan["decoder"]["choice"] == "python layers" and "bfloat16 only" in plan["decoder"]["reason"]
     assert sum(int(e["choice"].rsplit(" x", 1)[1]) for part, e in plan.items() if part.startswith("linear ")) == 30 * 4 + 1
     assert all(e["reason"] for e in plan.values())
-    assert "execution plan:" in server.log_tail(200_000) and "attention decode" in server.log_tail(200_000)
+    assert "execution plan:" in api_server.log_tail(200_000) and "attention decode" in api_server.log_tail(200_000)
 
 
-def test_flush_cache_409_while_running_then_200_with_tokens_freed(server: ServerHandle, client: OpenAI,
+def test_flush_cache_409_while_running_then_200_with_tokens_freed(api_server: ServerHandle, api_client: OpenAI,
                                                                   model_name: str) -> None:
     prompt = _unique_text()
-    client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    api_client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
     body = {"prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as stream:
+    with api_server.client() as c, c.stream("POST", "/v1/completions", json=body) as stream:
         lines = stream.iter_lines()  # NOTE: keep it; a dropped iterator closes the connection (an abort)
         next(lines)  # the request is running now
-        busy = server.post("/flush_cache")
+        busy = api_server.post("/flush_cache")
         assert busy.status_code == 409
         err = busy.json()
         assert err["error"]["code"] == "requests_running" and err["in_flight_requests"] >= 1
-    check_idle_conservation(server)
-    epoch = server.info()["scheduler_state"]["cache_epoch"]
-    done = server.post("/flush_cache")
+    check_idle_conservation(api_server)
+    epoch = api_server.info()["scheduler_state"]["cache_epoch"]
+    done = api_server.post("/flush_cache")
     assert done.status_code == 200, done.text
     assert done.json()["success"] is True and done.json()["tokens_freed"] > 0
-    assert done.json()["cache_epoch"] == epoch + 1 == server.info()["scheduler_state"]["cache_epoch"]
-    cold = client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
+    assert done.json()["cache_epoch"] == epoch + 1 == api_server.info()["scheduler_state"]["cache_epoch"]
+    cold = api_client.completions.create(model=model_name, prompt=prompt, max_tokens=2, temperature=0)
     assert cold.usage.prompt_tokens_details.cached_tokens == 0  # the flush really emptied the tree
 
 
-def test_metrics_names_and_counts_add_up(server: ServerHandle, client: OpenAI, model_name: str) -> None:
-    before = server.metrics()
-    r = client.completions.create(model=model_name, prompt=_unique_text(), max_tokens=5, temperature=0,
+def test_metrics_names_and_counts_add_up(api_server: ServerHandle, api_client: OpenAI, model_name: str) -> None:
+    before = api_server.metrics()
+    r = api_client.completions.create(model=model_name, prompt=_unique_text(), max_tokens=5, temperature=0,
                                   extra_body={"ignore_eos": True})
-    again = client.completions.create(model=model_name, prompt=_unique_text(), max_tokens=3, temperature=0,
+    again = api_client.completions.create(model=model_name, prompt=_unique_text(), max_tokens=3, temperature=0,
                                       extra_body={"ignore_eos": True})
-    check_idle_conservation(server)
-    after = server.metrics()
+    check_idle_conservation(api_server)
+    after = api_server.metrics()
 
     def delta(name: str) -> float:
         return after[name] - before.get(name, 0.0)
@@ -259,8 +243,8 @@ def test_metrics_names_and_counts_add_up(server: ServerHandle, client: OpenAI, m
     assert after["radixserve:scheduler_up"] == 1.0
 
 
-def test_raw_httpx_chat_has_the_openai_shape(server: ServerHandle) -> None:
-    r = httpx.post(server.base_url + "/v1/chat/completions",
+def test_raw_httpx_chat_has_the_openai_shape(api_server: ServerHandle) -> None:
+    r = httpx.post(api_server.base_url + "/v1/chat/completions",
                    json={"messages": QUESTION, "max_tokens": 3, "temperature": 0}, timeout=60)
     body = r.json()
     assert r.status_code == 200
@@ -270,12 +254,12 @@ def test_raw_httpx_chat_has_the_openai_shape(server: ServerHandle) -> None:
     assert isinstance(body["usage"]["prompt_tokens_details"]["cached_tokens"], int)
 
 
-def test_bench_http_backend_replays_the_workloads_through_the_openai_api(server: ServerHandle) -> None:
+def test_bench_http_backend_replays_the_workloads_through_the_openai_api(api_server: ServerHandle) -> None:
     from radixserve.bench.http_backend import HttpBackend
     from radixserve.bench.runner import run_workload
     from radixserve.bench.workloads import build_workloads
 
-    backend = HttpBackend(server.base_url, "on")
+    backend = HttpBackend(api_server.base_url, "on")
     w1, w3 = build_workloads(backend.tokenizer, ["w1", "w3"], scale=0.1)
     try:
         backend.flush_cache()
@@ -293,31 +277,31 @@ def test_bench_http_backend_replays_the_workloads_through_the_openai_api(server:
         backend.close()
 
 
-def test_penalties_min_tokens_and_logit_bias_reach_the_sampler(client: OpenAI, server: ServerHandle,
+def test_penalties_min_tokens_and_logit_bias_reach_the_sampler(api_client: OpenAI, api_server: ServerHandle,
                                                                model_name: str) -> None:
     prompt = "one two three one two three one two three one two three"
-    plain = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0)
-    penalized = client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
+    plain = api_client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0)
+    penalized = api_client.completions.create(model=model_name, prompt=prompt, max_tokens=8, temperature=0,
                                           frequency_penalty=2.0, presence_penalty=2.0)
     assert plain.choices[0].text != penalized.choices[0].text
-    pushed = client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
+    pushed = api_client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0,
                                        logit_bias={"1234": 100})
-    tokens = server.post("/tokenize", json={"prompt": pushed.choices[0].text, "add_special_tokens": False}).json()
+    tokens = api_server.post("/tokenize", json={"prompt": pushed.choices[0].text, "add_special_tokens": False}).json()
     assert tokens["tokens"] == [1234]
     ask = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
-    short = client.chat.completions.create(model=model_name, messages=ask, max_tokens=30, temperature=0)
-    longer = client.chat.completions.create(model=model_name, messages=ask, max_tokens=30, temperature=0,
+    short = api_client.chat.completions.create(model=model_name, messages=ask, max_tokens=30, temperature=0)
+    longer = api_client.chat.completions.create(model=model_name, messages=ask, max_tokens=30, temperature=0,
                                             extra_body={"min_tokens": 10})
     assert short.usage.completion_tokens < 10 <= longer.usage.completion_tokens
-    native = server.post("/generate", json={"text": prompt, "sampling_params": {
+    native = api_server.post("/generate", json={"text": prompt, "sampling_params": {
         "max_new_tokens": 8, "temperature": 0, "frequency_penalty": 2.0, "presence_penalty": 2.0}}).json()
     assert native["text"] == penalized.choices[0].text
 
 
-def test_native_max_new_tokens_zero_prewarms_the_cache(server: ServerHandle) -> None:
+def test_native_max_new_tokens_zero_prewarms_the_cache(api_server: ServerHandle) -> None:
     text = _unique_text() + " A system prompt that many later requests will share."
-    warm = server.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 0}})
+    warm = api_server.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 0}})
     assert warm.status_code == 200, warm.text
     assert warm.json()["output_ids"] == [] and warm.json()["meta_info"]["finish_reason"]["type"] == "length"
-    hit = server.post("/generate", json={"text": text + " Question?", "sampling_params": {"max_new_tokens": 1}})
+    hit = api_server.post("/generate", json={"text": text + " Question?", "sampling_params": {"max_new_tokens": 1}})
     assert hit.json()["meta_info"]["cached_tokens"] >= warm.json()["meta_info"]["prompt_tokens"] - 1

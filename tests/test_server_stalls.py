@@ -18,10 +18,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 from server_harness import (
-    API_SERVER_ARGS,
     ServerHandle,
-    check_idle_conservation,
-    shared_server,
     small_completion_s,
 )
 
@@ -34,22 +31,11 @@ LOADED_MARGIN_S = 1.0  # the small completion: the event loop, a tokenizer turn 
 BIG = 3_900_000  # characters: under the 4 MiB body limit with the JSON around them
 
 
-@pytest.fixture(scope="module")
-def server() -> ServerHandle:
-    return shared_server(*API_SERVER_ARGS)
-
-
-@pytest.fixture(autouse=True)
-def _kv_conserved(server: ServerHandle):
-    yield
-    check_idle_conservation(server)
-
-
-def _health_latencies(server: ServerHandle, stop: threading.Event) -> list[float]:
+def _health_latencies(api_server: ServerHandle, stop: threading.Event) -> list[float]:
     latencies: list[float] = []
 
     def poll() -> None:
-        with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        with httpx.Client(base_url=api_server.base_url, timeout=30) as c:
             while not stop.is_set():
                 started = time.monotonic()
                 assert c.get("/health").status_code == 200
@@ -60,27 +46,27 @@ def _health_latencies(server: ServerHandle, stop: threading.Event) -> list[float
     return latencies
 
 
-def _health_s(server: ServerHandle) -> float:
+def _health_s(api_server: ServerHandle) -> float:
     started = time.monotonic()
-    assert server.get("/health").status_code == 200
+    assert api_server.get("/health").status_code == 200
     return time.monotonic() - started
 
 
-def run_beside(server: ServerHandle, send: Callable[[], httpx.Response], copies: int = 1
+def run_beside(api_server: ServerHandle, send: Callable[[], httpx.Response], copies: int = 1
                ) -> tuple[list[httpx.Response], float, float, list[float], float]:
     """Sends `copies` hostile requests at once; returns (their responses, the small completion's time beside
     them and alone, /health's latencies beside them and alone)."""
-    alone = min(small_completion_s(server) for _ in range(3))
-    health_alone = min(_health_s(server) for _ in range(3))
+    alone = min(small_completion_s(api_server) for _ in range(3))
+    health_alone = min(_health_s(api_server) for _ in range(3))
     stop = threading.Event()
-    latencies = _health_latencies(server, stop)
+    latencies = _health_latencies(api_server, stop)
     results: list[httpx.Response] = []
     try:
         threads = [threading.Thread(target=lambda: results.append(send())) for _ in range(copies)]
         for t in threads:
             t.start()
         time.sleep(0.05)
-        beside = small_completion_s(server)
+        beside = small_completion_s(api_server)
         for t in threads:
             t.join(120)
     finally:
@@ -99,14 +85,14 @@ def _assert_nobody_waited(beside: float, alone: float, latencies: list[float], h
     assert latencies and max(latencies) < health_alone + MARGIN_S, (sorted(latencies)[-5:], health_alone)
 
 
-def _raw(server: ServerHandle, path: str, body: bytes) -> Callable[[], httpx.Response]:
-    return lambda: server.post(path, content=body, headers={"content-type": "application/json"})
+def _raw(api_server: ServerHandle, path: str, body: bytes) -> Callable[[], httpx.Response]:
+    return lambda: api_server.post(path, content=body, headers={"content-type": "application/json"})
 
 
-def _json(server: ServerHandle, path: str, body: dict) -> Callable[[], httpx.Response]:
+def _json(api_server: ServerHandle, path: str, body: dict) -> Callable[[], httpx.Response]:
     encoded = json.dumps(body, separators=(",", ":")).encode()
     assert len(encoded) < 4 * 1024 * 1024, len(encoded)
-    return _raw(server, path, encoded)
+    return _raw(api_server, path, encoded)
 
 
 def _sp(**fields: object) -> dict:
@@ -154,10 +140,10 @@ ROWS = [
 
 
 @pytest.mark.parametrize("name, path, body, status, code", ROWS, ids=[r[0] for r in ROWS])
-def test_a_hostile_request_never_stalls_the_others(server: ServerHandle, name: str, path: str, body: bytes | dict,
+def test_a_hostile_request_never_stalls_the_others(api_server: ServerHandle, name: str, path: str, body: bytes | dict,
                                                    status: int, code: str | None) -> None:
-    send = _raw(server, path, body) if isinstance(body, bytes) else _json(server, path, body)
-    results, beside, alone, latencies, health_alone = run_beside(server, send)
+    send = _raw(api_server, path, body) if isinstance(body, bytes) else _json(api_server, path, body)
+    results, beside, alone, latencies, health_alone = run_beside(api_server, send)
     for r in results:
         assert r.status_code == status, r.text[:300]
         if code is not None:
@@ -166,12 +152,12 @@ def test_a_hostile_request_never_stalls_the_others(server: ServerHandle, name: s
     _assert_nobody_waited(beside, alone, latencies, health_alone)
 
 
-def test_a_big_answer_is_rendered_off_the_loop(server: ServerHandle) -> None:
+def test_a_big_answer_is_rendered_off_the_loop(api_server: ServerHandle) -> None:
     """echo + logprobs 20 on an 880-token prompt with n=8: 8 copies of 880 x 20 alternatives, built and
     encoded on a front-end thread while /health answers."""
     body = {"prompt": "the river flows past the old mill. " * 110, "max_tokens": 1, "n": 8, "echo": True,
             "logprobs": 20}
-    results, beside, alone, latencies, health_alone = run_beside(server, _json(server, COMPLETIONS, body), copies=2)
+    results, beside, alone, latencies, health_alone = run_beside(api_server, _json(api_server, COMPLETIONS, body), copies=2)
     for r in results:
         assert r.status_code == 200, r.text[:300]
         choices = r.json()["choices"]
@@ -181,14 +167,14 @@ def test_a_big_answer_is_rendered_off_the_loop(server: ServerHandle) -> None:
     assert latencies and max(latencies) < health_alone + MARGIN_S, (sorted(latencies)[-5:], health_alone)
 
 
-def test_a_flood_of_keyless_probes_is_bounded_and_leaves_others_served(server: ServerHandle) -> None:
+def test_a_flood_of_keyless_probes_is_bounded_and_leaves_others_served(api_server: ServerHandle) -> None:
     """300 concurrent /health_generate and /get_load used to queue one generation (or scheduler round trip)
     each: another client's median latency went from 0.09 s to 6-7.6 s. Concurrent probes now share one, and
     past --keyless-rate-limit (20 per second by default) they get 429 with Retry-After."""
-    alone = min(small_completion_s(server) for _ in range(3))
+    alone = min(small_completion_s(api_server) for _ in range(3))
 
     async def flood() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
+        async with httpx.AsyncClient(base_url=api_server.base_url, timeout=60,
                                      limits=httpx.Limits(max_connections=300)) as c:
             paths = ["/health_generate", "/get_load"] * 150
             return list(await asyncio.gather(*(c.get(p) for p in paths)))
@@ -198,7 +184,7 @@ def test_a_flood_of_keyless_probes_is_bounded_and_leaves_others_served(server: S
     thread = threading.Thread(target=lambda: box.append(asyncio.run(flood())))
     thread.start()
     time.sleep(0.2)
-    beside = small_completion_s(server)
+    beside = small_completion_s(api_server)
     thread.join(120)
     assert box, "the flood got no answers"
     statuses = [r.status_code for r in box[0]]
@@ -209,4 +195,4 @@ def test_a_flood_of_keyless_probes_is_bounded_and_leaves_others_served(server: S
     # which took 0.25-2.1 s across runs on a 2-core Xeon (at this commit and before); unbounded probes made it 6-7.6 s.
     assert beside < alone + 3.0, (beside, alone)
     time.sleep(1.1)
-    assert server.get("/health_generate").status_code == 200
+    assert api_server.get("/health_generate").status_code == 200

@@ -1,4 +1,4 @@
-"""Structured outputs through the real api_server: OpenAI `response_format` (the openai api_client's `parse` with a
+"""Structured outputs through the real server: OpenAI `response_format` (the openai client's `parse` with a
 pydantic model, json_object, json_schema) on /v1/chat/completions and /v1/completions, the native
 `json_schema`/`regex`/`ebnf`, and a bad grammar as a 400 naming the field; conservation after each test."""
 

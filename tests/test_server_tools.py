@@ -1,4 +1,4 @@
-"""Tool calls through the real api_server: `required` and a named function always give valid calls (their
+"""Tool calls through the real server: `required` and a named function always give valid calls (their
 arguments validate against the function's schema) over tool sets and sampling settings; streamed deltas
 reassemble to the non-streamed call; the next turn finds the history cached; bad tools are 400s; LangChain
 (`bind_tools`, `with_structured_output`) and the OpenAI Agents SDK each finish a tool loop with a local
