@@ -19,6 +19,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -80,6 +82,24 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 900.0) -> No
     raise SystemExit(f"{url} not ready after {timeout_s:.0f} s")
 
 
+@contextmanager
+def served(engine: str, args: argparse.Namespace, folder: Path, log: Path) -> Iterator[str]:
+    """A fresh server of `engine` (its output in `log`), once it answers; yields its URL and stops it after."""
+    cmd, env = server_command(engine, args, folder)
+    url = f"http://127.0.0.1:{args.port}"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    try:
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def replay(backend, workloads, reps: int) -> dict[str, list[float]]:
     from radixserve.bench.runner import run_workload
 
@@ -95,24 +115,13 @@ def run_http(engine: str, args: argparse.Namespace, folder: Path, tokenizer, wor
     from radixserve.bench.http_backend import HttpBackend
     from radixserve.bench.workloads import Prompt
 
-    cmd, env = server_command(engine, args, folder)
-    url = f"http://127.0.0.1:{args.port}"
     start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    try:
-        wait_ready(url, proc)
+    with served(engine, args, folder, log) as url:
         startup = time.perf_counter() - start
         backend = HttpBackend(url, engine, tokenizer=tokenizer, model=SERVED_NAME)
         backend.generate(Prompt(text="Warm up: one short request first.", input_ids=()), 4)
         walls = replay(backend, workloads, args.reps)
         backend.close()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     return {"startup_s": startup, "walls": walls}
 
 

@@ -79,14 +79,9 @@ def run_case(url: str, case: str, max_tokens: int) -> float:
 
 
 def serve(engine: str, args: argparse.Namespace, folder: Path, log: Path) -> dict[str, list[float]]:
-    from bench_peers_http import server_command, wait_ready
+    from bench_peers_http import served
 
-    cmd, env = server_command(engine, args, folder)
-    url = f"http://127.0.0.1:{args.port}"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    try:
-        wait_ready(url, proc)
+    with served(engine, args, folder, log) as url:
         for case in CASES:  # NOTE: warm-up: the grammar compiles once, the first batch shapes are seen
             run_case(url, case, 8)
         walls: dict[str, list[float]] = {c: [] for c in CASES}
@@ -94,12 +89,6 @@ def serve(engine: str, args: argparse.Namespace, folder: Path, log: Path) -> dic
             for case in CASES:
                 walls[case].append(run_case(url, case, args.max_tokens))
         return walls
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def render(walls: dict[str, dict[str, list[float]]], args: argparse.Namespace, header: str, versions: str) -> str:

@@ -56,7 +56,13 @@ from radixserve.entrypoints.serving_common import (
 )
 from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
 from radixserve.function_call.answer import StreamedCalls, whole_message
-from radixserve.function_call.chat_tools import ToolError, ToolPlan, plan_tools, template_messages
+from radixserve.function_call.chat_tools import (
+    ToolError,
+    ToolPlan,
+    plan_tools,
+    template_messages,
+    template_tools,
+)
 from radixserve.function_call.formats import choose_format
 
 
@@ -213,8 +219,7 @@ class OpenAIServing:
         for i, m in enumerate(chat):
             check_text(m.text(), f"messages.{i}.content")
         messages = template_messages(chat, self.tool_format, tools)
-        native_tools = [dict(t) for t in tools.tools] if tools is not None and self.tool_format.native_in_template \
-            else None
+        native_tools = template_tools(self.tool_format, tools)
         tool_chars = len(json.dumps(native_tools, ensure_ascii=False)) if native_tools else 0
         check_prompt_chars(self.tm, sum(len(m["content"]) for m in messages) + tool_chars, "messages")
         try:

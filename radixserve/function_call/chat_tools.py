@@ -115,6 +115,12 @@ def template_messages(chat: list[Any], fmt: ToolCallFormat, plan: ToolPlan | Non
     return messages
 
 
+def template_tools(fmt: ToolCallFormat, plan: ToolPlan | None) -> list[dict[str, Any]] | None:
+    """The `tools` argument of the chat template: the tools for a template that renders them, else None (they
+    are in the system message; template_messages)."""
+    return [dict(t) for t in plan.tools] if plan is not None and fmt.native_in_template else None
+
+
 def tools_prompt(fmt: ToolCallFormat, tools: tuple[dict[str, Any], ...]) -> str:
     """The system text that offers tools to a model whose template has no place for them."""
     functions = json.dumps([t["function"] for t in tools])

@@ -107,16 +107,15 @@ class ToolCallParser:
         return out
 
     def finish(self) -> ParseOut:
-        """Everything still held: a call cut short keeps what it has; held text becomes content."""
+        """Everything still held: held text becomes content, and so does a call object cut short before its
+        name was read; a call cut inside its arguments keeps what it has (already handed out).
+
+        NOTE: the object and arguments states consume all they are fed, so only text and region hold any."""
         out = ParseOut()
         if self._state == "text":
             out.content += self._flush_spaces(self._pending, final=True)
         elif self._state == "object":
-            out.content += self._gap + self._object + self._pending  # never became a call: nothing is lost
-        elif self._state == "arguments":
-            self._args.append(self._pending)
-            out.calls.append(CallDelta(len(self.calls) - 1, arguments=self._pending))
-            self.calls[-1].arguments = "".join(self._args)
+            out.content += self._gap + self._object  # never became a call: nothing is lost
         self._pending = ""
         return out
 
@@ -240,8 +239,9 @@ class ToolCallParser:
             obj = json.loads(self._object)
             name = obj["name"]
             args = obj.get("arguments", obj.get("parameters", {}))
-            assert isinstance(name, str)
-        except (ValueError, KeyError, TypeError, AssertionError):
+        except (ValueError, KeyError, TypeError):
+            name = None
+        if not isinstance(name, str):
             out.content += self._gap + self._object  # no call after all: nothing is lost
             self._state = "text"
             return

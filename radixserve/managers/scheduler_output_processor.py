@@ -70,7 +70,7 @@ def host_logprobs(lp: TokenLogprobs | None) -> tuple[list[float] | None, list[li
 class OutputProcessor:
     def __init__(self, kv_manager: KVManager, queue: RequestQueue, planner: PrefillPlanner, stats: SchedulerStats,
                  tokenizer: Any, output_sink: Callable[[Any], None], log_interval: int, pool_tokens: int,
-                 jump_forward: JumpForward | None = None) -> None:
+                 jump_forward: JumpForward) -> None:
         self.kv_manager = kv_manager
         self.jump_forward = jump_forward
         self.pool_tokens = pool_tokens
@@ -154,7 +154,7 @@ class OutputProcessor:
 
     def jump(self, req: Req) -> None:
         """Appends what the request's grammar forces next, if enough (constrained/jump_forward.py)."""
-        tokens = self.jump_forward.forced_tokens(req) if self.jump_forward is not None else []
+        tokens = self.jump_forward.forced_tokens(req)
         if tokens:
             req.jump_forward(tokens)
             self.stats.num_jump_forwards += 1
