@@ -105,6 +105,9 @@ CHECK_FUTURE_MAP = _declare("RADIXSERVE_CHECK_FUTURE_MAP", False, parse_bool,
                             "debug: poison the future-token map and assert write-before-read, read-once")
 EXPLORER_SCREENSHOT = _declare("RADIXSERVE_EXPLORER_SCREENSHOT", None, Path,
                                "tests: the browser test also saves its screenshot of /cache/view here")
+GRAMMAR_MASK_ALL = _declare("RADIXSERVE_GRAMMAR_MASK_ALL", False, parse_bool,
+                            "1: fill every grammar row's token mask before sampling, instead of sampling greedy "
+                            "and plain-temperature rows first and masking only a refused token's row")
 CHECK_READS = _declare("RADIXSERVE_CHECK_READS", False, parse_bool,
                        "debug: count forwards that read req_to_token rows overwritten after launch")
 

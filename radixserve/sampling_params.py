@@ -39,6 +39,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: the text keeps special tokens (a stop token matched is still dropped)
     seed: int | None = None
     n: int = 1
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus penalty x times the token was generated

@@ -84,6 +84,18 @@ def test_stream_increments_equal_the_whole_and_stop_strings_are_cut(engine):
     assert "".join(c["text"] for c in streamed) == cut["text"]
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(engine):
+    """A special token forced by logit_bias (<|im_start|>, id 1) is dropped from the text by default and kept with
+    skip_special_tokens false, whole and streamed; the ids are the same either way."""
+    params = {**GREEDY, "max_new_tokens": 3, "logit_bias": {1: 100.0}}
+    default = engine.generate("Hello", params)
+    kept = engine.generate("Hello", {**params, "skip_special_tokens": False})
+    assert default["output_ids"] == kept["output_ids"] == [1, 1, 1]
+    assert default["text"] == "" and kept["text"] == "<|im_start|>" * 3
+    streamed = engine.generate("Hello", {**params, "skip_special_tokens": False}, stream=True)
+    assert "".join(c["text"] for c in streamed) == kept["text"]
+
+
 def test_invalid_requests_are_refused_with_reasons(engine):
     with pytest.raises(SamplingParamsError, match="temperature"):
         engine.generate("x", {"temperature": -1})

@@ -216,6 +216,13 @@ def test_flush_cache_409_while_running_then_200_with_tokens_freed(api_server: Se
     assert cold.usage.prompt_tokens_details.cached_tokens == 0  # the flush really emptied the tree
 
 
+def test_skip_special_tokens_passes_through_the_openai_api(api_client: OpenAI, model_name: str) -> None:
+    for skip, text in ((True, ""), (False, "<|im_start|><|im_start|>")):
+        r = api_client.completions.create(model=model_name, prompt="Hi", max_tokens=2, temperature=0,
+                                          logit_bias={"1": 100}, extra_body={"skip_special_tokens": skip})
+        assert r.choices[0].text == text
+
+
 def test_metrics_names_and_counts_add_up(api_server: ServerHandle, api_client: OpenAI, model_name: str) -> None:
     before = api_server.metrics()
     r = api_client.completions.create(model=model_name, prompt=_unique_text(), max_tokens=5, temperature=0,

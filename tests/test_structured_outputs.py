@@ -331,3 +331,32 @@ def test_jump_forward_appends_the_forced_text_without_decode_steps(engines):
         assert streamed == whole["text"]
         short = engine.generate("Write an invoice as JSON.", sampling_params={**params[0], "max_new_tokens": 12})
         assert short["meta_info"]["completion_tokens"] == 12 and short["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_sampling_first_and_masking_every_row_give_the_same_greedy_tokens(engines, monkeypatch):
+    """Greedy rows are sampled first and masked only when refused (constrained/batch_mask.py): the tokens equal
+    those of masking every row first, in both loops; the counters show which path each row took, and a row
+    that returns logprobs is always masked first."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    params = [{"json_schema": json.dumps(schema), "temperature": 0, "max_new_tokens": 40}] * 3
+    prompts = [PROMPT, "Give me a JSON person.", "Who are you? Answer in JSON."]
+    for engine in engines:
+        stats = engine.scheduler.stats
+        outs = {}
+        for mask_all in ("1", "0"):
+            monkeypatch.setenv("RADIXSERVE_GRAMMAR_MASK_ALL", mask_all)
+            before = (stats.grammar_rows_masked, stats.grammar_rows_checked, stats.grammar_rows_refused)
+            outs[mask_all] = [o["output_ids"] for o in engine.generate(prompts, sampling_params=params)]
+            moved = [now - then for now, then in zip((stats.grammar_rows_masked, stats.grammar_rows_checked,
+                                                      stats.grammar_rows_refused), before, strict=True)]
+            if mask_all == "1":
+                assert moved[0] > 0 and moved[1] == 0, moved
+            else:
+                assert moved[0] == 0 and moved[1] > 0 and 0 < moved[2] < moved[1], moved
+        assert outs["0"] == outs["1"]
+        monkeypatch.delenv("RADIXSERVE_GRAMMAR_MASK_ALL")
+        masked = stats.grammar_rows_masked
+        engine.generate(PROMPT, sampling_params=params[0], return_logprob=True)
+        assert stats.grammar_rows_masked > masked

@@ -164,3 +164,45 @@ def test_the_history_renders_the_calls_as_generated_and_the_tools_in_the_system_
     native = template_messages(chat, FORMATS["hermes"], plan)
     assert native[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "celsius"}
     assert native[2]["tool_call_id"] == "call_1" and native[0]["role"] == "user"  # the template places the tools
+
+
+def test_a_trigger_that_is_a_special_token_reaches_the_parser():
+    """Mistral's tokenizers hold `[TOOL_CALLS]` as one special token, and xgrammar lets the model write it (its
+    text is the trigger). Decoded without special tokens the call would read as content; a tool request on
+    such a tokenizer is decoded with them (formats.trigger_is_special), and the parser finds the call, whether
+    the model wrote the special token or spelled the trigger in ordinary tokens."""
+    import copy
+
+    import torch
+
+    from radixserve.client.text_stream import IncrementalDetokenizer
+    from radixserve.constrained.grammar_backend import GrammarBackend, GrammarSpec
+    from radixserve.function_call.formats import trigger_is_special
+    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.models.loader import embedded_model_path
+    from radixserve.models.model_folder import load_tokenizer
+
+    plain = load_tokenizer(gguf_to_hf_folder(embedded_model_path(), torch.float32))
+    assert not any(trigger_is_special(f, plain) for f in FORMATS.values())
+    tokenizer = copy.deepcopy(plain)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    special = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    fmt = FORMATS["mistral"]
+    assert trigger_is_special(fmt, tokenizer) and not trigger_is_special(FORMATS["hermes"], tokenizer)
+    grammars = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiled = grammars.submit(GrammarSpec("structural_tag", plan_tools(fmt, [WEATHER], "auto", True)
+                                           .grammar()["structural_tag"])).result(60)
+    text = fmt.render_calls([("get_weather", '{"city": "Paris", "unit": "celsius"}')])
+    as_special = tokenizer.encode(text, add_special_tokens=False)
+    spelled = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    assert as_special[0] == special and special not in spelled
+    for ids in (as_special, spelled):
+        matcher = grammars.matcher(compiled)
+        for token in ids:
+            matcher.accept_token(token)
+        assert not matcher.rejected
+        for skip, found in ((True, ids is spelled), (False, True)):
+            detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+            pieces = [detok.feed([t]) for t in ids] + [detok.finish([], None)]
+            calls = parse("mistral", pieces)[1]
+            assert (calls == [("get_weather", '{"city": "Paris", "unit": "celsius"}')]) == found, (skip, ids)

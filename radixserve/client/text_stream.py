@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 
-def final_text(tokenizer: Any, output_ids: list[int], finish_reason: dict[str, Any] | None) -> str:
+def final_text(tokenizer: Any, output_ids: list[int], finish_reason: dict[str, Any] | None,
+               skip_special_tokens: bool = True) -> str:
     """The text of a finished request: a matched stop token is dropped, a stop string cut off."""
     ids = output_ids
     matched = (finish_reason or {}).get("matched") if (finish_reason or {}).get("type") == "stop" else None
     if isinstance(matched, int) and ids and ids[-1] == matched:
         ids = ids[:-1]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     if isinstance(matched, str):
         cut = text.find(matched)
         if cut >= 0:
@@ -28,8 +29,9 @@ def final_text(tokenizer: Any, output_ids: list[int], finish_reason: dict[str, A
 class IncrementalDetokenizer:
     """Feeds token ids in, gives text deltas out; `finish` returns the rest of the final text."""
 
-    def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
@@ -38,7 +40,7 @@ class IncrementalDetokenizer:
         self.holdback = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def feed(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
@@ -55,7 +57,7 @@ class IncrementalDetokenizer:
     def finish(self, new_ids: list[int], finish_reason: dict[str, Any] | None) -> str:
         """The last ids and the finish reason in; the rest of the final text out."""
         self.ids.extend(new_ids)
-        full = final_text(self.tokenizer, self.ids, finish_reason)
+        full = final_text(self.tokenizer, self.ids, finish_reason, self.skip_special_tokens)
         emitted = self.text[:self.sent]
         # NOTE: emitted text never reaches into a stop string (held back), so `full` extends it.
         delta = full[len(emitted):] if full.startswith(emitted) else full[min(self.sent, len(full)):]

@@ -70,6 +70,17 @@ class Grammar:
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next; the matcher's state is left as it was."""
+        if not self._matcher.accept_token(token):
+            return False
+        self._matcher.rollback(1)
+        return True
+
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        """Fills `row` of `bitmask` with the tokens that may come next."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
 
 class GrammarBackend:
     """xgrammar's compiler for one tokenizer and vocabulary, a worker thread that runs it, and the cache."""

@@ -85,6 +85,7 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # vLLM's and SGLang's extension
     seed: int | None = None
     rid: str | None = None  # SGLang's extension: a name for the request, for /abort_request
     n: int = 1
@@ -188,6 +189,7 @@ class NativeSamplingParams(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # SGLang's name
     seed: int | None = None
     n: int = 1
     frequency_penalty: float = 0.0

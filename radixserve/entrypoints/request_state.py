@@ -101,7 +101,7 @@ class RequestState:
         return self.tokenizer.decode([token_id])
 
     def result(self) -> dict[str, Any]:
-        return {"text": final_text(self.tokenizer, self.output_ids, self.finish_reason),
+        return {"text": final_text(self.tokenizer, self.output_ids, self.finish_reason, self.params.skip_special_tokens),
                 "output_ids": list(self.output_ids), "meta_info": self.meta_info()}
 
 
@@ -134,7 +134,7 @@ class RequestHandle:
         state = self._state
         if state.increments is None:
             raise ValueError("this request was not submitted with stream=True")
-        detok = IncrementalDetokenizer(state.tokenizer, state.params.stop)
+        detok = IncrementalDetokenizer(state.tokenizer, state.params.stop, state.params.skip_special_tokens)
         finished = False
         try:
             while not finished:

@@ -63,7 +63,7 @@ from radixserve.function_call.chat_tools import (
     template_messages,
     template_tools,
 )
-from radixserve.function_call.formats import choose_format
+from radixserve.function_call.formats import choose_format, trigger_is_special
 
 
 class _Usage:
@@ -103,6 +103,7 @@ class OpenAIServing:
         self.model_name = tm.info.model_name
         self.texts = texts or TokenTexts(tm.tokenizer)
         self.tool_format = choose_format(tm.config.tool_call_parser, getattr(tm.tokenizer, "chat_template", None))
+        self.special_trigger = trigger_is_special(self.tool_format, tm.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, GATEWAY_UNSET_MODEL):
@@ -130,12 +131,14 @@ class OpenAIServing:
             # NOTE: a forced call replaces the answer's format; under auto the answer is that JSON or calls
             answer = json.loads(grammar["json_schema"]) if grammar and tools.choice == "auto" else None
             grammar = tools.grammar(answer)
+        # NOTE: a trigger that is a special token must reach the tool-call parser (formats.trigger_is_special)
+        keep_special = tools is not None and tools.parses_calls and self.special_trigger
         return make_sampling_params(
             True, self.tm.info.vocab_size, **grammar, max_new_tokens=max_new_tokens,
             temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, seed=req.seed, n=req.n, frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty,
-            min_new_tokens=req.min_tokens, logit_bias=token_id_keys(req.logit_bias, self.tm.info.vocab_size))
+            skip_special_tokens=req.skip_special_tokens and not keep_special, min_new_tokens=req.min_tokens, logit_bias=token_id_keys(req.logit_bias, self.tm.info.vocab_size))
 
     # -------------------------------------------------------------------------- completions
 

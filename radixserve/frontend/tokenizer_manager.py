@@ -213,7 +213,8 @@ class TokenizerManager:
         rid = uuid.uuid4().hex
         owner = namespace_owner(req.extra_key)
         # NOTE: the scheduler matches stop strings; the detokenizer only holds back their possible prefixes.
-        detok = IncrementalDetokenizer(self._detok_tokenizer, req.sampling_params.stop)
+        detok = IncrementalDetokenizer(self._detok_tokenizer, req.sampling_params.stop,
+                                       req.sampling_params.skip_special_tokens)
         state = _ReqState(rid, len(req.input_ids), detok, client_rid=req.client_rid, owner=owner)
         self._states.add(rid, state)
         try:

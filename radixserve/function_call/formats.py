@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,16 @@ SMOLLM2 = ToolCallFormat("smollm2", "<tool_call>", "<tool_call>", "</tool_call>"
 FORMATS = {f.name: f for f in (HERMES, LLAMA3, MISTRAL, SMOLLM2)}
 ALIASES = {"qwen25": "hermes", "qwen": "hermes", "llama3_json": "llama3", "llama": "llama3"}
 TOOL_CALL_PARSERS = ("auto", *FORMATS, *ALIASES)
+
+
+def trigger_is_special(fmt: ToolCallFormat, tokenizer: Any) -> bool:
+    """Whether the tokenizer holds the format's trigger as one special token (Mistral's `[TOOL_CALLS]`).
+
+    NOTE: then a tool request's text is decoded with its special tokens: xgrammar lets the model write that
+    token (its text is the trigger), and text decoded without special tokens would hide the call from the
+    parser."""
+    ids = tokenizer.encode(fmt.trigger, add_special_tokens=False)
+    return len(ids) == 1 and ids[0] in set(tokenizer.all_special_ids)
 
 
 def template_supports_tools(chat_template: str | None) -> bool:

@@ -10,14 +10,16 @@ per step, 27 ms on 2 cores (48 ms with per-row seeded generators), the inversion
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from radixserve.layers.penalties import PenaltyBatchInfo, PenaltyState
 from radixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.constrained.batch_mask import BatchMask
 
 _MASK64 = (1 << 64) - 1
 FORBIDDEN_LOGPROB = -9999.0
@@ -38,11 +40,9 @@ class SamplingBatchInfo:
     need_min_p: bool
     generator_seed: int | None = None  # seeds the Sampler's stream for rows without a seed
     penalties: PenaltyBatchInfo | None = None  # penalties, min_new_tokens, logit_bias (set by the scheduler)
-    # Constrained decoding (managers/grammar_manager.py): int32 [bs, ceil(vocab / 32)] allowed tokens, filled by
-    # the scheduler once the rows' earlier tokens are accepted; sampling waits for `mask_ready`.
-    vocab_mask: torch.Tensor | None = None
-    mask_ready: threading.Event | None = None
-    grammar_reqs: list | None = None
+    # Constrained decoding (constrained/batch_mask.py): the rows' grammars, set by the scheduler once the rows'
+    # earlier tokens are accepted; sampling waits for them.
+    grammar_mask: BatchMask | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], output_lens: list[int], device: torch.device | str,
@@ -82,7 +82,7 @@ def compute_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, info: Samplin
     SGLang); greedy rows use temperature 1, i.e. the model's own distribution. A token a grammar forbids
     (logit -inf) gets -9999.0, OpenAI's stand-in, so that every logprob is a JSON number."""
     out = compute_input_logprobs(logits.float() / info.temperatures, next_ids, top_k)
-    if info.vocab_mask is None:
+    if info.grammar_mask is None:
         return out
     return TokenLogprobs(*(torch.nan_to_num(t, neginf=FORBIDDEN_LOGPROB) if t.is_floating_point() else t for t in out))
 
@@ -106,17 +106,20 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """logits: float [bs, vocab] -> int64 [bs]. Penalties apply to greedy rows too.
 
-        A grammar's bitmask is applied to `logits` in place first, so the logprobs computed from them afterwards
-        are those of the constrained distribution (as SGLang's)."""
-        if info.vocab_mask is not None:
-            from radixserve.constrained.grammar_backend import apply_token_bitmask
-
-            if info.mask_ready is not None:
-                info.mask_ready.wait()
-            apply_token_bitmask(logits, info.vocab_mask)
+        A grammar row is masked in place before sampling, or sampled first and masked and sampled again only if
+        its grammar refuses the token (constrained/batch_mask.py: the same distribution); either way the
+        logprobs computed from `logits` afterwards are those of the constrained distribution (as SGLang's)."""
+        mask = info.grammar_mask
+        if mask is not None:
+            mask.apply(logits)
+        processed = logits
         if info.penalties is not None:
-            logits = self.penalties.process(logits, info.penalties)
-        next_ids = self._sample(logits, info)
+            processed = self.penalties.process(logits, info.penalties)
+        next_ids = self._sample(processed, info)
+        if mask is not None:
+            refused = mask.refused(next_ids)
+            if refused:
+                next_ids = self._sample_refused(logits, processed, next_ids, info, refused)
         if info.penalties is not None:
             self.penalties.record(next_ids, info.penalties)
         return next_ids
@@ -128,23 +131,42 @@ class Sampler:
         probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = _filter_probs(probs, info)
-        cdf = probs.double().cumsum(dim=-1)
-        target = self._uniforms(probs, info).unsqueeze(1) * cdf[:, -1:]
-        # NOTE: right=True: the first token whose cumulative mass exceeds the target, so a token of zero
-        # probability (its cumulative mass equal to its predecessor's) is never chosen
-        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-        return torch.where(info.greedy, greedy_ids, sampled)
+        return torch.where(info.greedy, greedy_ids, _invert_cdf(probs, self._uniforms(probs.shape[0], info)))
 
-    def _uniforms(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """float64 [bs] in [0, 1): seeded rows from (seed, output index), the others from the stream."""
+    def _sample_refused(self, logits: torch.Tensor, processed: torch.Tensor, next_ids: torch.Tensor,
+                        info: SamplingBatchInfo, rows: list[int]) -> torch.Tensor:
+        """Samples `rows` again from their masked distribution (their bitmask rows are filled now): greedy rows
+        by argmax, the others (plain temperature: nothing else is checked after sampling) with a second
+        uniform."""
+        from radixserve.constrained.batch_mask import apply_rows
+
+        bitmask = info.grammar_mask.bitmask
+        apply_rows(logits, bitmask, rows)  # NOTE: logprobs are computed from `logits` afterwards
+        if processed is not logits:
+            apply_rows(processed, bitmask, rows)
+        index = torch.tensor(rows, device=logits.device)
+        part = processed.index_select(0, index)
+        greedy_ids = torch.argmax(part, dim=-1)
+        probs = torch.softmax(part.float() / info.temperatures.index_select(0, index), dim=-1)
+        sampled = _invert_cdf(probs, self._uniforms(len(rows), info, rows, draw=1))
+        next_ids = next_ids.clone()
+        next_ids[index] = torch.where(info.greedy.index_select(0, index), greedy_ids, sampled)
+        return next_ids
+
+    def _uniforms(self, n: int, info: SamplingBatchInfo, rows: list[int] | None = None, draw: int = 0) -> torch.Tensor:
+        """float64 [n] in [0, 1) for the batch's rows (or `rows` of it): seeded rows from (seed, output index,
+        draw), the others from the stream. `draw` 1 is a row's second uniform of a step (a refused token)."""
+        device = info.temperatures.device
         seed = self.seed if info.generator_seed is None else info.generator_seed
-        u = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device,
-                       generator=self._generator(probs.device, seed))
-        seeded = [(row, s) for row, s in enumerate(info.seeds) if s is not None]
+        u = torch.rand(n, dtype=torch.float64, device=device, generator=self._generator(device, seed))
+        rows = range(n) if rows is None else rows
+        seeded = [(i, info.seeds[row], info.output_lens[row]) for i, row in enumerate(rows)
+                  if info.seeds[row] is not None]
         if seeded:
-            rows = torch.tensor([row for row, _ in seeded], device=probs.device)
-            values = [(_mix_seed(s, info.output_lens[row]) >> 10) * 2.0 ** -53 for row, s in seeded]
-            u[rows] = torch.tensor(values, dtype=torch.float64, device=probs.device)
+            at = torch.tensor([i for i, _, _ in seeded], device=device)
+            values = [(_mix_seed(_mix_seed(s, index), draw - 1) if draw else _mix_seed(s, index)) >> 10
+                      for _, s, index in seeded]
+            u[at] = torch.tensor([v * 2.0 ** -53 for v in values], dtype=torch.float64, device=device)
         return u
 
     def _generator(self, device: torch.device, seed: int | None) -> torch.Generator:
@@ -157,6 +179,15 @@ class Sampler:
                 g.manual_seed(seed)
             self._generators[key] = g
         return self._generators[key]
+
+
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds u * the row's total (int64 [bs])."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = u.unsqueeze(1) * cdf[:, -1:]
+    # NOTE: right=True: the first token whose cumulative mass exceeds the target, so a token of zero
+    # probability (its cumulative mass equal to its predecessor's) is never chosen
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def _filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

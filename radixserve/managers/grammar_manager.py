@@ -17,7 +17,6 @@ A batch dropped after a failure has its mask released unfilled (`release`), so n
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -96,30 +95,35 @@ class GrammarManager:
     # ---- the batch's bitmask --------------------------------------------------------------------------
     def attach(self, info: Any, reqs: list[Req]) -> None:
         """Gives a batch with grammar rows an all-allowed bitmask to fill, and the event sampling waits on."""
+        from radixserve.constrained.batch_mask import BatchMask
+
         if not any(r.grammar is not None for r in reqs):
             return
-        info.vocab_mask = self.backend.allocate_bitmask(len(reqs))
-        info.mask_ready = threading.Event()
-        info.grammar_reqs = list(reqs)
+        info.grammar_mask = BatchMask(self.backend.allocate_bitmask(len(reqs)), list(reqs))
 
     def fill(self, info: Any) -> None:
-        """Fills each grammar row of the batch's bitmask, then lets sampling go on. Only once every earlier
-        result is processed (module docstring); rows of requests that finished or whose token is dropped
-        (a non-final chunk) stay unconstrained."""
-        event = getattr(info, "mask_ready", None)
-        if event is None or event.is_set():
-            return
-        try:
-            rows = [(row, req.grammar) for row, req in enumerate(info.grammar_reqs)
-                    if req.grammar is not None and not (req.finished() or req.is_chunked or req.grammar.rejected
-                                                        or req.grammar.is_terminated())]
-            self.backend.fill_bitmask(info.vocab_mask, rows)
-        finally:
-            event.set()
+        """Fills the grammar rows that sampling masks first and names those it checks after it
+        (constrained/batch_mask.py), then lets sampling go on. Only once every earlier result is processed
+        (module docstring); rows of requests that finished or whose token is dropped (a non-final chunk) stay
+        unconstrained."""
+        from radixserve.constrained.batch_mask import checked_after_sampling
 
-    @staticmethod
-    def release(info: Any) -> None:
+        mask = getattr(info, "grammar_mask", None)
+        if mask is None or mask.ready.is_set():
+            return
+        masked, checked = [], []
+        try:
+            for row, req in enumerate(mask.reqs):
+                grammar = req.grammar
+                if grammar is None or req.finished() or req.is_chunked or grammar.rejected or grammar.is_terminated():
+                    continue
+                rows = checked if checked_after_sampling(req.sampling_params, req.logprob.return_logprob) else masked
+                rows.append((row, grammar))
+        finally:
+            mask.set_rows(masked, checked, self.backend.fill_bitmask)
+
+    def release(self, info: Any) -> None:
         """Lets a dropped batch's sampling go on without filling (after a failure: its result is discarded)."""
-        event = getattr(info, "mask_ready", None)
-        if event is not None:
-            event.set()
+        mask = getattr(info, "grammar_mask", None)
+        if mask is not None:
+            mask.release()

@@ -21,6 +21,9 @@ class SchedulerStats:
     num_retractions: int = 0
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a decode step
     num_jump_forwards: int = 0
+    grammar_rows_masked: int = 0  # grammar rows whose token mask was filled before sampling
+    grammar_rows_checked: int = 0  # grammar rows sampled first, their token checked (constrained/batch_mask.py)
+    grammar_rows_refused: int = 0  # of those, rows whose token the grammar refused: masked and sampled again
     prompt_tokens: int = 0  # Σ prompt lengths of admitted requests (first prefill only)
     cached_tokens: int = 0  # Σ of their cache hits (first prefill only)
     generated_tokens: int = 0

@@ -90,6 +90,7 @@ class OutputProcessor:
         result = GenerationBatchResult(output.next_token_ids.tolist(), *host_logprobs(output.logprobs),
                                        host_input_logprobs(output.input_logprobs, counts))
         is_extend = launched.batch.forward_mode.is_extend()
+        self._count_grammar_rows(launched.sampling_info)
         if launched.lag == 0:
             # NOTE: the normal loop waits for each forward at once: its wall time (unknown under overlap)
             elapsed = time.perf_counter() - launched.launched_at
@@ -111,6 +112,13 @@ class OutputProcessor:
             self.process_batch_result_prefill(batch, result)
         else:
             self.process_batch_result_decode(batch, result)
+
+    def _count_grammar_rows(self, info: Any) -> None:
+        mask = info.grammar_mask
+        if mask is not None:
+            self.stats.grammar_rows_masked += len(mask.masked)
+            self.stats.grammar_rows_checked += len(mask.checked)
+            self.stats.grammar_rows_refused += mask.num_refused
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
