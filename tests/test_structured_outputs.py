@@ -360,3 +360,35 @@ def test_sampling_first_and_masking_every_row_give_the_same_greedy_tokens(engine
         masked = stats.grammar_rows_masked
         engine.generate(PROMPT, sampling_params=params[0], return_logprob=True)
         assert stats.grammar_rows_masked > masked
+
+
+def test_forced_tokens_fed_through_decode_steps_equal_one_extend(engines, monkeypatch):
+    """Jump-forward's forced tokens are computed by one extend (small batches) or fed one per decode step
+    (jump_forward.extends: large batches): the same tokens and logprobs (greedy, seeded, and a frequency
+    penalty whose history must hold the forced tokens and never a dropped sample); feeding takes no prefill
+    step for them, and the outputs validate."""
+    import radixserve.constrained.jump_forward as jump_forward
+
+    params = [{"json_schema": LONG_KEYS, "max_new_tokens": 90, "temperature": t, "seed": 9, "frequency_penalty": f}
+              for t, f in ((0, 0.0), (0.9, 0.0), (0, 1.5), (0.8, 0.8))]
+    prompts = ["Write an invoice as JSON.", "Invoice for Ada, please (JSON).", "JSON invoice:", "An invoice."]
+    for engine in engines:
+        stats = engine.scheduler.stats
+        seen = {}
+        for rows in (4, 0):  # 4: every jump extends; 0: every jump is fed through decode steps
+            monkeypatch.setattr(jump_forward, "EXTEND_ALWAYS_TOKENS", 1 if rows else 10**6)
+            monkeypatch.setattr(jump_forward, "EXTEND_MAX_BATCH", rows)
+            prefills, jumped = stats.num_prefill_batches, stats.jump_forward_tokens
+            outs = engine.generate(prompts, sampling_params=params, return_logprob=True)
+            for out in outs:
+                jsonschema.validate(json.loads(out["text"]), LONG_KEYS)
+                assert len(out["meta_info"]["output_token_logprobs"]) == out["meta_info"]["completion_tokens"]
+            seen[rows] = ([o["output_ids"] for o in outs],
+                          [[lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs],
+                          stats.num_prefill_batches - prefills, stats.jump_forward_tokens - jumped)
+        (ids_x, lps_x, prefills_x, jumped_x), (ids_f, lps_f, prefills_f, jumped_f) = seen[4], seen[0]
+        assert ids_x == ids_f
+        for x, f in zip(lps_x, lps_f, strict=True):  # NOTE: one extend and single-token decodes round differently
+            assert x == pytest.approx(f, abs=2e-3)
+        assert jumped_x == jumped_f >= 100
+        assert prefills_f <= len(prompts) < prefills_x, (prefills_f, prefills_x)

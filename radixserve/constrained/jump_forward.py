@@ -4,12 +4,17 @@ rest of an enum value), append it without decode steps.
 Each time a sampled token is appended (the output processor, after the stop checks), a request whose grammar
 now forces a string of at least `MIN_JUMP_TOKENS` tokens gets those tokens appended too (its matcher accepts
 each; logprob 0, the only choice the grammar left). The decision is a function of the tokens alone, so both
-loops, and a request retracted on the way, jump at the same points and write the same tokens. The request
-then needs an extend: at the next decode step the decode planner hands its KV to the radix tree
-(`release(insert=True)`, as a finished request's) and puts it at the front of the waiting queue; its next
-prefill finds everything cached and computes its last token and the forced ones in one extend instead of a
-decode step each. NOTE: under the overlap loop a decode step of it launched before the jump samples from the
-state before the forced tokens; its token is dropped (`forced_pending`), its KV (of a token before them) kept.
+loops, and a request retracted on the way, jump at the same points and write the same tokens. Their KV is
+computed one of two ways (`extends`, decided by the decode planner at the next step):
+- one extend: the planner hands the request's KV to the radix tree (`release(insert=True)`, as a finished
+  request's) and puts it at the front of the waiting queue; its next prefill finds everything cached and
+  computes its last token and the forced ones in one forward instead of a decode step each;
+- fed: it stays in the decode batch, and each decode step takes the next forced token as its input (the host
+  knows it: `ScheduleBatch.prepare_for_decode`) and drops its sample, until the last forced token's step,
+  whose sample is kept (`Req.samples_next`). No step of its own, for batches where an extend would stall more
+  rows than it saves.
+NOTE: under the overlap loop a decode step launched before the jump samples from the state before the forced
+tokens; its token is dropped (`Req.samples_next`), its KV (of the token before them) kept.
 
 The forced string is tokenized on its own, and kept only if those tokens spell exactly it after the
 request's last token (no merge across the boundary, no added leading space) and the grammar accepts each;
@@ -21,6 +26,18 @@ from __future__ import annotations
 from typing import Any
 
 MIN_JUMP_TOKENS = 3  # fewer: one extend step would save too little over as many decode steps
+EXTEND_ALWAYS_TOKENS = 7  # a forced string this long takes one extend in a batch of any size
+EXTEND_MAX_BATCH = 2  # a shorter one only in a running batch this small; else it is fed through decode steps
+
+
+def extends(forced: int, batch_size: int) -> bool:
+    """Whether `forced` tokens are computed by one extend (the request leaves the decode batch for a step of
+    its own, which the other rows wait for) or fed through decode steps, one per step (no step of its own,
+    no speed-up, no mask to fill). NOTE: the tokens are the same either way; only how their KV is computed
+    differs. Measured (bench_structured.py's schemas, docs/structured_outputs.md): short keys (3-6 forced
+    tokens) gain from extends at batch 1-2 (1.1-1.5x) and lose at 4-32 (0.77-0.98x); long keys (7-18) gain at
+    every batch size from 1 to 32 (1.3-2.7x)."""
+    return forced >= EXTEND_ALWAYS_TOKENS or batch_size <= EXTEND_MAX_BATCH
 
 
 class JumpForward:

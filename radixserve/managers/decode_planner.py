@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from radixserve import envs
+from radixserve.constrained.jump_forward import extends
 from radixserve.managers.prefill_planner import PrefillPlanner
 from radixserve.managers.req import FinishReason
 from radixserve.managers.request_queue import RequestQueue
@@ -53,16 +54,22 @@ class DecodePlanner:
         return batch
 
     def _extend_jumped(self, batch: ScheduleBatch) -> None:
-        """Requests that took jump-forward tokens (constrained/jump_forward.py) leave for one extend: their
-        computed KV to the tree, themselves to the front of the queue."""
+        """Requests that took jump-forward tokens (constrained/jump_forward.py) either leave for one extend
+        (their computed KV to the tree, themselves to the front of the queue) or stay and are fed the forced
+        tokens one per decode step, as `jump_forward.extends` decides for the batch's size."""
         jumped = [r for r in batch.reqs if r.forced_pending]
         if not jumped:
             return
+        leaving = [r for r in jumped if extends(r.forced_pending, batch.batch_size())]
         for req in jumped:
-            self.prefill.kv_manager.release(req, insert=True)
-        batch.reqs = [r for r in batch.reqs if not r.forced_pending]
-        self.prefill.room_freed()
-        self.queue.push_front(jumped)
+            if req in leaving:
+                self.prefill.kv_manager.release(req, insert=True)
+            else:
+                req.feed_forced()
+        if leaving:
+            batch.reqs = [r for r in batch.reqs if not r.forced_pending]
+            self.prefill.room_freed()
+            self.queue.push_front(leaving)
 
     def _retract(self, batch: ScheduleBatch) -> None:
         old_ratio = self.new_token_ratio.value

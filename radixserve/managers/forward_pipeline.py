@@ -128,6 +128,8 @@ class ForwardPipeline:
                 self.counters.corrupted_reads += 1
             if fb.forward_mode.is_decode():
                 fb.input_ids = self.future_map.resolve(fb.req_pool_indices)
+                if fb.host_input_ids is not None:
+                    fb.input_ids[fb.host_input_ids[0]] = fb.host_input_ids[1]
             logits = runner.forward(fb, read_done)
         except BaseException:
             read_done.record()  # NOTE: even on failure, or the scheduler would wait on read_done forever

@@ -115,7 +115,8 @@ class GrammarManager:
         try:
             for row, req in enumerate(mask.reqs):
                 grammar = req.grammar
-                if grammar is None or req.finished() or req.is_chunked or grammar.rejected or grammar.is_terminated():
+                if (grammar is None or req.finished() or req.is_chunked or grammar.rejected or grammar.is_terminated()
+                        or not req.samples_next(req.kv.kv_allocated_len)):  # NOTE: a sample to be dropped
                     continue
                 rows = checked if checked_after_sampling(req.sampling_params, req.logprob.return_logprob) else masked
                 rows.append((row, grammar))

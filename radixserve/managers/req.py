@@ -112,6 +112,18 @@ class Req:
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    def samples_next(self, kv_len: int) -> bool:
+        """Whether a forward that leaves `kv_len` tokens with KV samples a token this request keeps: no token
+        after them is known yet. False while a jump-forward's forced tokens are fed through decode steps (or a
+        decode step launched before the jump), whose samples are dropped."""
+        return kv_len >= self.seqlen
+
+    def feed_forced(self) -> None:
+        """Its forced tokens go through decode steps, one per step, instead of one extend (decode_planner.py);
+        its penalty history is rebuilt from the host's tokens (the forced ones in, dropped samples out)."""
+        self.forced_pending = 0
+        self.penalty_reset = True
+
     @property
     def extend_input_len(self) -> int:
         """Tokens this round computes: `fill_ids` beyond the prefix whose KV exists."""

@@ -102,9 +102,22 @@ class ScheduleBatch:
         reqs = self.reqs
         out_cache_loc = self.kv_manager.alloc_decode(reqs)
         seq_lens = [r.kv.kv_allocated_len for r in reqs]
-        self.forward_batch = ForwardBatch.for_decode(None, [r.kv.req_pool_idx for r in reqs], seq_lens,
-                                                     out_cache_loc, self.device)
-        return self.forward_batch
+        fb = ForwardBatch.for_decode(None, [r.kv.req_pool_idx for r in reqs], seq_lens, out_cache_loc, self.device)
+        fb.host_input_ids = self._forced_inputs(seq_lens)
+        self.forward_batch = fb
+        return fb
+
+    def _forced_inputs(self, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows whose input token (position seq_len - 1) the host knows: every row in the normal loop, and
+        under overlap the rows fed a jump-forward's forced tokens, whose previous sample was dropped
+        (Req.samples_next); the others take the in-flight sample from the FutureMap."""
+        fed = [(i, r.output_ids[s - 1 - len(r.origin_input_ids)]) for i, (r, s) in enumerate(zip(self.reqs, seq_lens,
+                                                                                              strict=True))
+               if s <= r.seqlen]
+        if not fed:
+            return None
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
+        return as_long([i for i, _ in fed]), as_long([t for _, t in fed])
 
     def check_decode_mem(self, reqs: list[Req] | None = None) -> bool:
         """Evict the shortfall, then say whether the next decode step's slots are available."""
@@ -164,7 +177,8 @@ def penalty_info(reqs: list[Req], output_lens: list[int], device: torch.device,
             bias[1].append(token)
             bias[2].append(float(value))
     # NOTE: a non-final prefill chunk samples a token that is dropped; it must not enter the history.
-    record = [not is_extend or len(r.fill_ids) >= len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+    # NOTE: nor a decode step's sample dropped while a jump-forward's forced tokens are fed (Req.samples_next).
+    record = [r.samples_next(len(r.fill_ids) if is_extend else r.kv.kv_allocated_len) for r in reqs]
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)

@@ -145,8 +145,8 @@ class OutputProcessor:
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if req.finished():
                 continue
-            if req.forced_pending and req.to_abort is None:
-                continue  # NOTE: launched before its jump-forward: sampled from the state before the forced tokens
+            if req.to_abort is None and not req.samples_next(req.kv.kv_committed_len):
+                continue  # NOTE: a forced token was fed, or launched before a jump-forward: its sample is dropped
             if req.to_abort is None:
                 self.append_output_token(req, token, result, i)
             req.check_finished(self.tokenizer)

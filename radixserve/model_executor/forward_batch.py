@@ -49,6 +49,9 @@ class ForwardBatch:
     extra_top_k: int = 0
     input_logprob_counts: list[int] | None = None  # per request: how many of the extra rows are its
     input_logprobs: object | None = None
+    # Decode only: (batch indices, token ids) of rows whose input token the host knows and the previous
+    # sample is not (a jump-forward's forced tokens fed one per step); they replace the resolved ids.
+    host_input_ids: tuple[torch.Tensor, torch.Tensor] | None = None
     # Set by the model runner before the forward: the pools and backend the layers use.
     req_to_token_pool: object | None = None
     token_to_kv_pool: object | None = None
