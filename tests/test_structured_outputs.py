@@ -177,7 +177,8 @@ def test_logprobs_under_a_grammar_are_finite_json_numbers(engines):
 def test_grammars_follow_their_requests_through_retraction_and_abort(engines, monkeypatch):
     """One request retracted every 2 decode steps (re-prefilled with the outputs it made, in chunks of 16): the
     matcher has accepted exactly the tokens the request keeps, so greedy outputs equal an undisturbed run's and
-    validate; aborting a request that runs under a grammar loses nothing."""
+    validate, with jump-forward's tokens extended or fed through decode steps; aborting a request that runs
+    under a grammar loses nothing."""
     from radixserve import Engine
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -189,13 +190,17 @@ def test_grammars_follow_their_requests_through_retraction_and_abort(engines, mo
     prompts = [f"Item {i}: describe it briefly." for i in range(len(params))]
     calm = [o["output_ids"] for o in engines[1].generate(prompts, sampling_params=params)]
     monkeypatch.setenv("RADIXSERVE_TEST_RETRACT_INTERVAL", "2")
-    for overlap in (True, False):
+    import radixserve.constrained.jump_forward as jump_forward
+
+    for overlap, fed in ((True, False), (False, False), (True, True), (False, True)):
+        # NOTE: fed: every jump-forward's tokens go through decode steps, retracted on the way too
+        monkeypatch.setattr(jump_forward, "EXTEND_ALWAYS_TOKENS", 10**6 if fed else 1)
         engine = Engine(dtype="float32", max_total_tokens=2048, chunked_prefill_size=16, log_level="warning",
                         disable_overlap_schedule=not overlap)
         try:
             outs = engine.generate(prompts, sampling_params=params)
             assert engine.scheduler.stats.num_retractions >= 2
-            assert [o["output_ids"] for o in outs] == calm, overlap
+            assert [o["output_ids"] for o in outs] == calm, (overlap, fed)
             for out in outs[:3]:
                 jsonschema.validate(json.loads(out["text"]), schema)
             stream = engine.generate(PROMPT, sampling_params={"json_schema": schema, "max_new_tokens": 60},

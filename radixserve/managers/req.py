@@ -87,7 +87,7 @@ class Req:
         self.penalty_reset = False  # a new row: its penalty history must be rebuilt in the next forward
         self.kv = ReqKV()
         self.grammar: Any = None  # constrained decoding: its matcher (constrained/grammar_backend.Grammar), once compiled
-        self.forced_pending = 0  # jump-forward tokens appended since its last round: it needs an extend
+        self.forced_pending = 0  # jump-forward tokens appended since its last round: the decode planner decides
         # Lifecycle.
         self.finished_reason: FinishReason | None = None
         self.to_abort: FinishReason | None = None
@@ -267,7 +267,7 @@ class Req:
 
     def jump_forward(self, tokens: list[int]) -> None:
         """The tokens its grammar forced (its matcher accepted them) follow its outputs, each with logprob 0 (the
-        only choice left); no decode step may run it until an extend has computed them (`forced_pending`)."""
+        only choice left); the decode planner then has them extended or fed (`forced_pending`, jump_forward.py)."""
         self.output_ids.extend(tokens)
         self.forced_pending += len(tokens)
         if self.logprob.return_logprob:
