@@ -9,6 +9,10 @@ sides; the table shows medians.
 
     python benchmarks/bench_structured.py                 # docs/benchmarks.md section + docs/bench_structured.png
     python benchmarks/bench_structured.py --no-docs --rounds 1
+    python benchmarks/bench_structured.py --jump-sweep    # how jump-forward's tokens get their KV, by batch size
+
+The jump sweep runs json_schema with jump-forward at batch 1-32 three ways: every jump by one extend, every
+jump fed through decode steps, and the engine's choice (`jump_forward.extends`), each against jump-forward off.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_structured.png"
 BEGIN, END = "<!-- bench_structured:begin -->", "<!-- bench_structured:end -->"
+SWEEP_BEGIN, SWEEP_END = "<!-- bench_structured_jump:begin -->", "<!-- bench_structured_jump:end -->"
+SWEEP_BATCHES = (1, 2, 4, 8, 16, 32)
+SWEEP_WAYS = {"extend": (1, 10**6), "fed": (10**6, 0), "chosen": None}  # (EXTEND_ALWAYS_TOKENS, EXTEND_MAX_BATCH)
 SCHEMA = {"type": "array", "minItems": 64, "items": {
     "type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
@@ -49,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--jump-sweep", action="store_true", help="extend vs fed jump-forward by batch size instead")
     return p.parse_args(argv)
 
 
@@ -89,6 +97,17 @@ def main() -> None:
     from radixserve import Engine
 
     engine = Engine(dtype=args.dtype, log_level="warning")
+    if args.jump_sweep:
+        try:
+            section = jump_sweep(engine, args)
+        finally:
+            engine.shutdown()
+        print(section)
+        if not args.no_docs:
+            from radixserve.bench.docs import write_doc_section
+
+            write_doc_section(DOCS, SWEEP_BEGIN, SWEEP_END, section)
+        return
     try:
         first, cached = compile_times(engine)
         for mode in MODES:  # NOTE: warm-up of every path
@@ -116,6 +135,52 @@ def main() -> None:
 
         write_doc_section(DOCS, BEGIN, END, section)
         plot(medians)
+
+
+def jump_sweep(engine, args) -> str:
+    """json_schema tok/s with jump-forward extended, fed, and as the engine chooses, over jump-forward off."""
+    import platform
+
+    import torch
+
+    import radixserve.constrained.jump_forward as jump_forward
+    from radixserve.bench.docs import cpu_header
+
+    chosen = (jump_forward.EXTEND_ALWAYS_TOKENS, jump_forward.EXTEND_MAX_BATCH)
+    for mode in MODES[1:]:
+        run(engine, 2, mode, SCHEMA, 8)
+    speeds: dict[tuple[str, int, str], list[float]] = {}
+    try:
+        for round_ in range(args.rounds):
+            for name in SCHEMAS:
+                for batch in SWEEP_BATCHES:
+                    for way in ("off", *SWEEP_WAYS):
+                        limits = SWEEP_WAYS.get(way) or chosen
+                        jump_forward.EXTEND_ALWAYS_TOKENS, jump_forward.EXTEND_MAX_BATCH = limits
+                        mode = "schema" if way == "off" else "schema+jump"
+                        speed, _ = run(engine, batch, mode, SCHEMAS[name], args.new_tokens)
+                        speeds.setdefault((name, batch, way), []).append(speed)
+                        print(f"round {round_} {name} batch {batch} {way}: {speed:.1f} tok/s", file=sys.stderr,
+                              flush=True)
+    finally:
+        jump_forward.EXTEND_ALWAYS_TOKENS, jump_forward.EXTEND_MAX_BATCH = chosen
+    med = {key: statistics.median(values) for key, values in speeds.items()}
+    lines = ["## Jump-forward: one extend or fed through decode steps, by batch size "
+             "(`benchmarks/bench_structured.py --jump-sweep`)", "",
+             f"{cpu_header(engine.model_runner.dtype_choice.dtype)}; Python {platform.python_version()}, torch "
+             f"{torch.__version__}, xgrammar 0.2.8. The schemas of the section above, temperature 0.8, "
+             f"{args.new_tokens} tokens a row, {args.rounds} rounds; medians. Each cell: json_schema tok/s with "
+             f"jump-forward over the same with it off. Chosen: `jump_forward.extends` (one extend for "
+             f"{chosen[0]}+ forced tokens or a batch of at most {chosen[1]}, else fed). Command: "
+             f"`python benchmarks/bench_structured.py --jump-sweep --rounds {args.rounds}`.", "",
+             "| schema | batch | off tok/s | every jump extended | every jump fed | chosen |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name in SCHEMAS:
+        for batch in SWEEP_BATCHES:
+            off = med[(name, batch, "off")]
+            cells = " | ".join(f"{med[(name, batch, way)] / off:.2f}" for way in SWEEP_WAYS)
+            lines.append(f"| {name} | {batch} | {off:.1f} | {cells} |")
+    return "\n".join(lines)
 
 
 def render(args, medians, share, first: float, cached: float, dtype: str, torch_version: str) -> str:
