@@ -206,9 +206,9 @@ def test_one_module_builds_native_libraries_from_one_source_folder() -> None:
 
 
 def test_kernel_bindings_live_in_kernels_and_nothing_else_loads_our_libraries() -> None:
-    """Only kernels/ loads what build.py built (`load_library`, `load_amx_library`, `build_multilevel_library`)
+    """Only kernels/ loads what build.py built (`load_library`, `load_amx_library`, `build_level_library`)
     or binds a C function of ours; ctypes elsewhere is libc's (thread and memory tuning)."""
-    loaders = ("load_library(", "load_amx_library(", "build_multilevel_library(", "ctypes.Structure")
+    loaders = ("load_library(", "load_amx_library(", "build_level_library(", "ctypes.Structure")
     outside = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
                if path.parent.name != "kernels" and any(marker in path.read_text() for marker in loaders)}
     assert outside == set()

@@ -2,11 +2,11 @@
 
 Decode attention (decode_attention.c), shared-prefix attention for cascade attention
 (prefix_attention.c) and causal extend attention (extend_attention.c) go into one shared library,
-compiled once per machine into $RADIXSERVE_CACHE_DIR/kernels (default ~/.cache/radixserve/kernels).
-Each source is compiled once per kernel level (`platform.KERNEL_ISAS`: avx512_bf16, avx512, avx2 and
-portable on x86; portable elsewhere) with that level's -m flags, never -march=native, so the library
-holds every level and the one to run is chosen at run time: `platform.kernel_isa()`, the best level
-this CPU runs unless RADIXSERVE_CPU_ISA forces a lower one. The library is called through ctypes (which
+compiled into $RADIXSERVE_CACHE_DIR/kernels (default ~/.cache/radixserve/kernels) once per machine and
+kernel level (`platform.KERNEL_ISAS`: avx512_bf16, avx512, avx2 and portable on x86; portable elsewhere),
+with that level's -m flags, never -march=native. The level to run is chosen at run time:
+`platform.kernel_isa()`, the best level this CPU runs unless RADIXSERVE_CPU_ISA forces a lower one; only that
+level's library is built, when first asked for (a first start compiles one level, not four). The library is called through ctypes (which
 releases the GIL) and links the same libgomp as torch, so it runs on torch's OpenMP thread pool.
 Without a compiler, `load_decode_kernel` returns None and the caller keeps the torch path.
 
@@ -20,12 +20,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from pathlib import Path
+import threading
 
 import torch
 
 from radixserve import platform as rs_platform
-from radixserve.kernels.build import BUILD_ERRORS, CSRC, build_multilevel_library, call_profiled
+from radixserve.kernels.build import BUILD_ERRORS, CSRC, build_level_library, call_profiled
 
 logger = logging.getLogger(__name__)
 
@@ -192,33 +192,42 @@ def load_decode_kernel(isa: str | None = None) -> DecodeKernel | None:
     Their selection class is `amx` at avx512_bf16 where AMX-BF16 is visible now, else the level."""
     isa = isa or rs_platform.kernel_isa()
     amx = isa == "avx512_bf16" and rs_platform.kernel_class() == "amx"
-    return _load(isa, "amx" if amx else None)
+    with _load_lock:  # NOTE: a caller waits for a build the background thread has begun (build_in_background)
+        return _load(isa, "amx" if amx else None)
+
+
+def build_in_background() -> threading.Thread:
+    """Starts building (and loading) this process's attention kernels on a daemon thread; `load_decode_kernel`
+    then waits for it instead of building again. Start it while other start-up work runs that no timing
+    depends on (a compiler beside a timed choice would skew it)."""
+    thread = threading.Thread(target=_build_quietly, name="attention-build", daemon=True)
+    thread.start()
+    return thread
+
+
+def _build_quietly() -> None:
+    try:
+        load_decode_kernel()
+    except Exception:  # noqa: BLE001 - the caller's own load_decode_kernel() reports it in its thread
+        logger.debug("background attention build failed", exc_info=True)
+
+
+_load_lock = threading.Lock()
 
 
 @functools.cache
 def _load(isa: str, kernel_class: str | None) -> DecodeKernel | None:
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except BUILD_ERRORS as e:
-        logger.warning("native CPU attention kernels unavailable (%s); using the torch attention paths", e)
-        return None
     levels = rs_platform.KERNEL_ISAS
     for level in levels[levels.index(isa):]:
-        if hasattr(lib, f"decode_attention_f32_{level}"):
-            if level != isa:
-                logger.warning("the C compiler could not build the %s kernels; using %s", isa, level)
-            return DecodeKernel(lib, level, kernel_class if level == isa else None)
+        try:
+            lib = ctypes.CDLL(str(build_level_library("attention", SOURCES, level, HEADERS)))
+        except BUILD_ERRORS as e:
+            if level == "portable":
+                logger.warning("native CPU attention kernels unavailable (%s); using the torch attention paths", e)
+                return None
+            logger.info("the C compiler cannot build the %s attention kernels: %s", level, e)
+            continue
+        if level != isa:
+            logger.warning("the C compiler could not build the %s kernels; using %s", isa, level)
+        return DecodeKernel(lib, level, kernel_class if level == isa else None)
     return None
-
-
-def built_isas() -> list[str]:
-    """The kernel levels the library holds here (empty without a compiler)."""
-    try:
-        lib = ctypes.CDLL(str(_build()))
-    except BUILD_ERRORS:
-        return []
-    return [isa for isa in rs_platform.KERNEL_ISAS if hasattr(lib, f"decode_attention_f32_{isa}")]
-
-
-def _build() -> Path:
-    return build_multilevel_library("attention", SOURCES, HEADERS)

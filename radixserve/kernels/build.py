@@ -1,7 +1,7 @@
 """The one builder of radixserve's native code: C sources (csrc/) + an ISA level -> a cached shared library.
 
-`build_library` compiles one source with one level's flags; `build_multilevel_library` compiles sources once
-per kernel level (platform.ISA_FLAGS) into one library whose symbols carry the level as a suffix. A library
+`build_library` compiles one source with one level's flags; `build_level_library` compiles several sources at
+one kernel level (platform.ISA_FLAGS) into one library whose symbols carry the level as a suffix. A library
 lands in $RADIXSERVE_CACHE_DIR/kernels under a name keyed by the sources, the headers they include, the
 flags and the compiler, so a change builds a new file and concurrent builders never load a half-written one.
 Only this module runs the compiler; the bindings (the other modules of kernels/) load what it built.
@@ -64,49 +64,43 @@ def build_library(source: Path, stem: str, flags: Sequence[str], headers: Sequen
     return target
 
 
-def build_multilevel_library(stem: str, sources: Sequence[Path], headers: Sequence[Path] = ()) -> Path:
-    """`sources` compiled once per kernel level this machine's compiler can target (all of platform.KERNEL_ISAS
-    on x86, portable elsewhere) with -DRS_ISA_SUFFIX=_<level>, linked into one library; raises one of
-    BUILD_ERRORS (a level other than portable that the compiler rejects is left out, with a warning)."""
+def build_level_library(stem: str, sources: Sequence[Path], level: str, headers: Sequence[Path] = ()) -> Path:
+    """`sources` compiled at one kernel level (platform.ISA_FLAGS[level], -DRS_ISA_SUFFIX=_<level>, so every
+    symbol carries the level) into one library; raises one of BUILD_ERRORS, e.g. when the compiler rejects
+    the level's flags. NOTE: one level per library, built when a process first asks for it: a first start
+    compiles only the level it runs (a lower one, forced by RADIXSERVE_CPU_ISA or a test, is built then)."""
     compiler = c_compiler()
-    levels = rs_platform.KERNEL_ISAS if is_x86() else ("portable",)
     text = b"".join(path.read_bytes() for path in (*sources, *headers))
-    recipe = repr([(level, rs_platform.ISA_FLAGS[level]) for level in levels]).encode()
+    recipe = repr((level, rs_platform.ISA_FLAGS[level])).encode()
     key = hashlib.sha256(text + recipe + compiler.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{stem}-{key}.so"
+    target = _cache_dir() / f"{stem}-{level}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = _compile_levels(compiler, sources, levels, Path(tmp))
+        cmd = [compiler, "-O3", "-fopenmp", "-fPIC", "-std=c11", *rs_platform.ISA_FLAGS[level],
+               f"-DRS_ISA_SUFFIX=_{level}"]
+        _compile_each(cmd, sources, Path(tmp))
         built = Path(tmp) / target.name
-        subprocess.run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(built), "-lm"], check=True,
-                       capture_output=True, timeout=300)
+        subprocess.run([compiler, "-shared", "-fopenmp", *map(str, sorted(Path(tmp).glob("*.o"))), "-o",
+                        str(built), "-lm"], check=True, capture_output=True, timeout=300)
         os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
-    logger.info("built %s (%s)", target, ", ".join(levels))
+    logger.info("built %s (%s)", target, level)
     return target
 
 
-def _compile_levels(compiler: str, sources: Sequence[Path], levels: Sequence[str], tmp: Path) -> list[Path]:
-    """Every source once per level, the levels in parallel; a level the compiler rejects is left out
-    (the portable one must build)."""
-    jobs = {}
-    for level in levels:
-        folder = tmp / level
-        folder.mkdir()
-        cmd = [compiler, "-O3", "-fopenmp", "-fPIC", "-std=c11", *rs_platform.ISA_FLAGS[level],
-               f"-DRS_ISA_SUFFIX=_{level}", "-c", *(str(path) for path in sources)]
-        jobs[level] = (folder, subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    objects = []
-    for level, (folder, proc) in jobs.items():
+def _compile_each(cmd: list[str], sources: Sequence[Path], cwd: Path) -> None:
+    """`cmd -c <source>` for every source, all at once, objects into `cwd`; raises CalledProcessError (with the
+    compiler's stderr) if any fails."""
+    procs = [subprocess.Popen([*cmd, "-c", str(source)], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for source in sources]
+    failed = None
+    for proc in procs:
         _, err = proc.communicate(timeout=300)
-        if proc.returncode != 0:
-            if level == "portable":
-                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
-            logger.warning("the C compiler cannot build the %s kernels: %s", level, err.decode()[-300:])
-            continue
-        objects += sorted(folder.glob("*.o"))
-    return objects
+        if proc.returncode != 0 and failed is None:
+            failed = subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+    if failed is not None:
+        raise failed
 
 
 def _cache_dir() -> Path:

@@ -68,6 +68,12 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     dtype = getattr(torch, dtype_choice.dtype)
     methods = plan_linear_methods(model, device, dtype, args.linear_method)
     large = plan_large_rows(model, methods, dtype)
+    if device.type == "cpu" and args.attention_backend in ("auto", "cpu"):
+        from radixserve.kernels.attention import build_in_background
+
+        # NOTE: after the timed choices above (a compiler beside them would skew them): on a first start the
+        # attention kernels build while the fused ops compile, instead of after them
+        build_in_background()
     ops = None if args.disable_fused_ops else load_fused_ops(model.config, dtype, device)
     refusal = _decoder_refusal(model, device, dtype, ops, methods)
     attention = plan_attention(args.attention_backend, device, cascade=not args.disable_cascade_attention)
