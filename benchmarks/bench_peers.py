@@ -56,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--write-spec", metavar="PATH", help="only write the workloads (token ids) as JSON, for a worker "
+                                                        "run by hand, e.g. benchmarks/peer_vllm.py --spec PATH")
     return p.parse_args()
 
 
@@ -288,6 +290,10 @@ def main() -> None:
         return
     load_start = os.getloadavg()[0]
     folder = model_folder(args.dtype)
+    if args.write_spec:
+        Path(args.write_spec).write_text(json.dumps(build_spec(folder)))
+        print(f"wrote {args.write_spec}; the model folder both engines load: {folder}", file=sys.stderr)
+        return
     engines = args.engines.split(",")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
