@@ -6,8 +6,9 @@ compiled into $RADIXSERVE_CACHE_DIR/kernels (default ~/.cache/radixserve/kernels
 kernel level (`platform.KERNEL_ISAS`: avx512_bf16, avx512, avx2 and portable on x86; portable elsewhere),
 with that level's -m flags, never -march=native. The level to run is chosen at run time:
 `platform.kernel_isa()`, the best level this CPU runs unless RADIXSERVE_CPU_ISA forces a lower one; only that
-level's library is built, when first asked for (a first start compiles one level, not four). The library is called through ctypes (which
-releases the GIL) and links the same libgomp as torch, so it runs on torch's OpenMP thread pool.
+level's library is built, when first asked for (a first start compiles one level, not four). The library is
+called through ctypes (which releases the GIL) and links the same libgomp as torch, so it runs on torch's
+OpenMP thread pool.
 Without a compiler, `load_decode_kernel` returns None and the caller keeps the torch path.
 
 `SELECTED` says, per CPU class and dtype, which kernels measured faster than torch's own op at

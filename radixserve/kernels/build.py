@@ -48,20 +48,13 @@ def build_library(source: Path, stem: str, flags: Sequence[str], headers: Sequen
 
     `headers`: the files `source` includes, so that a changed header builds a new library too."""
     compiler = c_compiler()
-    text = b"".join(path.read_bytes() for path in (source, *headers))
-    key = hashlib.sha256(text + " ".join(flags).encode() + compiler.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{stem}-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
+
+    def build(tmp: Path, built: Path) -> None:
         cmd = [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c11", str(source), "-o", str(built),
                "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-        os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
-    logger.info("built %s", target)
-    return target
+
+    return _cached(stem, (source, *headers), " ".join(flags).encode() + compiler.encode(), build)
 
 
 def build_level_library(stem: str, sources: Sequence[Path], level: str, headers: Sequence[Path] = ()) -> Path:
@@ -70,22 +63,30 @@ def build_level_library(stem: str, sources: Sequence[Path], level: str, headers:
     the level's flags. NOTE: one level per library, built when a process first asks for it: a first start
     compiles only the level it runs (a lower one, forced by RADIXSERVE_CPU_ISA or a test, is built then)."""
     compiler = c_compiler()
-    text = b"".join(path.read_bytes() for path in (*sources, *headers))
-    recipe = repr((level, rs_platform.ISA_FLAGS[level])).encode()
-    key = hashlib.sha256(text + recipe + compiler.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{stem}-{level}-{key}.so"
+
+    def build(tmp: Path, built: Path) -> None:
+        _compile_each([compiler, "-O3", "-fopenmp", "-fPIC", "-std=c11", *rs_platform.ISA_FLAGS[level],
+                       f"-DRS_ISA_SUFFIX=_{level}"], sources, tmp)
+        subprocess.run([compiler, "-shared", "-fopenmp", *map(str, sorted(tmp.glob("*.o"))), "-o", str(built),
+                        "-lm"], check=True, capture_output=True, timeout=300)
+
+    recipe = repr((level, rs_platform.ISA_FLAGS[level])).encode() + compiler.encode()
+    return _cached(f"{stem}-{level}", (*sources, *headers), recipe, build)
+
+
+def _cached(stem: str, inputs: Sequence[Path], recipe: bytes, build: Callable[[Path, Path], None]) -> Path:
+    """$RADIXSERVE_CACHE_DIR/kernels/<stem>-<key>.so, the key hashing `inputs`' bytes and `recipe`; if absent,
+    `build(tmp, built)` writes it as `built` inside a fresh folder `tmp` beside it, then it is moved in."""
+    text = b"".join(path.read_bytes() for path in inputs)
+    target = _cache_dir() / f"{stem}-{hashlib.sha256(text + recipe).hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [compiler, "-O3", "-fopenmp", "-fPIC", "-std=c11", *rs_platform.ISA_FLAGS[level],
-               f"-DRS_ISA_SUFFIX=_{level}"]
-        _compile_each(cmd, sources, Path(tmp))
         built = Path(tmp) / target.name
-        subprocess.run([compiler, "-shared", "-fopenmp", *map(str, sorted(Path(tmp).glob("*.o"))), "-o",
-                        str(built), "-lm"], check=True, capture_output=True, timeout=300)
+        build(Path(tmp), built)
         os.replace(built, target)  # NOTE: atomic, so concurrent builders never load a half-written file
-    logger.info("built %s (%s)", target, level)
+    logger.info("built %s", target)
     return target
 
 

@@ -60,12 +60,13 @@ class DecodePlanner:
         jumped = [r for r in batch.reqs if r.forced_pending]
         if not jumped:
             return
-        leaving = [r for r in jumped if extends(r.forced_pending, batch.batch_size())]
+        leaving = []
         for req in jumped:
-            if req in leaving:
+            if extends(req.forced_pending, batch.batch_size()):
                 self.prefill.kv_manager.release(req, insert=True)
+                leaving.append(req)
             else:
-                req.feed_forced()
+                req.feed_forced()  # NOTE: clears its forced_pending; it stays in the batch
         if leaving:
             batch.reqs = [r for r in batch.reqs if not r.forced_pending]
             self.prefill.room_freed()

@@ -61,14 +61,14 @@ class ExecutionPlan:
 
 def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, args: ServerArgs) -> ExecutionPlan:
     """Every choice of how `model` (loaded, on `device` in the chosen dtype) runs, none applied yet."""
-    from radixserve.layers.attention.registry import plan_attention
+    from radixserve.layers.attention.registry import plan_attention, resolve_backend
     from radixserve.layers.fused_ops import load_fused_ops
     from radixserve.layers.linear_tuning import plan_large_rows, plan_linear_methods
 
     dtype = getattr(torch, dtype_choice.dtype)
     methods = plan_linear_methods(model, device, dtype, args.linear_method)
     large = plan_large_rows(model, methods, dtype)
-    if device.type == "cpu" and args.attention_backend in ("auto", "cpu"):
+    if resolve_backend(args.attention_backend, device) == "cpu":
         from radixserve.kernels.attention import build_in_background
 
         # NOTE: after the timed choices above (a compiler beside them would skew them): on a first start the

@@ -29,13 +29,19 @@ def attention_backend_names() -> list[str]:
     return [AUTO, *sorted(_BACKENDS)]
 
 
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The backend `name` means on `device` (auto: the C kernels on a CPU, torch elsewhere)."""
+    if name == AUTO:
+        return "cpu" if device.type == "cpu" else "torch"
+    return name
+
+
 def plan_attention(name: str, device: torch.device, cascade: bool = True) -> AttentionPlan:
     """The backend `name` resolves to (auto: the C kernels on a CPU, torch elsewhere) and, for the CPU backend,
     the C kernels it uses per dtype: those the measured table (kernels.attention.SELECTED) chose for this CPU's kernel
     class, less the extend kernels where RADIXSERVE_CPU_PREFILL_KERNEL=0, plus bf16 extend on AMX tiles where
     the CPU has them. `cascade`: may split attention over a prefix the whole batch shares."""
-    if name == AUTO:
-        name = "cpu" if device.type == "cpu" else "torch"
+    name = resolve_backend(name, device)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(attention_backend_names())}")
     if name != "cpu":
