@@ -56,11 +56,14 @@ class Recorder:
         return self.step(hidden, fb)
 
 
-def _decode_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
-    """Ragged prompts, then three decode steps of all of them: the logits, the KV of every slot, the C calls."""
+def _decode_run(runner: ModelRunner, bs: int,
+                prompt_lens: list[int] | None = None) -> tuple[list[torch.Tensor], torch.Tensor, list[int]]:
+    """Ragged prompts (default 5 to 44 tokens), then three decode steps of all of them: the logits, the KV of
+    every slot, the C calls."""
     driver = DirectDriver(runner)
     reqs = [driver.new_request() for _ in range(bs)]
-    driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(5 + 11 * i % 40)] for i in range(bs)])
+    lens = prompt_lens or [5 + 11 * i % 40 for i in range(bs)]
+    driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)])
     recorder = None
     if runner.model.decode_step is not None:
         recorder = runner.model.decode_step = Recorder(runner.model.decode_step)
