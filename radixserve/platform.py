@@ -94,8 +94,14 @@ class CpuInfo:
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    dtype: str  # bfloat16 | float32 | float16
+    dtype: str  # bfloat16 | float32 | float16: what activations, KV and products compute in
     reason: str
+    weights: str | None = None  # "bfloat16": linear weights kept in bf16 under float32 compute; None: as dtype
+
+
+# NOTE: where `auto` picks float32 on a CPU, the linear weights are kept in bf16 (layers/bf16_weights.py): a decode
+# step reads half the bytes, the products stay float32, and the weights are the ones bf16 CPUs run.
+BF16_WEIGHTS_REASON = "; linear weights kept in bfloat16 (half the bytes a decode step reads), computed in float32"
 
 
 @functools.cache
@@ -177,15 +183,19 @@ def auto_dtype(device_type: str, features: frozenset[str], bf16_slowdown: float 
             return DtypeChoice("bfloat16", f"bf16 matrix products are native here ({names})"
                                + ("" if bf16_slowdown is None or "amx_bf16" in native
                                   else f", measured {bf16_slowdown:.2f}x the float32 time"))
-        return DtypeChoice("float32", f"bf16 instructions are present ({names}), but bf16 matmuls measured "
-                                      f"{bf16_slowdown:.1f}x slower than float32 here")
+        return _float32_bf16_weights(f"bf16 instructions are present ({names}), but bf16 matmuls measured "
+                                     f"{bf16_slowdown:.1f}x slower than float32 here")
     lacking = "no native bf16 matrix products (no AMX-BF16, AVX512-BF16 or ARM BF16)"
     if bf16_slowdown is None:
-        return DtypeChoice("float32", f"{lacking}; not measured")
+        return _float32_bf16_weights(f"{lacking}; not measured")
     if bf16_slowdown <= 1.0:
         return DtypeChoice("bfloat16", f"{lacking}, but bf16 matmuls measured {1 / bf16_slowdown:.2f}x as fast "
                                        "as float32")
-    return DtypeChoice("float32", f"{lacking}; bf16 matmuls measured {bf16_slowdown:.1f}x slower than float32")
+    return _float32_bf16_weights(f"{lacking}; bf16 matmuls measured {bf16_slowdown:.1f}x slower than float32")
+
+
+def _float32_bf16_weights(reason: str) -> DtypeChoice:
+    return DtypeChoice("float32", reason + BF16_WEIGHTS_REASON, weights="bfloat16")
 
 
 def choose_dtype(name: str, device_type: str) -> DtypeChoice:

@@ -99,3 +99,31 @@ def test_the_parts_receive_the_plan_and_decide_nothing_again(float32_engine: Eng
         # NOTE: the table is read once, by the planner; changing it now changes nothing that runs
         monkeypatch.setattr(attention_kernels, "SELECTED", {})
         assert runner.attn_backend.decode_kernel_for(q, 3) is not None
+
+
+def test_auto_keeps_bf16_weights_where_it_picks_float32_on_a_cpu(monkeypatch) -> None:
+    """A dtype choice of float32 compute over bf16 weights (what `--dtype auto` makes on a CPU without bf16
+    products) gives every float linear shape the bf16_weights method, and says why; an explicit
+    --linear-method still wins."""
+    from radixserve import platform
+    from radixserve.kernels.gemv import load_bf16w_kernel
+    from radixserve.layers.bf16_weights import Bf16WeightLinearMethod
+
+    if load_bf16w_kernel() is None:
+        pytest.skip("no C compiler here: the bf16-weight kernel does not build")
+    choice = platform.DtypeChoice("float32", "no native bf16 (test)" + platform.BF16_WEIGHTS_REASON, "bfloat16")
+    monkeypatch.setattr(platform, "choose_dtype", lambda name, device_type: choice)
+    for requested, expected in (("auto", Bf16WeightLinearMethod.name), ("onednn", "onednn")):
+        engine = Engine(dtype="auto", max_total_tokens=1024, log_level="warning", linear_method=requested)
+        try:
+            runner = engine.model_runner
+            methods = {m.method.name for _, m in runner.model.named_modules() if isinstance(m, LinearBase)}
+            plan = runner.execution_plan.as_dict()
+            out = engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        finally:
+            engine.shutdown()
+        assert methods == {expected} and len(out[0]["output_ids"]) == 4
+        linear = [e for p, e in plan.items() if p.startswith("linear ")]
+        reason = "--dtype auto: bf16 weights" if requested == "auto" else f"--linear-method {requested}"
+        assert linear and all(e["reason"].startswith(reason) for e in linear)
+        assert plan["dtype"]["reason"].endswith(platform.BF16_WEIGHTS_REASON)

@@ -49,6 +49,9 @@ def test_auto_dtype_decision_table(device, features, slowdown, dtype, words):
     assert words in choice.reason
     native = device == "cuda" or bool(features & {"amx_bf16", "avx512_bf16", "arm_bf16"})
     assert (NO_NATIVE in choice.reason) == (not native)
+    # float32 on a CPU keeps the linear weights in bf16 (computed in float32), and says so
+    assert choice.weights == ("bfloat16" if dtype == "float32" else None)
+    assert (platform.BF16_WEIGHTS_REASON in choice.reason) == (dtype == "float32")
 
 
 def _fake_cpu(monkeypatch: pytest.MonkeyPatch, features: frozenset[str], arch: str = "x86_64") -> CpuInfo:
@@ -185,6 +188,8 @@ def test_server_reports_the_auto_dtype_and_why():
         dtype, reason = report["dtype"], report["dtype_reason"]
         assert NO_NATIVE in reason and ("slower than float32" in reason) == (dtype == "float32")
         assert server.info()["model"]["dtype"] == dtype
+        linear = {part: e["choice"] for part, e in report["execution_plan"].items() if part.startswith("linear ")}
+        assert linear and all(("bf16_weights" in choice) == (dtype == "float32") for choice in linear.values())
         assert report["cpu"]["kernel_isa"] == level and report["cpu"]["kernel_isa_forced"] is True
         assert report["attention_kernels"]["level"] == level and "decode" in report["attention_kernels"]["used"]
         line = next(ln for ln in server.log_tail(200_000).splitlines() if "| dtype " in ln)

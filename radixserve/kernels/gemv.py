@@ -47,14 +47,20 @@ class Bf16Gemv:
         return y
 
 
-def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] bfloat16 -> [ceil(N / TILE), K / 2, TILE, 2]: the kernel's tile-interleaved layout."""
+def pack_gemv_weight(weight: torch.Tensor, tile: int = TILE) -> torch.Tensor:
+    """[N, K] bfloat16 -> [ceil(N / tile), K / 2, tile, 2]: the kernels' tile-interleaved layout."""
     n, k = weight.shape
     if k % 2:
         raise ValueError(f"the GEMV layout needs an even number of input features, got {k}")
-    padded = weight.new_zeros(-(-n // TILE) * TILE, k)
+    padded = weight.new_zeros(-(-n // tile) * tile, k)
     padded[:n] = weight
-    return padded.view(-1, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(-1, tile, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_gemv_weight(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_gemv_weight: [N, K] in the packed dtype."""
+    tiles, pairs, tile, _ = packed.shape
+    return packed.permute(0, 2, 1, 3).reshape(tiles * tile, pairs * 2)[:n]
 
 
 def load_amx_kernel() -> Bf16Gemv | None:
@@ -91,3 +97,56 @@ def load_gemv_kernel() -> Bf16Gemv | None:
         return None
     lib = load_library(SOURCE, "bf16-gemv", FLAGS, "bf16 GEMV kernel", "linear layers use oneDNN alone")
     return None if lib is None else Bf16Gemv(lib.bf16_gemv, "bf16_gemv")
+
+
+BF16W_SOURCE = CSRC / "bf16w_gemv.c"
+BF16W_TILE = 16  # output rows per tile of its layout (csrc/bf16w_gemv.c)
+
+
+class Bf16WeightGemv:
+    """ctypes binding of `bf16w_gemv` (csrc/bf16w_gemv.c): bf16 weights, float32 x, bias and y; built at the
+    kernel level this process runs (`level`)."""
+
+    def __init__(self, lib: ctypes.CDLL, level: str) -> None:
+        self._fn, self._unpack, self.level = lib.bf16w_gemv, lib.bf16w_unpack, level
+        self._fn.restype = self._unpack.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._unpack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+
+    @property
+    def address(self) -> int:
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
+    def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """x [M, K] float32 contiguous, packed from `pack_gemv_weight(w, BF16W_TILE)` -> y [M, N] float32."""
+        m, k = x.shape
+        y = torch.empty(m, n, dtype=torch.float32)
+        status = call_profiled("radixserve::linear::bf16w_gemv", self._fn, packed.data_ptr(), x.data_ptr(),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                               torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"bf16w_gemv rejected x {tuple(x.shape)} for a weight with {n} rows (status {status})")
+        return y
+
+    def widen(self, packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+        """The packed weight's first n rows as float32 [n, K], written into `out` (at least n * K floats)."""
+        k = packed.shape[1] * 2
+        out = out[: n * k].view(n, k)
+        status = call_profiled("radixserve::linear::bf16w_unpack", self._unpack, packed.data_ptr(), out.data_ptr(),
+                               n, k, torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"bf16w_unpack rejected a weight of {n} rows (status {status})")
+        return out
+
+
+def load_bf16w_kernel() -> Bf16WeightGemv | None:
+    """The bf16-weight product at this process's kernel level (read at each call, so a forced lower
+    RADIXSERVE_CPU_ISA gets its own build), or None without a compiler."""
+    return _built_bf16w(rs_platform.kernel_isa() if is_x86() else "portable")
+
+
+@functools.cache
+def _built_bf16w(level: str) -> Bf16WeightGemv | None:
+    lib = load_library(BF16W_SOURCE, f"bf16w-gemv-{level}", rs_platform.ISA_FLAGS[level], "bf16-weight kernel",
+                       "bf16 weights are widened to float32 for every product")
+    return None if lib is None else Bf16WeightGemv(lib, level)

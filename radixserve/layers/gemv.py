@@ -49,6 +49,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
     (`large_rows`, LARGE_GRID points planned by linear_tuning.plan_large_rows)."""
 
     name = "onednn_gemv"
+    preference = 1  # NOTE: oneDNN's own product above the decode rows, and the one the C decode step needs
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:

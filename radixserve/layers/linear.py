@@ -30,6 +30,8 @@ class LinearMethod(ABC):
 
     name: ClassVar[str]
     chosen_by_format: ClassVar[bool] = False  # True: set by the weight format (packed), never re-chosen by tuning
+    rounds_weights: ClassVar[bool] = False  # True: changes the weights' values, so only an explicit choice picks it
+    preference: ClassVar[int] = 0  # breaks a timing tie (linear_tuning.TIE_MARGIN): the higher is taken
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:

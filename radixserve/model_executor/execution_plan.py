@@ -66,7 +66,8 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     from radixserve.layers.linear_tuning import plan_large_rows, plan_linear_methods
 
     dtype = getattr(torch, dtype_choice.dtype)
-    methods = plan_linear_methods(model, device, dtype, args.linear_method)
+    requested = _requested_linear_method(args.linear_method, dtype_choice, device)
+    methods = plan_linear_methods(model, device, dtype, requested)
     large = plan_large_rows(model, methods, dtype)
     if resolve_backend(args.attention_backend, device) == "cpu":
         from radixserve.kernels.attention import build_in_background
@@ -78,13 +79,24 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     refusal = _decoder_refusal(model, device, dtype, ops, methods)
     attention = plan_attention(args.attention_backend, device, cascade=not args.disable_cascade_attention)
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
-               *_linear_entries(model, methods, large, args.linear_method),
+               *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
                *_attention_entries(attention, dtype, args),
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
                          refusal or "bf16 on the AVX512-BF16 GEMV: every decoder layer in one C call")]
     return ExecutionPlan(dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
                          tuple(entries))
+
+
+def _requested_linear_method(requested: str, dtype_choice: DtypeChoice, device: torch.device) -> str:
+    """--linear-method, except that `auto` under a dtype choice that keeps the weights in bf16 (float32 compute
+    on a CPU without bf16 products) means the bf16-weight method where its kernel runs."""
+    from radixserve.layers.bf16_weights import Bf16WeightLinearMethod
+
+    if requested == "auto" and dtype_choice.weights == "bfloat16" and Bf16WeightLinearMethod.supports(
+            device, getattr(torch, dtype_choice.dtype)):
+        return Bf16WeightLinearMethod.name
+    return requested
 
 
 def _decoder_refusal(model: Any, device: torch.device, dtype: torch.dtype, ops: FusedOps | None,
@@ -105,12 +117,13 @@ def _op_names(ops: FusedOps | None) -> tuple[str, ...]:
 
 
 def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Shape, frozenset[int]],
-                    requested: str) -> list[PlanEntry]:
+                    requested: str, by_dtype: bool = False) -> list[PlanEntry]:
     """One entry per (weight shape, method), counting the layers."""
     from radixserve.layers.linear import LINEAR_METHODS, DenseLinearMethod, linear_layers
 
-    tuned = (f"--linear-method {requested}" if requested != "auto" else
-             "the fastest of the candidates timed here at 1, 32 and 512 rows (cached per machine)")
+    tuned = ("the fastest of the candidates timed here at 1, 32 and 512 rows (cached per machine)"
+             if requested == "auto" else "--dtype auto: bf16 weights, float32 compute" if by_dtype
+             else f"--linear-method {requested}")
     counts: Counter[tuple[str, str, str]] = Counter()
     for _, layer in linear_layers(model):
         if layer.method.chosen_by_format:

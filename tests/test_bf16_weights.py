@@ -1,0 +1,117 @@
+"""bf16 weights with float32 compute (layers/bf16_weights.py, csrc/bf16w_gemv.c): the kernel at every level this
+CPU runs against a float64 product of the bf16-rounded weight; the method on both sides of its widening
+threshold; a model on it against transformers with the same rounded weights; timing never picks it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from direct_driver import DirectDriver
+from kernel_levels import LEVELS, skip_unless_runnable
+from test_model_support import hf_last_logits, make_tiny_model, one_torch_thread, rel_err
+
+from radixserve import envs
+from radixserve.kernels.gemv import BF16W_TILE, load_bf16w_kernel, pack_gemv_weight, unpack_gemv_weight
+from radixserve.layers import bf16_weights
+from radixserve.layers.bf16_weights import Bf16WeightLinearMethod
+from radixserve.layers.linear import LinearBase
+from radixserve.layers.linear_tuning import candidates
+from radixserve.mem_cache.conservation import check_conservation
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.server_args import ServerArgs
+
+_single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
+
+# (N, K, rows): N not a multiple of the 16-row tile, K from 2 up, rows past every row group (4 on AVX2, 8 on
+# AVX-512) and past a tile's reuse
+SHAPES = [(1, 2, 1), (17, 64, 3), (100, 38, 9), (576, 576, 1), (1536, 576, 5), (33, 130, 70)]
+
+
+def _reference(x: torch.Tensor, w_bf16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w_bf16.double().T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("n, k, rows", SHAPES, ids=[f"{n}x{k}-rows{r}" for n, k, r in SHAPES])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_kernel_matches_float64(isa, n, k, rows, with_bias, monkeypatch):
+    skip_unless_runnable(isa)
+    monkeypatch.setenv(envs.CPU_ISA.name, isa)
+    kernel = load_bf16w_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    assert kernel.level == isa
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    packed = pack_gemv_weight(w, BF16W_TILE)
+    assert torch.equal(unpack_gemv_weight(packed, n), w)
+    got = kernel(packed, x, bias, n)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), _reference(x, w, bias), rtol=1e-5, atol=2e-5)
+
+
+def test_pack_refuses_an_odd_width():
+    with pytest.raises(ValueError, match="even number"):
+        pack_gemv_weight(torch.zeros(4, 5, dtype=torch.bfloat16), BF16W_TILE)
+
+
+def _layer(n: int, k: int, bias: bool = True) -> tuple[LinearBase, torch.Tensor]:
+    layer = LinearBase(k, n, bias=bias)
+    torch.nn.init.normal_(layer.weight, std=0.05)
+    dense = layer.weight.detach().clone()
+    layer.method = Bf16WeightLinearMethod()
+    layer.method.process_weights_after_loading(layer)
+    return layer, dense
+
+
+@pytest.mark.parametrize("rows", [1, 7, bf16_weights.WIDEN_ROWS - 1, bf16_weights.WIDEN_ROWS, 300])
+def test_method_on_both_sides_of_the_widening(rows):
+    big, big_dense = _layer(200, 96)
+    small, small_dense = _layer(40, 64)
+    for layer, dense in ((big, big_dense), (small, small_dense), (big, big_dense)):  # the scratch shrinks, grows
+        x = torch.randn(rows, layer.in_features)
+        want = _reference(x, dense.bfloat16(), layer.bias.detach())
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=2e-5)
+    x3 = torch.randn(2, 3, 96)
+    assert torch.allclose(big(x3), big(x3.reshape(6, 96)).view(2, 3, 200))
+
+
+def test_method_keeps_half_the_bytes_and_rebuilds_the_dense_weight():
+    layer, dense = _layer(64, 32, bias=False)
+    assert layer.method.own_forms() and sum(layer.method.own_forms().values()) == 64 * 32 * 2
+    layer.weight.data = layer.weight.data.new_empty(0)  # what process_weights_after_loading does
+    assert torch.equal(layer.dense_weight(), dense.bfloat16().float())
+
+
+def test_timing_never_picks_it():
+    cpu = torch.device("cpu")
+    assert Bf16WeightLinearMethod.supports(cpu, torch.float32) == (load_bf16w_kernel() is not None)
+    assert not Bf16WeightLinearMethod.supports(cpu, torch.bfloat16)
+    assert Bf16WeightLinearMethod.name not in candidates(cpu, torch.float32)
+
+
+def test_model_on_bf16_weights_matches_transformers_with_rounded_weights(tmp_path):
+    """Every linear weight rounded to bf16 in the HF model too (embeddings and norms stay float32; the LM head
+    is a linear layer of ours, so it is rounded as well)."""
+    hf_model = make_tiny_model(tmp_path, "qwen2")
+    with torch.no_grad():
+        for module in hf_model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.bfloat16().float())
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path), dtype="float32", device="cpu", max_total_tokens=512,
+                                    linear_method="bf16_weights"))
+    assert "bf16_weights" in runner.device_setup.describe()
+    driver = DirectDriver(runner)
+    prompts = [[5, 9, 33, 2, 71], list(range(3, 40)), [250] * 3]
+    reqs = [driver.new_request() for _ in prompts]
+    logits = driver.extend(reqs, prompts)
+    for _ in range(6):
+        for i, req in enumerate(reqs):
+            assert rel_err(logits[i], hf_last_logits(hf_model, req.token_ids)) < 1e-4
+        logits = driver.decode(reqs, logits.argmax(-1).tolist())
+    driver.release_all()
+    assert check_conservation(runner.token_to_kv_pool_allocator, None, runner.req_to_token_pool, []) is not None
+    assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
