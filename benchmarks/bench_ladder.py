@@ -209,6 +209,9 @@ def plot(rows: list[dict]) -> None:
             ax.plot(sizes, [r["bound"] for r in rows], "k--", label="bandwidth bound")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(sizes, [f"{r['name']} ({s:.2f} B)" for r, s in zip(rows, sizes, strict=True)], fontsize=7,
+                      rotation=30, ha="right")
         ax.set_xlabel("parameters (billions)")
         ax.set_ylabel("output tokens/s")
         ax.set_title(workload, fontsize=9)

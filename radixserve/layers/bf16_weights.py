@@ -4,8 +4,9 @@ A decode step reads every weight once, and on such a CPU `--dtype bfloat16` is s
 emulated) while float32 reads twice the bytes. This method keeps each weight in bfloat16 (half the bytes;
 what `--dtype bfloat16` keeps on a CPU with bf16 products) and computes in float32: csrc/bf16w_gemv.c widens
 the weight in registers below WIDEN_ROWS rows; from there (a prefill chunk) the weight is widened into a float32
-scratch for one `F.linear`. Measured on one core forced to AVX2 (MKL and oneDNN too), against float32 weights
-through `F.linear`: the kernel is 1.2-2.8x faster at 1-32 rows, even at 64-128 and 10-20% slower at 256-512.
+scratch for one `F.linear`. Measured on one core forced to AVX2 (ATen, MKL and oneDNN too) against the faster
+of float32 `F.linear` and oneDNN (benchmarks/bench_bf16_weights.py): 1.1-2.4x faster at 1-32 rows, even at 64,
+0.8-0.9x at 128-256, 0.92-0.98x at 1,024.
 
 It changes the model's numbers (weights rounded to bf16), so timing never picks it (`rounds_weights`): the
 dtype choice does (`--dtype auto`, platform.py) or `--linear-method bf16_weights`.
