@@ -101,6 +101,7 @@ class DtypeChoice:
 
 # NOTE: where `auto` picks float32 on a CPU, the linear weights are kept in bf16 (layers/bf16_weights.py): a decode
 # step reads half the bytes, the products stay float32, and the weights are the ones bf16 CPUs run.
+BF16_WEIGHT_SIMD = frozenset({"avx2", "fma"})  # the features the bf16-weight kernel needs to beat float32
 BF16_WEIGHTS_REASON = "; linear weights kept in bfloat16 (half the bytes a decode step reads), computed in float32"
 
 
@@ -183,19 +184,24 @@ def auto_dtype(device_type: str, features: frozenset[str], bf16_slowdown: float 
             return DtypeChoice("bfloat16", f"bf16 matrix products are native here ({names})"
                                + ("" if bf16_slowdown is None or "amx_bf16" in native
                                   else f", measured {bf16_slowdown:.2f}x the float32 time"))
-        return _float32_bf16_weights(f"bf16 instructions are present ({names}), but bf16 matmuls measured "
-                                     f"{bf16_slowdown:.1f}x slower than float32 here")
+        return _float32(f"bf16 instructions are present ({names}), but bf16 matmuls measured "
+                        f"{bf16_slowdown:.1f}x slower than float32 here", features)
     lacking = "no native bf16 matrix products (no AMX-BF16, AVX512-BF16 or ARM BF16)"
     if bf16_slowdown is None:
-        return _float32_bf16_weights(f"{lacking}; not measured")
+        return _float32(f"{lacking}; not measured", features)
     if bf16_slowdown <= 1.0:
         return DtypeChoice("bfloat16", f"{lacking}, but bf16 matmuls measured {1 / bf16_slowdown:.2f}x as fast "
                                        "as float32")
-    return _float32_bf16_weights(f"{lacking}; bf16 matmuls measured {bf16_slowdown:.1f}x slower than float32")
+    return _float32(f"{lacking}; bf16 matmuls measured {bf16_slowdown:.1f}x slower than float32", features)
 
 
-def _float32_bf16_weights(reason: str) -> DtypeChoice:
-    return DtypeChoice("float32", reason + BF16_WEIGHTS_REASON, weights="bfloat16")
+def _float32(reason: str, features: frozenset[str]) -> DtypeChoice:
+    """float32 compute; the weights in bf16 where our bf16-weight kernel has SIMD (AVX2 + FMA or better). NOTE: its
+    plain-C build measured 0.6-0.8x float32 MKL at decode sizes (forced portable class), so not there."""
+    if BF16_WEIGHT_SIMD <= features:
+        return DtypeChoice("float32", reason + BF16_WEIGHTS_REASON, weights="bfloat16")
+    return DtypeChoice("float32", reason)
+
 
 
 def choose_dtype(name: str, device_type: str) -> DtypeChoice:

@@ -37,6 +37,7 @@ DECISIONS = [
     ("cpu", AVX2, 6.7, "float32", "measured 6.7x slower"),  # the reporter's AVX2-only EPYC
     ("cpu", AVX2, None, "float32", "not measured"),
     ("cpu", GRAVITON2, 3.0, "float32", "measured 3.0x slower"),
+    ("cpu", frozenset({"sse4_2"}), 3.0, "float32", "measured 3.0x slower"),  # no AVX2: float32 weights too
     ("cpu", AVX2 | {"avx_ne_convert"}, 0.8, "bfloat16", "measured 1.25x as fast"),  # a measured win
     ("cpu", AVX2, 1.0, "bfloat16", "measured 1.00x as fast"),  # "at least as fast" includes a tie
 ]
@@ -49,9 +50,10 @@ def test_auto_dtype_decision_table(device, features, slowdown, dtype, words):
     assert words in choice.reason
     native = device == "cuda" or bool(features & {"amx_bf16", "avx512_bf16", "arm_bf16"})
     assert (NO_NATIVE in choice.reason) == (not native)
-    # float32 on a CPU keeps the linear weights in bf16 (computed in float32), and says so
-    assert choice.weights == ("bfloat16" if dtype == "float32" else None)
-    assert (platform.BF16_WEIGHTS_REASON in choice.reason) == (dtype == "float32")
+    # float32 on a CPU with AVX2 + FMA keeps the linear weights in bf16 (computed in float32), and says so
+    bf16_weights = dtype == "float32" and {"avx2", "fma"} <= features
+    assert choice.weights == ("bfloat16" if bf16_weights else None)
+    assert (platform.BF16_WEIGHTS_REASON in choice.reason) == bf16_weights
 
 
 def _fake_cpu(monkeypatch: pytest.MonkeyPatch, features: frozenset[str], arch: str = "x86_64") -> CpuInfo:
@@ -189,7 +191,8 @@ def test_server_reports_the_auto_dtype_and_why():
         assert NO_NATIVE in reason and ("slower than float32" in reason) == (dtype == "float32")
         assert server.info()["model"]["dtype"] == dtype
         linear = {part: e["choice"] for part, e in report["execution_plan"].items() if part.startswith("linear ")}
-        assert linear and all(("bf16_weights" in choice) == (dtype == "float32") for choice in linear.values())
+        bf16_weights = dtype == "float32" and level == "avx2"
+        assert linear and all(("bf16_weights" in choice) == bf16_weights for choice in linear.values())
         assert report["cpu"]["kernel_isa"] == level and report["cpu"]["kernel_isa_forced"] is True
         assert report["attention_kernels"]["level"] == level and "decode" in report["attention_kernels"]["used"]
         line = next(ln for ln in server.log_tail(200_000).splitlines() if "| dtype " in ln)
