@@ -61,13 +61,13 @@ class Bf16WeightLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous().to(torch.float32)
+        n = layer.out_features
         if flat.shape[0] >= WIDEN_ROWS and self.packed.numel() <= WIDEN_MAX_ELEMENTS:
-            # NOTE: the widened weight lives in the shared scratch until the next layer's product
-            widened = self.kernel.widen(self.packed, layer.out_features, SCRATCH.take(layer.out_features * layer.in_features))
-            y = F.linear(flat, widened, layer.bias)
+            # NOTE: the widened weight lives in this thread's scratch until its next layer's product
+            y = F.linear(flat, self.kernel.widen(self.packed, n, SCRATCH.take(n * layer.in_features)), layer.bias)
         else:
-            y = self.kernel(self.packed, flat, layer.bias, layer.out_features)
-        return y.view(*x.shape[:-1], layer.out_features).to(x.dtype)
+            y = self.kernel(self.packed, flat, layer.bias, n)
+        return y.view(*x.shape[:-1], n).to(x.dtype)
 
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
         if layer.weight.numel() == 0 and self.packed is not None:
