@@ -9,7 +9,7 @@ over the read bandwidth measured here with the same thread count. A plot of toke
     python benchmarks/bench_ladder.py --engines radixserve --shapes qwen2.5-0.5b --no-docs
 
 --parity (on by default) first checks each shape in float32 against transformers: 32 greedy tokens on three
-prompts must be equal, with the first step's logits within 1e-4 relative.
+prompts, reported equal or not (tests/test_shape_ladder.py checks the logits on scaled-down shapes).
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def parity(name: str, folder: Path) -> dict:
 def run_shape(name: str, folder: Path, args: argparse.Namespace) -> dict:
     peer_args = argparse.Namespace(engines=args.engines, vllm_python=args.vllm_python, dtype=args.dtype,
                                    rounds=args.rounds, reps=args.reps, radixserve_args=args.radixserve_args,
-                                   model=None if name == EMBEDDED else str(folder), scale=SCALE[name])
+                                   model=None if name == EMBEDDED else str(folder), scale=SCALE[name],
+                                   radixserve_dtype=None)
     print(f"=== {name} (scale {SCALE[name]})", flush=True)
     results = bench_peers.run_rounds(peer_args, folder)
     return {"name": name, "summary": bench_peers.summarize(results), "results": results}
@@ -120,7 +121,7 @@ def _speed(summary: dict, workload: str, engine: str) -> float | None:
     return summary.get(workload, {}).get(engine)
 
 
-def render(rows: list[dict], checks: list[dict], args: argparse.Namespace, bandwidth: float,
+def render(rows: list[dict], checks: list[dict], args: argparse.Namespace, bandwidth: float, threads: int,
            load: tuple[float, float]) -> str:
     import platform
 
@@ -130,7 +131,7 @@ def render(rows: list[dict], checks: list[dict], args: argparse.Namespace, bandw
              f"{cpu_header(args.dtype)}; Python {platform.python_version()}; dtype {args.dtype} for both engines; "
              f"load average {load[0]:.1f} at start, {load[1]:.1f} at end; {args.rounds} round(s) x {args.reps} "
              f"replay(s), medians. Read bandwidth measured here (benchmarks/read_bandwidth.py, the best of a C "
-             f"read loop and torch.mv over a bf16 matrix, 1 GiB, {bench_peers_threads()} threads, before and after "
+             f"read loop and torch.mv over a bf16 matrix, 1 GiB, {threads} threads, before and after "
              f"the runs): **{bandwidth:.1f} GB/s**. The bound is that bandwidth over the "
              "weight bytes one decode step reads (every layer and the LM head, at the dtype's bytes per weight; "
              "the KV read is left out, so the bound is a little generous).", "",
@@ -171,12 +172,6 @@ def render(rows: list[dict], checks: list[dict], args: argparse.Namespace, bandw
             for c in checks]
     lines += ["", f"![tokens/s by model size]({PLOT.name})"]
     return "\n".join(lines)
-
-
-def bench_peers_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -249,7 +244,7 @@ def main() -> None:
     bandwidth = max(b["best"] for b in bandwidths)
     for row in rows:
         row["bound"] = bandwidth * 1e9 / row["step_bytes"]
-    section = render(rows, checks, args, bandwidth, (load_start, os.getloadavg()[0]))
+    section = render(rows, checks, args, bandwidth, threads, (load_start, os.getloadavg()[0]))
     print("\n" + section)
     if not args.no_docs:
         from radixserve.bench.docs import write_doc_section
