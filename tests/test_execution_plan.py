@@ -40,10 +40,11 @@ def test_the_plan_gives_a_reason_for_every_choice(float32_engine: Engine) -> Non
         assert part in parts
     assert all(e.reason for e in plan.entries)
     assert plan.choice("dtype") == "float32"
-    # float32: the C decode step (bf16 only) does not run, and the plan says why
+    # float32 weights (--dtype float32): the C decode step (bf16 weights in its float32 build) does not run,
+    # and the plan says why
     assert plan.choice("decoder") == "python layers"
     assert float32_engine.model_runner.model.decode_step is None
-    assert "bfloat16 only" in plan.as_dict()["decoder"]["reason"]
+    assert "not bf16_weights" in plan.as_dict()["decoder"]["reason"]
     assert float32_engine.model_runner.platform_info()["execution_plan"] == plan.as_dict()
 
 

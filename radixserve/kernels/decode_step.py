@@ -1,5 +1,7 @@
-"""ctypes binding of the one-call decode step (csrc/decode_step.c): the model struct it reads and the library's
-functions. The C decoder built on it is models/decode_step.py."""
+"""ctypes binding of the one-call decode step: the model struct it reads and the library's functions, in two
+builds: bf16 (csrc/decode_step.c, AVX512-BF16) and float32 (csrc/decode_step_f32.c, at the AVX2 or AVX-512
+kernel level this process runs). Both share the layer loop (csrc/decode_loop.h). The C decoder built on it is
+models/decode_step.py."""
 
 from __future__ import annotations
 
@@ -8,12 +10,16 @@ import functools
 
 import torch
 
-from radixserve.kernels.build import CSRC, call_profiled, load_library
+from radixserve import platform as rs_platform
+from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_library
 from radixserve.kernels.gemv import FLAGS
 
 SOURCE = CSRC / "decode_step.c"
-HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h"))  # simd.h includes attention_common.h
+F32_SOURCE = CSRC / "decode_step_f32.c"
+# simd.h includes attention_common.h; both builds include the shared layer loop
+HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h", "decode_loop.h"))
 LAYER_POINTERS = 9  # IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE
+F32_LEVELS = ("avx512_bf16", "avx512", "avx2")  # the kernel levels with a float32 build (vector code)
 
 
 class ModelStruct(ctypes.Structure):
@@ -24,14 +30,21 @@ class ModelStruct(ctypes.Structure):
 
 
 class DecodeStepKernel:
-    """The library's three functions: the size of the work buffer, a decode step over every layer, and the
-    step's SiLU-and-mul loop (also used for prefill chunks)."""
+    """One build's functions: the size of the work buffer and a decode step over every layer (elements of
+    `dtype`); the bf16 build also has the step's SiLU-and-mul loop (used for prefill chunks too)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._lib = lib
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self._lib, self.dtype = lib, dtype
+        suffix = "bf16" if dtype == torch.bfloat16 else "f32"
+        self._step = getattr(lib, f"decode_step_{suffix}")
+        self._step.restype = ctypes.c_int
+        self._step.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
+        self._work = getattr(lib, "decode_step_work_size" if dtype == torch.bfloat16 else "decode_step_f32_work_size")
+        self._work.restype = ctypes.c_int64
+        self._work.argtypes = [ctypes.c_void_p, ctypes.c_int64]
 
     def work_size(self, model: ModelStruct, rows: int) -> int:
-        return self._lib.decode_step_work_size(ctypes.byref(model), rows)
+        return self._work(ctypes.byref(model), rows)
 
     def run(self, model: ModelStruct, linear: int, attention: int, hidden: torch.Tensor, residual: torch.Tensor,
             positions: torch.Tensor, slots: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor,
@@ -39,7 +52,7 @@ class DecodeStepKernel:
         """Every decoder layer for hidden's rows, in place; `linear` and `attention` are the C functions to call.
         Returns the status: 0 done, 1 a position or slot out of range (nothing written), else layer*1000+call."""
         return call_profiled(
-            "radixserve::decode_step", self._lib.decode_step_bf16, ctypes.byref(model), linear, attention,
+            "radixserve::decode_step", self._step, ctypes.byref(model), linear, attention,
             hidden.data_ptr(), residual.data_ptr(), positions.data_ptr(), slots.data_ptr(), kv_indices.data_ptr(),
             seq_lens.data_ptr(), hidden.shape[0], max_len, work.data_ptr(), torch.get_num_threads())
 
@@ -49,21 +62,30 @@ class DecodeStepKernel:
                              out.data_ptr(), rows, width // 2, torch.get_num_threads())
 
 
-def load_decode_step_kernel() -> DecodeStepKernel | None:
-    lib = _library()
-    return None if lib is None else DecodeStepKernel(lib)
+def load_decode_step_kernel(dtype: torch.dtype = torch.bfloat16) -> DecodeStepKernel | None:
+    """The build for `dtype` (float32: at this process's kernel level, read at each call so that a forced lower
+    RADIXSERVE_CPU_ISA gets its own), or None where it cannot run or build."""
+    if dtype == torch.bfloat16:
+        lib = _bf16_library()
+        return None if lib is None else DecodeStepKernel(lib, dtype)
+    level = rs_platform.kernel_isa() if is_x86() else "portable"
+    if dtype != torch.float32 or level not in F32_LEVELS:
+        return None
+    return _f32_kernel(level)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _bf16_library() -> ctypes.CDLL | None:
     lib = load_library(SOURCE, "decode-step", FLAGS, "decode step kernel", "decode runs the layers in Python",
                        HEADERS)
-    if lib is None:
-        return None
-    lib.decode_step_bf16.restype = ctypes.c_int
-    lib.decode_step_bf16.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
-    lib.decode_step_work_size.restype = ctypes.c_int64
-    lib.decode_step_work_size.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.silu_mul_bf16.restype = ctypes.c_int
-    lib.silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    if lib is not None:
+        lib.silu_mul_bf16.restype = ctypes.c_int
+        lib.silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     return lib
+
+
+@functools.cache
+def _f32_kernel(level: str) -> DecodeStepKernel | None:
+    lib = load_library(F32_SOURCE, f"decode-step-f32-{level}", rs_platform.ISA_FLAGS[level],
+                       "float32 decode step kernel", "decode runs the layers in Python", HEADERS)
+    return None if lib is None else DecodeStepKernel(lib, torch.float32)

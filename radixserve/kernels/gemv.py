@@ -113,6 +113,11 @@ class Bf16WeightGemv:
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         self._unpack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
 
+    @property
+    def address(self) -> int:
+        """The product's C function address (for C code that calls it itself: models/decode_step.py)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
     def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """x [M, K] float32 contiguous, packed from `pack_gemv_weight(w, BF16W_TILE)` -> y [M, N] float32."""
         m, k = x.shape

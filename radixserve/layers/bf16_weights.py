@@ -69,6 +69,13 @@ class Bf16WeightLinearMethod(LinearMethod):
             y = self.kernel(self.packed, flat, layer.bias, n)
         return y.view(*x.shape[:-1], n).to(x.dtype)
 
+    def c_linear(self, rows: int) -> int | None:
+        return self.kernel.address if 0 < rows < WIDEN_ROWS and self.packed is not None else None
+
+    @property
+    def c_weight(self) -> torch.Tensor | None:
+        return self.packed
+
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
         if layer.weight.numel() == 0 and self.packed is not None:
             return unpack_gemv_weight(self.packed, layer.out_features).to(layer.weight.dtype)

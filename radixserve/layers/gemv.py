@@ -75,6 +75,14 @@ class GemvLinearMethod(OneDNNLinearMethod):
             return self.amx
         return self.kernel if 0 < rows <= GEMV_MAX_ROWS else None
 
+    def c_linear(self, rows: int) -> int | None:
+        kernel = self.decode_kernel(rows)
+        return None if kernel is None else kernel.address
+
+    @property
+    def c_weight(self) -> torch.Tensor | None:
+        return self.gemv_weight
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 and x.is_contiguous() else 0
         kernel = self.decode_kernel(rows)

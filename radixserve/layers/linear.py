@@ -59,6 +59,17 @@ class LinearMethod(ABC):
     def describe(self) -> str:
         return self.name
 
+    def c_linear(self, rows: int) -> int | None:
+        """The address of the C function that multiplies `rows` rows as `apply` would (for C code that calls
+        it itself: the C decode step, models/decode_step.py), or None. Its arguments: `c_weight`'s data, x, bias,
+        y (the model dtype), m, n, k, threads."""
+        return None
+
+    @property
+    def c_weight(self) -> torch.Tensor | None:
+        """The weight in the form `c_linear`'s function reads."""
+        return None
+
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
         """Which kernel multiplies how many rows (the method's thresholds and its timed choices, merged), for
         the execution plan."""

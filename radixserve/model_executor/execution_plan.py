@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 Shape = tuple[int, int]
 C_DECODER, PYTHON_DECODER = "C decode step", "python layers"
+_C_DECODER_REASON = {
+    torch.bfloat16: "bf16 on the AVX512-BF16 GEMV: every decoder layer in one C call",
+    torch.float32: "float32 on the bf16-weight kernel: every decoder layer in one C call",
+}
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
                *_attention_entries(attention, dtype, args),
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
-                         refusal or "bf16 on the AVX512-BF16 GEMV: every decoder layer in one C call")]
+                         refusal or _C_DECODER_REASON.get(dtype, "every decoder layer in one C call"))]
     return ExecutionPlan(dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
                          tuple(entries))
 

@@ -1,12 +1,17 @@
-"""A decode batch's decoder layers in one C call (kernels/csrc/decode_step.c), on CPUs with AVX512-BF16.
+"""A decode batch's decoder layers in one C call (kernels/csrc/decode_loop.h), in two builds:
+
+- bf16 (csrc/decode_step.c) on CPUs with AVX512-BF16: every decoder linear layer on the GEMV/AMX method
+  (`onednn_gemv`); bit-equal to the Python layers. Prefill batches of such a model use the step's SiLU-and-mul
+  loop too (`SiluAndMul`).
+- float32 (csrc/decode_step_f32.c) on AVX2 + FMA and AVX-512: every decoder linear layer on bf16 weights
+  (`bf16_weights`, what `--dtype auto` picks on CPUs without bf16 products); equal to the Python layers to
+  float32 rounding (their passes are inductor's, with its own exp and summation order).
 
 The layers' linear products and decode attention are the kernels the Python path calls too; what the C
 loop removes is ~10 Python-level calls per layer, each of which costs 25-40 us after the weight stream
-has evicted its code (docs/cpu_fast_path.md). It takes a decode forward when the model is bf16 with the
-GEMV/AMX linear method on every decoder linear layer, plain rotary (no q/k norms), the backend's C decode
-kernel for plain (not cascade) attention, and no more rows than the linear kernel takes; anything else
-runs the layers in Python. Prefill batches of such a model use the step's SiLU-and-mul loop too
-(`SiluAndMul`). Switch: RADIXSERVE_DECODE_STEP=0 (both).
+has evicted its code (docs/cpu_fast_path.md). It takes a decode forward when the model has plain rotary
+(no q/k norms), the backend's C decode kernel for plain (not cascade) attention, and no more rows than the
+linear kernel takes; anything else runs the layers in Python. Switch: RADIXSERVE_DECODE_STEP=0.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import torch
 from radixserve import envs
 from radixserve.kernels.build import is_x86
 from radixserve.kernels.decode_step import DecodeStepKernel, ModelStruct, load_decode_step_kernel
-from radixserve.kernels.gemv import load_gemv_kernel
+from radixserve.kernels.gemv import load_bf16w_kernel, load_gemv_kernel
+from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
 from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
 
 if TYPE_CHECKING:
@@ -33,11 +39,11 @@ class DecodeStep:
 
     def __init__(self, weights: DecoderWeights, kernel: DecodeStepKernel) -> None:
         config, self._weights, self._kernel = weights.config, weights, kernel
-        self._config = config
-        # NOTE: every decoder layer runs onednn_gemv with the same kernels (_fits), so one method's choice
-        # of kernel per row count is every layer's, and the Python layers'
+        self._config, self.dtype = config, kernel.dtype
+        # NOTE: every decoder layer runs the one method its dtype's build takes (_shape_refusal), with the same
+        # kernels, so one method's choice of kernel per row count is every layer's, and the Python layers'
         self._method = weights.layers[0].qkv.method
-        self.max_rows = next(rows for rows in (AMX_MAX_ROWS, GEMV_MAX_ROWS) if self._method.decode_kernel(rows))
+        self.max_rows = max(rows for rows in (GEMV_MAX_ROWS, AMX_MAX_ROWS, WIDEN_ROWS - 1) if self._method.c_linear(rows))
         cos, sin = weights.rotary.tables(torch.device("cpu"))
         self._tables = (cos.contiguous(), sin.contiguous())
         self._struct = ModelStruct(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
@@ -62,8 +68,8 @@ class DecodeStep:
             self._bind_pool(fb.token_to_kv_pool)
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
-        work = torch.empty(bs * self._work_per_row, dtype=torch.bfloat16)
-        linear = self._method.decode_kernel(bs).address
+        work = torch.empty(bs * self._work_per_row, dtype=self.dtype)
+        linear = self._method.c_linear(bs)
         positions, slots = fb.positions.to(torch.int64).contiguous(), fb.out_cache_loc.to(torch.int32).contiguous()
         kv_indices, seq_lens = meta.kv_indices.to(torch.int32).contiguous(), fb.seq_lens.to(torch.int64).contiguous()
         status = self._kernel.run(self._struct, linear, attention, hidden, residual, positions, slots, kv_indices,
@@ -75,12 +81,12 @@ class DecodeStep:
         return hidden, residual
 
     def _attention_fn(self, backend) -> int | None:
-        """The bf16 decode attention function the backend's plan runs for this model's heads, or None."""
+        """The decode attention function (this build's dtype) the backend's plan runs for the model's heads, or None."""
         if backend is not self._attention[0]:
             cfg = self._config
-            q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16)
+            q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
             kernel = backend.decode_kernel_for(q, cfg.num_kv_heads) if hasattr(backend, "decode_kernel_for") else None
-            self._attention = (backend, None if kernel is None else kernel.decode_address(torch.bfloat16))
+            self._attention = (backend, None if kernel is None else kernel.decode_address(self.dtype))
         return self._attention[1]
 
     def _bind_pool(self, pool) -> None:
@@ -90,8 +96,8 @@ class DecodeStep:
             slots += [k_cache.shape[0], v_cache.shape[0]]
             bias = layer.qkv.bias
             rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                         layer.qkv.method.gemv_weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         *(linear.method.gemv_weight.data_ptr() for linear in layer.linears[1:]),
+                         layer.qkv.method.c_weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                         *(linear.method.c_weight.data_ptr() for linear in layer.linears[1:]),
                          k_cache.data_ptr(), v_cache.data_ptr()])
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._struct.layers = self._table.data_ptr()
@@ -119,9 +125,9 @@ class SiluAndMul:
         return out
 
 
-def load_decode_step(weights: DecoderWeights) -> DecodeStep:
+def load_decode_step(weights: DecoderWeights, dtype: torch.dtype) -> DecodeStep:
     """The C decode step over a model's weight view; only where `decode_step_refusal` found no reason against it."""
-    return DecodeStep(weights, load_decode_step_kernel())
+    return DecodeStep(weights, load_decode_step_kernel(dtype))
 
 
 def c_silu_and_mul(ops: Any) -> SiluAndMul:
@@ -136,33 +142,40 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
     planned on `methods`) run the decoder layers in Python rather than in one C call; None if C."""
     if not envs.DECODE_STEP.get():
         return f"{envs.DECODE_STEP.name}=0"
-    if dtype != torch.bfloat16:
-        return f"the C decode step is bfloat16 only (dtype {str(dtype).removeprefix('torch.')})"
+    if dtype not in LINEAR_OF_BUILD:
+        return f"the C decode step is bfloat16 and float32 only (dtype {str(dtype).removeprefix('torch.')})"
     if not is_x86():
         return "the C decode step is x86 only"
     if weights is None:
         return "the model exports no plain decoder weight view (q/k norms)"
     if ops is None or ops.rotary_kv is None:
         return "the fused ops are off (the C loop is the fused path's layer structure)"
-    if load_gemv_kernel() is None:
+    if dtype == torch.bfloat16 and load_gemv_kernel() is None:
         return "no AVX512-BF16 GEMV at this kernel level"
-    shape = _shape_refusal(weights, methods)
+    if dtype == torch.float32 and load_bf16w_kernel() is None:
+        return "no bf16-weight kernel here"
+    shape = _shape_refusal(weights, LINEAR_OF_BUILD[dtype], methods)
     if shape is not None:
         return shape
-    if load_decode_step_kernel() is None:
-        return "the C decode step did not build here"
+    if load_decode_step_kernel(dtype) is None:
+        return "the C decode step has no build for this kernel level" if dtype == torch.float32 else \
+            "the C decode step did not build here"
     return None
 
 
-def _shape_refusal(weights: DecoderWeights, methods: Mapping[tuple[int, int], str]) -> str | None:
+# The linear method whose C kernel each build calls on every decoder linear layer.
+LINEAR_OF_BUILD = {torch.bfloat16: GemvLinearMethod.name, torch.float32: Bf16WeightLinearMethod.name}
+
+
+def _shape_refusal(weights: DecoderWeights, wanted: str, methods: Mapping[tuple[int, int], str]) -> str | None:
     config = weights.config
     if config.hidden_size % 32 or config.head_dim % 32 or config.intermediate_size % 32:
         return "hidden, head or intermediate size not a multiple of 32"
     for i, layer in enumerate(weights.layers):
         for linear in layer.linears:
             name = linear.method.describe() if linear.method.chosen_by_format else methods.get(linear.shape, "dense")
-            if name != GemvLinearMethod.name:
-                return f"layer {i}: a linear layer runs {name}, not the bf16 GEMV"
+            if name != wanted:
+                return f"layer {i}: a linear layer runs {name}, not {wanted}"
         if any(linear.bias is not None for linear in layer.linears[1:]):
             return f"layer {i}: a biased o/gate_up/down layer"
     return None

@@ -6,13 +6,10 @@
 // milliseconds of a ~25 ms step. Here the layer loop runs in C: the linear layers and the decode attention
 // are the same kernels the Python path calls (passed in as function pointers: bf16_amx.c or bf16_gemv.c,
 // and decode_attention.c), and the passes between them are the loops below, float32 inside and rounded to
-// bf16 wherever the eager layers store a bf16 tensor.
+// bf16 wherever the eager layers store a bf16 tensor (bit-equal to them).
 //
-// Per layer: [add +] RMSNorm -> qkv -> rotary (q to a buffer, k and v into the KV pool at the slots) ->
-// attention -> o -> add + RMSNorm -> gate_up -> SiLU(gate) * up -> down. In: `hidden` the embeddings;
-// out: `hidden` the last layer's MLP output and `residual` the stream it is added to (the caller applies
-// the final norm). Returns 0; 1 for a position or slot outside the tables (nothing written); or
-// 1000 * (layer + 1) + which call failed (its own status is lost).
+// This file is the bf16 build (AVX512-BF16): its row passes below; the layer loop is decode_loop.h, shared with
+// the float32 build (decode_step_f32.c).
 
 #include <immintrin.h>
 #include <math.h>
@@ -21,23 +18,7 @@
 
 #include "simd.h"
 
-typedef int (*linear_fn)(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
-                         int64_t n, int64_t k, int nthreads);
-typedef int (*attention_fn)(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *kv_indices,
-                            const int64_t *seq_lens, const uint16_t *seed_out, const float *seed_lse, uint16_t *out,
-                            int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                            int nthreads);
-
-// The addresses of one layer's tensors, in this order (models/decode_step.py builds the table).
-enum { IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE, LAYER_POINTERS };
-
-typedef struct {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t max_position, num_slots; // rows of the cos/sin tables and of each KV buffer
-    float eps, scale;
-    const int64_t *layers; // [num_layers][LAYER_POINTERS]
-    const float *cos_table, *sin_table; // [positions][head_dim / 2]
-} decode_model;
+typedef uint16_t elem_t; // bf16 bits
 
 static inline void store_bf16(uint16_t *p, __m512 v) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(v)); }
 static inline __m512 round_bf16(__m512 v) {
@@ -93,62 +74,17 @@ static void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
     }
 }
 
-static void rotary_kv_row(const decode_model *m, const int64_t *layer, const uint16_t *qkv, int64_t position,
-                          int64_t slot, uint16_t *q) {
-    const int64_t dim = m->head_dim, half = dim / 2, kv = m->kv_heads;
-    const float *cos = m->cos_table + position * half, *sin = m->sin_table + position * half;
-    uint16_t *k_cache = (uint16_t *)layer[K_CACHE] + slot * kv * dim, *v_cache = (uint16_t *)layer[V_CACHE] + slot * kv * dim;
-    for (int64_t h = 0; h < m->heads; h++) rotate_head(qkv + h * dim, cos, sin, q + h * dim, half);
-    for (int64_t h = 0; h < kv; h++) rotate_head(qkv + (m->heads + h) * dim, cos, sin, k_cache + h * dim, half);
-    memcpy(v_cache, qkv + (m->heads + kv) * dim, (size_t)(kv * dim) * sizeof(uint16_t));
-}
+#include "decode_loop.h"
 
 int decode_step_bf16(const decode_model *m, linear_fn linear, attention_fn attention, uint16_t *hidden,
                      uint16_t *residual, const int64_t *positions, const int32_t *slots, const int32_t *kv_indices,
                      const int64_t *seq_lens, int64_t bs, int64_t max_len, uint16_t *work, int nthreads) {
-    const int64_t h = m->hidden, q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
-    const int64_t inter = m->intermediate;
-    uint16_t *normed = work, *qkv = normed + bs * h, *q = qkv + bs * qkv_size, *attn = q + bs * q_size;
-    uint16_t *gate_up = attn + bs * q_size, *act = gate_up + bs * 2 * inter;
-    const int parallel = bs > 1 && nthreads > 1;
-    for (int64_t r = 0; r < bs; r++)
-        if (positions[r] < 0 || positions[r] >= m->max_position || slots[r] < 0 || slots[r] >= m->num_slots) return 1;
-    for (int64_t l = 0; l < m->num_layers; l++) {
-        const int64_t *w = m->layers + l * LAYER_POINTERS;
-        const int status = 1000 * (int)(l + 1);
-#pragma omp parallel for num_threads(nthreads) if (parallel)
-        for (int64_t r = 0; r < bs; r++) {
-            if (l == 0) {
-                memcpy(residual + r * h, hidden + r * h, (size_t)h * sizeof(uint16_t));
-                rmsnorm_row(hidden + r * h, (const uint16_t *)w[IN_NORM], normed + r * h, h, m->eps);
-            } else {
-                add_rmsnorm_row(hidden + r * h, residual + r * h, (const uint16_t *)w[IN_NORM], normed + r * h, h, m->eps);
-            }
-        }
-        if (linear((const uint16_t *)w[QKV], normed, (const uint16_t *)w[QKV_BIAS], qkv, bs, qkv_size, h, nthreads))
-            return status + 1;
-#pragma omp parallel for num_threads(nthreads) if (parallel)
-        for (int64_t r = 0; r < bs; r++) rotary_kv_row(m, w, qkv + r * qkv_size, positions[r], slots[r], q + r * q_size);
-        if (attention(q, (const uint16_t *)w[K_CACHE], (const uint16_t *)w[V_CACHE], kv_indices, seq_lens, NULL, NULL,
-                      attn, bs, max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
-            return status + 2;
-        if (linear((const uint16_t *)w[O], attn, NULL, hidden, bs, h, q_size, nthreads)) return status + 3;
-#pragma omp parallel for num_threads(nthreads) if (parallel)
-        for (int64_t r = 0; r < bs; r++)
-            add_rmsnorm_row(hidden + r * h, residual + r * h, (const uint16_t *)w[POST_NORM], normed + r * h, h, m->eps);
-        if (linear((const uint16_t *)w[GATE_UP], normed, NULL, gate_up, bs, 2 * inter, h, nthreads)) return status + 4;
-#pragma omp parallel for num_threads(nthreads) if (parallel)
-        for (int64_t r = 0; r < bs; r++) silu_mul_row(gate_up + r * 2 * inter, act + r * inter, inter);
-        if (linear((const uint16_t *)w[DOWN], act, NULL, hidden, bs, h, inter, nthreads)) return status + 5;
-    }
-    return 0;
+    return decode_layers(m, linear, attention, hidden, residual, positions, slots, kv_indices, seq_lens, bs, max_len,
+                         work, nthreads);
 }
 
 // Elements of the work buffer `decode_step_bf16` needs for `bs` rows.
-int64_t decode_step_work_size(const decode_model *m, int64_t bs) {
-    const int64_t q_size = m->heads * m->head_dim;
-    return bs * (m->hidden + q_size + 2 * m->kv_heads * m->head_dim + 2 * q_size + 3 * m->intermediate);
-}
+int64_t decode_step_work_size(const decode_model *m, int64_t bs) { return decode_work_size(m, bs); }
 
 // SiLU(gate) * up of m fused [gate | up] rows of 2n values into m rows of n: the loop the decode step
 // runs, for prefill-sized batches (models/decode_step.py). Returns 0; 1 if n is not a multiple of 16.

@@ -1,0 +1,112 @@
+"""The float32 build of the one-call C decode step (csrc/decode_step_f32.c) over bf16 weights (`bf16_weights`,
+what `--dtype auto` picks on CPUs without bf16 products), at every vector level this CPU runs: logits and KV
+equal to the Python layers' to float32 rounding at every batch size it takes, greedy tokens identical, the
+plan's reason, and what it declines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from direct_driver import DirectDriver
+from kernel_levels import force_level
+from test_decode_step import Recorder
+from test_model_support import rel_err, save_tiny_tokenizer
+
+from radixserve.kernels.decode_step import F32_LEVELS
+from radixserve.mem_cache.conservation import check_conservation
+from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.models import decode_step
+from radixserve.server_args import ServerArgs
+
+LEVELS = [pytest.param(isa, id=isa) for isa in reversed(F32_LEVELS) if isa != "avx512_bf16"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny Llama in the shapes the step takes (head_dim 64, widths multiples of 32), with a QKV bias as
+    Qwen2 has."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    path = tmp_path_factory.mktemp("qwen2-d64")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+                         initializer_range=0.1, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    model.save_pretrained(str(path))
+    save_tiny_tokenizer(path)
+    return path
+
+
+def _runner(folder, monkeypatch, on: bool, linear_method: str = "bf16_weights") -> ModelRunner:
+    monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
+    return ModelRunner(ServerArgs(model_path=str(folder), dtype="float32", device="cpu", max_total_tokens=4096,
+                                  attention_backend="cpu", linear_method=linear_method))
+
+
+def _decode_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[list[int]]]:
+    """Ragged prompts, then four greedy decode steps: the logits, the KV of every slot, the C calls, the tokens."""
+    driver = DirectDriver(runner)
+    reqs = [driver.new_request() for _ in range(bs)]
+    lens = [5 + 11 * i % 40 for i in range(bs)]
+    logits = [driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)])]
+    recorder = None
+    if runner.model.decode_step is not None:
+        recorder = runner.model.decode_step = Recorder(runner.model.decode_step)
+    tokens = [logits[-1].argmax(-1).tolist()]
+    for _ in range(4):
+        logits.append(driver.decode(reqs, tokens[-1]))
+        tokens.append(logits[-1].argmax(-1).tolist())
+    slots = torch.cat([runner.req_to_token_pool.req_to_token[r.row, : len(r.token_ids)] for r in reqs]).long()
+    kv = torch.stack([torch.cat([b[slots] for b in runner.token_to_kv_pool.get_kv_buffer(i)])
+                      for i in range(runner.model.config.num_layers)])
+    driver.release_all()
+    check_conservation(runner.token_to_kv_pool_allocator, None, runner.req_to_token_pool, [])
+    assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
+    return logits, kv, [] if recorder is None else recorder.calls, tokens
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("bs", [1, 5, 40])
+def test_f32_step_matches_python_layers(folder, monkeypatch, isa, bs):
+    force_level(isa, monkeypatch)
+    runs = {}
+    for on in (False, True):
+        runner = _runner(folder, monkeypatch, on)
+        assert (runner.model.decode_step is not None) == on
+        assert runner.execution_plan.as_dict()["decoder"]["reason"] == (
+            "float32 on the bf16-weight kernel: every decoder layer in one C call" if on else "RADIXSERVE_DECODE_STEP=0")
+        runs[on] = _decode_run(runner, bs)
+    (off_logits, off_kv, _, off_tokens), (on_logits, on_kv, calls, on_tokens) = runs[False], runs[True]
+    assert calls == [bs] * 4
+    # NOTE: the same linear and attention kernels; the passes between them differ from inductor's in the last
+    # bits (exp, the order of a sum), which four decode steps through three layers carry to ~1e-6
+    assert torch.equal(on_logits[0], off_logits[0])  # the prefill runs the Python layers in both
+    for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
+        assert rel_err(on, off) < 1e-5
+    assert rel_err(on_kv, off_kv) < 1e-5
+    assert on_tokens == off_tokens
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+def test_f32_step_off_a_bf16_weight_layer_declines(folder, monkeypatch, isa):
+    """With float32 weights (--linear-method dense) there is no C kernel to call: the layers run in Python,
+    and the plan says which layer and method stopped it."""
+    force_level(isa, monkeypatch)
+    runner = _runner(folder, monkeypatch, True, linear_method="dense")
+    assert runner.model.decode_step is None
+    assert runner.execution_plan.decoder_refusal == "layer 0: a linear layer runs dense, not bf16_weights"
+
+
+def test_f32_refusals_name_the_dtype_and_level(folder, monkeypatch):
+    runner = _runner(folder, monkeypatch, True)
+    view, plan = runner.model.decoder_weights(), runner.execution_plan
+    assert decode_step.decode_step_refusal(view, torch.float16, plan.fused_ops, plan.linear_methods) == (
+        "the C decode step is bfloat16 and float32 only (dtype float16)")
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "portable")
+    refusal = decode_step.decode_step_refusal(view, torch.float32, plan.fused_ops, plan.linear_methods)
+    assert refusal == "the C decode step has no build for this kernel level"
