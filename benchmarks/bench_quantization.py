@@ -25,7 +25,7 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_quantization.png"
 BEGIN, END = "<!-- bench_quantization:begin -->", "<!-- bench_quantization:end -->"
 LLAMA = "llama.cpp Q4_1"
-VARIANTS = ("float32", "bfloat16", "int8", "int4")
+VARIANTS = ("float32", "bfloat16", "int8", "int4")  # `auto` (the dtype --dtype auto picks here) on request
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,7 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-python", default="")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"of auto,{','.join(VARIANTS)}")
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--class", dest="cpu_class", default="", help="run as on this CPU class (bench/docs.class_env, "
+                   "e.g. avx2); the table goes to its own section")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -47,11 +50,12 @@ def variant_args(name: str) -> dict:
     from radixserve.models.gguf_loader import gguf_to_hf_folder
     from radixserve.models.loader import embedded_model_path
 
+    # NOTE: the quantized rows compute in the dtype `auto` picks (bfloat16 with native bf16 products, float32 else)
     if name == "int8":  # a bfloat16 checkpoint quantized at load (per-channel scales)
-        return dict(model_path=str(gguf_to_hf_folder(embedded_model_path(), torch.bfloat16)), dtype="bfloat16",
+        return dict(model_path=str(gguf_to_hf_folder(embedded_model_path(), torch.bfloat16)), dtype="auto",
                     quantization="int8")
     if name == "int4":  # the shipped Q4_1 blocks as they are
-        return dict(dtype="bfloat16", quantization="int4")
+        return dict(dtype="auto", quantization="int4")
     return dict(dtype=name)
 
 
@@ -105,16 +109,22 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
     else:
         cmd = [sys.executable, __file__, "--worker", name, "--context", str(args.context), "--steps", str(args.steps),
                "--prefill-len", str(args.prefill_len), "--threads", str(args.threads)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, **class_env_of(args), "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=900)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def class_env_of(args: argparse.Namespace) -> dict[str, str]:
+    from radixserve.bench.docs import class_env
+
+    return class_env(args.cpu_class) if args.cpu_class else {}
 
 
 def main() -> None:
     args = parse_args()
     if args.worker:
         return worker(args)
-    names = [*VARIANTS, *([LLAMA] if args.llama_python else [])]
+    names = [*args.variants.split(","), *([LLAMA] if args.llama_python else [])]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     load = [os.getloadavg()[0]]
     for r in range(args.rounds):
@@ -128,8 +138,9 @@ def main() -> None:
     if not args.no_docs:
         from radixserve.bench.docs import write_doc_section
 
-        write_doc_section(DOCS, BEGIN, END, body)
-        plot(med)
+        tag = f"_{args.cpu_class}" if args.cpu_class else ""
+        write_doc_section(DOCS, BEGIN.replace(":begin", f"{tag}:begin"), END.replace(":end", f"{tag}:end"), body)
+        plot(med, PLOT.with_name(f"bench_quantization{tag}.png"))
 
 
 def doc_body(args: argparse.Namespace, med: dict, load: list[float]) -> str:
@@ -137,6 +148,9 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float]) -> str:
 
     from radixserve.bench.docs import cpu_name
     from radixserve.kernels.quant import best_quant_isa
+    from radixserve.platform import choose_dtype
+
+    os.environ.update(class_env_of(args))  # NOTE: the header names the class the workers ran as
 
     def cell(n: str, key: str, fmt: str = "{:.1f}") -> str:
         return fmt.format(med[n][key]) if key in med[n] else "n/a"
@@ -145,13 +159,22 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float]) -> str:
             f"{cell(n, 'rss_mib', '{:.0f}')} |" for n in med]
     cmd = (f"python benchmarks/bench_quantization.py --context {args.context} --steps {args.steps} --prefill-len "
            f"{args.prefill_len} --rounds {args.rounds} --threads {args.threads}"
-           + (f" --llama-python {args.llama_python}" if args.llama_python else ""))
+           + (f" --llama-python {args.llama_python}" if args.llama_python else "")
+           + (f" --variants {args.variants}" if args.variants != ",".join(VARIANTS) else "")
+           + (f" --class {args.cpu_class}" if args.cpu_class else ""))
+    forced = (f" Run as the **{args.cpu_class} class** on this CPU: {' '.join(f'{k}={v}' for k, v in class_env_of(args).items())}"
+              " (our kernels and torch's); llama.cpp is its own build for that class (`--llama-python`)."
+              if args.cpu_class else "")
+    auto = choose_dtype("auto", "cpu")
     return "\n".join([
-        "## Quantized weights: float32 / bfloat16 / int8 / int4 (`benchmarks/bench_quantization.py`)",
+        f"## Quantized weights{f' ({args.cpu_class} class)' if args.cpu_class else ''}: "
+        f"{', '.join(args.variants.split(','))} (`benchmarks/bench_quantization.py`)",
         "",
         f"Model: embedded SmolLM2-135M-Instruct. float32 and bfloat16: the Q4_1 file dequantized; int8: its "
-        f"bfloat16 folder quantized at load (per-channel); int4: the Q4_1 blocks as they are; all quantized rows "
-        f"compute in bfloat16 with the kernels at level `{best_quant_isa()}`. Machine: {os.cpu_count()} CPUs "
+        f"bfloat16 folder quantized at load (per-channel); int4: the Q4_1 blocks as they are; the quantized rows "
+        f"compute in the dtype `auto` picks ({auto.dtype} here) with the kernels at level `{best_quant_isa()}` (the class's); "
+        f"auto: {auto.dtype}{' with bf16 weights' if auto.weights == 'bfloat16' else ''}.{forced} Machine: "
+        f"{os.cpu_count()} CPUs "
         f"({cpu_name()}), torch {torch.__version__}, {args.threads} threads. Load average {load[0]:.1f} at start, "
         f"{load[1]:.1f} at end; each variant in its own process, rounds alternate, median of {args.rounds}. "
         f"Decode after {args.context} tokens of context; RSS is the process's resident memory after the runs.",
@@ -167,7 +190,7 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float]) -> str:
     ])
 
 
-def plot(med: dict) -> None:
+def plot(med: dict, path: Path = PLOT) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,7 +205,7 @@ def plot(med: dict) -> None:
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
         ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=90)
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":

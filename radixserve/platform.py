@@ -37,11 +37,12 @@ ARM_FEATURES = {"asimd": "neon", "sve": "sve", "bf16": "arm_bf16"}
 # Levels of our C kernels, best first; a level runs where the CPU has all of its features.
 # avx512 is AVX-512 F/BW/VL/DQ without the BF16 instructions (Skylake-SP .. Ice Lake, Zen 4 minus BF16).
 KERNEL_ISAS = ("avx512_bf16", "avx512", "avx2", "portable")
-_AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+# NOTE: f16c with avx2: every AVX2 CPU has it, and the packed kernels' float16 scales need it
+_AVX512 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
 ISA_REQUIRES: dict[str, frozenset[str]] = {
     "avx512_bf16": _AVX512 | {"avx512_bf16"},
     "avx512": _AVX512,
-    "avx2": frozenset({"avx2", "fma"}),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
     "portable": frozenset(),
 }
 # The compiler flags of each level: the one table every C build uses (`kernels/build.py`). Never -march=native,

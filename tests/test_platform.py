@@ -86,7 +86,10 @@ def test_forcing_a_level_hides_the_features_above_it(monkeypatch):
     monkeypatch.setenv(envs.CPU_ISA.name, "avx512_bf16")  # a Zen 4: no AMX
     assert "amx_bf16" not in platform.visible_features() and platform.kernel_class() == "avx512_bf16"
     monkeypatch.setenv(envs.CPU_ISA.name, "avx2")
-    assert platform.visible_features() == {"avx2", "fma"}
+    assert platform.visible_features() == {"avx2", "fma", "f16c"}  # f16c: every AVX2 CPU has it
+    from radixserve.kernels.quant import best_quant_isa
+
+    assert best_quant_isa() == "avx2"  # the packed kernels follow the forced level (no VNNI of either width)
     monkeypatch.setattr(platform, "measure_bf16_slowdown", lambda: 4.0)
     choice = platform.choose_dtype("auto", "cpu")
     assert choice.dtype == "float32" and "measured 4.0x slower" in choice.reason

@@ -1,6 +1,7 @@
 """The tiled layout of packed weights (layers/quantization/tiled.py): the same values as the row layout,
-the kernel against the row kernel and the float product, the expansion path for many rows, the model-level
-re-lay (a tied table tiled once), and where it must not run."""
+the kernel against the row kernel and the float product at every level this CPU runs (AVX-512 VNNI, AVX-VNNI,
+AVX2), the levels equal to each other, the expansion path for many rows, the model-level re-lay (a tied table
+tiled once), and where it must not run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from radixserve.kernels import quant_tiled
-from radixserve.kernels.quant import load_quant_kernel
+from radixserve.kernels.quant import load_quant_kernel, runnable_isas
 from radixserve.layers.quantization import linear as qlinear
 from radixserve.layers.quantization import tiled
 from radixserve.layers.quantization.formats import PackedWeight, quantize
@@ -17,18 +18,30 @@ from radixserve.layers.quantization.linear import QuantizedEmbedding, packed_lay
 from radixserve.layers.quantization.model_quant import tile_packed_weights
 
 HAS_TILED = quant_tiled.load_tiled_kernel() is not None
-needs_tiled = pytest.mark.skipif(not HAS_TILED, reason="needs AVX-512 VNNI (other CPUs: test_not_offered_below_vnni)")
+needs_tiled = pytest.mark.skipif(not HAS_TILED, reason="needs AVX2 (other CPUs: test_not_offered_below_avx2)")
 FORMATS = [(4, False), (8, False), (8, True)]  # int4 g32, int8 g32, int8 per-channel
+
+
+@pytest.fixture(params=quant_tiled.LEVELS)
+def level(request, monkeypatch):
+    """Each tiled level this CPU runs (a forced RADIXSERVE_CPU_ISA hides those above it), made the one
+    `load_tiled_kernel` returns."""
+    if request.param not in runnable_isas():
+        pytest.skip(f"this CPU (or RADIXSERVE_CPU_ISA) does not run the {request.param} packed kernels")
+    kernel = quant_tiled._built(request.param)
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(quant_tiled, "load_tiled_kernel", lambda: kernel)
+    return request.param
 
 
 def _packed(bits: int, per_channel: bool, n: int, k: int, seed: int = 0) -> PackedWeight:
     return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), bits, per_channel)
 
 
-@needs_tiled
 @pytest.mark.parametrize(("bits", "per_channel"), FORMATS)
 @pytest.mark.parametrize(("n", "k"), [(64, 32), (100, 96), (130, 576)])
-def test_tiled_holds_the_same_values(bits, per_channel, n, k):
+def test_tiled_holds_the_same_values(level, bits, per_channel, n, k):
     packed = _packed(bits, per_channel, n, k)
     t = tiled.tile_weight(packed)
     ref = packed.dequantize()
@@ -40,10 +53,9 @@ def test_tiled_holds_the_same_values(bits, per_channel, n, k):
         t.dequantize(rows=torch.tensor([n]))
 
 
-@needs_tiled
 @pytest.mark.parametrize(("bits", "per_channel"), FORMATS)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16, 32])
-def test_tiled_kernel_matches_the_row_kernel(bits, per_channel, m):
+def test_tiled_kernel_matches_the_row_kernel(level, bits, per_channel, m):
     packed = _packed(bits, per_channel, 100, 96, seed=m)
     t = tiled.tile_weight(packed)
     x = torch.randn(m, 96, generator=torch.Generator().manual_seed(1))
@@ -56,9 +68,23 @@ def test_tiled_kernel_matches_the_row_kernel(bits, per_channel, m):
     assert got16.dtype == torch.bfloat16 and torch.linalg.norm(got16.float() - want) / torch.linalg.norm(want) < 3e-2
 
 
-@needs_tiled
+@pytest.mark.parametrize(("bits", "per_channel"), FORMATS)
+def test_every_level_computes_the_same(bits, per_channel):
+    """The levels differ in how they form each block's integer dot (vpdpbusd, or maddubs/madd with int8's
+    unsigned offset added back), not in its value, and share the float steps after it: equal results."""
+    levels = [lv for lv in quant_tiled.LEVELS if lv in runnable_isas()]
+    if len(levels) < 2:
+        pytest.skip(f"this CPU runs one tiled level ({', '.join(levels) or 'none'})")
+    t = tiled.tile_weight(_packed(bits, per_channel, 200, 576, seed=7))
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(2)) * 3
+    results = [quant_tiled._built(lv).matmul(t, x, torch.float32) for lv in levels]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    expanded = [quant_tiled._built(lv).expand_t(t, 0, 200, torch.float32) for lv in levels]
+    assert all(torch.equal(expanded[0], e) for e in expanded[1:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_rows_expand_in_pieces(dtype, monkeypatch):
+def test_many_rows_expand_in_pieces(level, dtype, monkeypatch):
     packed = _packed(4, False, 300, 128)
     t = tiled.tile_weight(packed)
     x = torch.randn(40, 128).to(dtype)
@@ -81,8 +107,7 @@ class TiedHead(nn.Module):
         self.up = packed_layer(64, 96, _packed(4, False, 96, 64, seed=4))
 
 
-@needs_tiled
-def test_model_weights_are_tiled_once_and_compute_the_same():
+def test_model_weights_are_tiled_once_and_compute_the_same(level):
     model = TiedHead()
     ids, x = torch.tensor([5, 199, 0]), torch.randn(3, 64)
     before = (model.embed(ids), model.head(x), model.up(x), model.up(torch.randn(30, 64, generator=torch.Generator().manual_seed(0))))
@@ -108,16 +133,8 @@ def test_a_scale_too_large_for_float16_keeps_the_row_layout():
     assert tile_packed_weights(holder) == 0 and layer.method.packed is packed
 
 
-def test_not_offered_below_vnni(monkeypatch):
-    from radixserve import platform as rs_platform
-
-    lower = [isa for isa in rs_platform.runnable_isas() if isa in ("avx2", "portable")]
-    monkeypatch.setenv("RADIXSERVE_CPU_ISA", lower[0])
-    quant_tiled.load_tiled_kernel.cache_clear()
-    try:
-        assert quant_tiled.load_tiled_kernel() is None
-        layer = packed_layer(32, 64, _packed(4, False, 64, 32))
-        assert tile_packed_weights(nn.Sequential(layer)) == 0
-    finally:
-        monkeypatch.delenv("RADIXSERVE_CPU_ISA")
-        quant_tiled.load_tiled_kernel.cache_clear()
+def test_not_offered_below_avx2(monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CPU_ISA", "portable")
+    assert quant_tiled.load_tiled_kernel() is None
+    layer = packed_layer(32, 64, _packed(4, False, 64, 32))
+    assert tile_packed_weights(nn.Sequential(layer)) == 0

@@ -22,10 +22,11 @@ SOURCE = CSRC / "quant_matmul.c"
 
 
 def cpu_flags() -> frozenset[str]:
-    """The CPU's ISA features, as radixserve.platform reads them (Linux's flag names)."""
+    """The CPU's ISA features as radixserve decides by them (Linux's flag names; a forced RADIXSERVE_CPU_ISA
+    hides those above its level, so the packed kernels run as on such a CPU too)."""
     from radixserve import platform as rs_platform
 
-    return rs_platform.cpu_info().features
+    return rs_platform.visible_features()
 
 
 def best_quant_isa(flags: frozenset[str] | None = None) -> str:
@@ -110,10 +111,14 @@ def _check(status: int, packed) -> None:
                          f"with {packed.scales.shape[1]} scale groups per row (status {status})")
 
 
-@functools.cache
 def load_quant_kernel(isa: str | None = None) -> QuantKernel | None:
-    """The kernel library of `isa` (default: the best here), or None (logged once) without a C compiler."""
-    isa = best_quant_isa() if isa is None else isa
+    """The kernel library of `isa` (default: the best here, read at each call), or None (logged once) without a
+    C compiler."""
+    return _built_quant_kernel(best_quant_isa() if isa is None else isa)
+
+
+@functools.cache
+def _built_quant_kernel(isa: str) -> QuantKernel | None:
     if isa not in QUANT_ISAS:
         raise ValueError(f"unknown quantized-kernel level {isa!r}; known: {', '.join(QUANT_ISAS)}")
     lib = load_library(SOURCE, f"quant-{isa}", QUANT_ISA_FLAGS[isa] if is_x86() else (),

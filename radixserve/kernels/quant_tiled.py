@@ -1,5 +1,5 @@
-"""ctypes bindings of the tiled packed-weight kernels (csrc/quant_tiled.c, AVX-512 VNNI): product, transposed
-expansion and row lookup over a `TiledWeight` (layers/quantization/tiled.py, the layout)."""
+"""ctypes bindings of the tiled packed-weight kernels (csrc/quant_tiled.c: AVX-512 VNNI, AVX-VNNI, AVX2): product,
+transposed expansion and row lookup over a `TiledWeight` (layers/quantization/tiled.py, the layout)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ if TYPE_CHECKING:
     from radixserve.layers.quantization.tiled import TiledWeight
 
 SOURCE = CSRC / "quant_tiled.c"
-FLAGS = QUANT_ISA_FLAGS["avx512_vnni"]
+HEADERS = (CSRC / "quant_tiled_avx2.h",)
+LEVELS = ("avx512_vnni", "avx_vnni", "avx2")  # the packed-kernel levels with a tiled build (platform.QUANT_ISAS)
 
 
 class TiledKernel:
     """ctypes bindings of csrc/quant_tiled.c (ctypes releases the GIL; the kernels run on torch's OpenMP pool)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, level: str) -> None:
+        self.level = level
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._matmul, self._expand, self._rows = lib.tiled_matmul, lib.tiled_expand_t, lib.tiled_rows
         self._matmul.argtypes = [i32, ptr, ptr, i32, ptr, i32, i64, i64, i64, i32]
@@ -65,13 +67,23 @@ def _check(status: int, w: TiledWeight) -> None:
         raise ValueError(f"tiled kernel rejected a {w.format_name} weight of shape {w.shape} (status {status})")
 
 
-@functools.cache
 def load_tiled_kernel() -> TiledKernel | None:
-    """The kernels, where the quantized kernels run at the avx512_vnni level; else None."""
-    from radixserve import platform as rs_platform
+    """The kernels at the packed-kernel level this process runs (read at each call, so a forced lower
+    RADIXSERVE_CPU_ISA gets its own build), or None below AVX2 or without a compiler."""
     from radixserve.kernels.quant import best_quant_isa
 
-    if best_quant_isa(rs_platform.visible_features()) != "avx512_vnni":
+    level = best_quant_isa()
+    return _built(level) if level in LEVELS else None
+
+
+@functools.cache
+def _built(level: str) -> TiledKernel | None:
+    lib = load_library(SOURCE, f"quant-tiled-{level}", QUANT_ISA_FLAGS[level], "tiled quantized kernels",
+                       "packed layers keep the row layout", HEADERS)
+    if lib is None:
         return None
-    lib = load_library(SOURCE, "quant-tiled", FLAGS, "tiled quantized kernels", "packed layers keep the row layout")
-    return None if lib is None else TiledKernel(lib)
+    lib.tiled_isa.restype = ctypes.c_char_p
+    compiled = lib.tiled_isa().decode()
+    if compiled != level:
+        raise RuntimeError(f"the tiled kernels built for {level} report {compiled} (compiler flags)")
+    return TiledKernel(lib, level)

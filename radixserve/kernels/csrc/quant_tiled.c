@@ -1,5 +1,6 @@
-// The tiled layout of packed weights, for AVX-512 VNNI: y[M, N] = x[M, K] @ W[N, K]^T with integer dot
-// products that need no horizontal sums, and the expansion of the weight for larger products.
+// The tiled layout of packed weights: y[M, N] = x[M, K] @ W[N, K]^T with integer dot products that need no
+// horizontal sums, and the expansion of the weight for larger products. One source for three levels: AVX-512
+// VNNI (16 rows per vpdpbusd), AVX-VNNI and AVX2 (8 rows per 256-bit step; their section below).
 //
 // Layout (built in torch by tiled.py): tiles of 64 output rows; for each tile t and block b of 32 input
 // positions, one record of RECORD(bits) bytes:
@@ -28,6 +29,15 @@
 #define MAX_ROWS 4  // activation rows per pass over a record (more rows: further passes, record in L1)
 #define PREFETCH 4096
 #define RECORD(bits) (4 * TILE + ((bits) == 4 ? 16 : 32) * TILE)
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define TILED_ISA "avx512_vnni"
 
 static inline __m512 load16(const void *x, int bf16, int64_t i) {
     if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(
@@ -196,6 +206,10 @@ int tiled_expand_t(int bits, const uint8_t *data, int64_t n0, int64_t n1, int64_
     return 0;
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "quant_tiled_avx2.h"
+#endif
+
 // Rows `rows[0..count)` expanded: out[count, K] (an embedding lookup); float32 or bfloat16.
 int tiled_rows(int bits, const uint8_t *data, const int64_t *rows, int64_t count, int64_t N, int64_t K, void *out,
                int out_bf16, int nthreads) {
@@ -232,9 +246,7 @@ int tiled_rows(int bits, const uint8_t *data, const int64_t *rows, int64_t count
             for (int i = 0; i < QK; i++) {
                 const int64_t at = c * K + b * QK + i;
                 if (out_bf16) {
-                    uint32_t bits32;
-                    memcpy(&bits32, &v[i], 4);
-                    ((uint16_t *)out)[at] = (uint16_t)((bits32 + 0x7FFF + ((bits32 >> 16) & 1)) >> 16);
+                    ((uint16_t *)out)[at] = f32_to_bf16(v[i]);
                 } else {
                     ((float *)out)[at] = v[i];
                 }
@@ -243,3 +255,5 @@ int tiled_rows(int bits, const uint8_t *data, const int64_t *rows, int64_t count
     }
     return status;
 }
+
+const char *tiled_isa(void) { return TILED_ISA; }
