@@ -33,10 +33,10 @@ def folder(tmp_path_factory):
     return path
 
 
-def _runner(folder, monkeypatch, on: bool) -> ModelRunner:
+def _runner(folder, monkeypatch, on: bool, **kw) -> ModelRunner:
     monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
     runner = ModelRunner(ServerArgs(model_path=str(folder), dtype="bfloat16", device="cpu", max_total_tokens=4096,
-                                    attention_backend="cpu", linear_method="onednn_gemv"))
+                                    attention_backend="cpu", linear_method="onednn_gemv", **kw))
     assert (runner.model.decode_step is not None) == on
     assert runner.device_setup.decode_step == on
     return runner
@@ -88,6 +88,27 @@ def test_c_step_matches_python_layers(folder, monkeypatch, bs):
     # torch's on these CPUs): bit-equal, where the bf16 path differs from float32 by 2-6% on this model
     for off, on in zip(off_logits, on_logits, strict=True):
         assert torch.equal(on, off)
+    assert torch.equal(on_kv, off_kv)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_c_step_on_tiled_packed_weights_is_bit_equal(folder, monkeypatch, quantization):
+    """int4/int8 weights (tiled where the tiled kernels run): the step calls the same tiled product per linear
+    layer as the Python layers, so logits and KV stay bit-equal, up to the kernel's 32 rows."""
+    from radixserve.kernels.quant_tiled import load_tiled_kernel
+
+    if load_tiled_kernel() is None:
+        pytest.skip("no tiled packed kernels at this level")
+    runs = {}
+    for on in (False, True):
+        runner = _runner(folder, monkeypatch, on, quantization=quantization)
+        assert "packed" in runner.device_setup.describe()
+        if on:
+            assert runner.model.decode_step.max_rows == 32
+        runs[on] = _decode_run(runner, 6)
+    (off_logits, off_kv, _), (on_logits, on_kv, calls) = runs[False], runs[True]
+    assert calls == [6] * 3
+    assert all(torch.equal(on, off) for off, on in zip(off_logits, on_logits, strict=True))
     assert torch.equal(on_kv, off_kv)
 
 
@@ -160,5 +181,5 @@ def test_the_step_reads_the_exported_weight_view_and_says_why_it_declines(folder
     onednn = ModelRunner(ServerArgs(model_path=str(folder), dtype="bfloat16", device="cpu", max_total_tokens=4096,
                                     attention_backend="cpu", linear_method="onednn"))
     assert onednn.model.decode_step is None
-    assert onednn.execution_plan.decoder_refusal == "layer 0: a linear layer runs onednn, not onednn_gemv"
+    assert onednn.execution_plan.decoder_refusal == "layer 0: a linear layer runs onednn, not onednn_gemv or packed"
     assert onednn.execution_plan.as_dict()["decoder"]["reason"] == onednn.execution_plan.decoder_refusal

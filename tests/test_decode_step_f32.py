@@ -42,10 +42,10 @@ def folder(tmp_path_factory):
     return path
 
 
-def _runner(folder, monkeypatch, on: bool, linear_method: str = "bf16_weights") -> ModelRunner:
+def _runner(folder, monkeypatch, on: bool, linear_method: str = "bf16_weights", **kw) -> ModelRunner:
     monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
     return ModelRunner(ServerArgs(model_path=str(folder), dtype="float32", device="cpu", max_total_tokens=4096,
-                                  attention_backend="cpu", linear_method=linear_method))
+                                  attention_backend="cpu", linear_method=linear_method, **kw))
 
 
 def _decode_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[list[int]]]:
@@ -93,13 +93,36 @@ def test_f32_step_matches_python_layers(folder, monkeypatch, isa, bs):
 
 
 @pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_f32_step_runs_tiled_packed_weights(folder, monkeypatch, isa, quantization):
+    """int4/int8 weights quantized at load, tiled at this level: the step calls the tiled kernel for each
+    linear layer (the qkv bias added after it, as in Python) up to its 32 rows; above, the Python layers."""
+    force_level(isa, monkeypatch)
+    runs = {}
+    for on in (False, True):
+        runner = _runner(folder, monkeypatch, on, quantization=quantization)
+        assert "packed" in runner.device_setup.describe()
+        assert (runner.model.decode_step is not None) == on
+        if on:
+            assert runner.model.decode_step.max_rows == 32
+        runs[on] = _decode_run(runner, 5)
+    (off_logits, off_kv, _, _), (on_logits, on_kv, calls, _) = runs[False], runs[True]
+    assert calls == [5] * 4
+    # NOTE: the kernel rounds its input to int8 per block of 32; a float32-rounding difference between the
+    # passes can move one value across a rounding boundary (a step of 1/127 of the block's largest), which
+    # shows as ~1% in the logits: the size of the activation rounding itself, not more
+    errors = [rel_err(on, off) for off, on in zip(off_logits[1:], on_logits[1:], strict=True)]
+    assert max(errors) < 3e-2 and rel_err(on_kv, off_kv) < 3e-2
+
+
+@pytest.mark.parametrize("isa", LEVELS)
 def test_f32_step_off_a_bf16_weight_layer_declines(folder, monkeypatch, isa):
     """With float32 weights (--linear-method dense) there is no C kernel to call: the layers run in Python,
     and the plan says which layer and method stopped it."""
     force_level(isa, monkeypatch)
     runner = _runner(folder, monkeypatch, True, linear_method="dense")
     assert runner.model.decode_step is None
-    assert runner.execution_plan.decoder_refusal == "layer 0: a linear layer runs dense, not bf16_weights"
+    assert runner.execution_plan.decoder_refusal == "layer 0: a linear layer runs dense, not bf16_weights or packed"
 
 
 def test_f32_refusals_name_the_dtype_and_level(folder, monkeypatch):

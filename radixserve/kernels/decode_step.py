@@ -18,7 +18,7 @@ SOURCE = CSRC / "decode_step.c"
 F32_SOURCE = CSRC / "decode_step_f32.c"
 # simd.h includes attention_common.h; both builds include the shared layer loop
 HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h", "decode_loop.h"))
-LAYER_POINTERS = 9  # IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE
+LAYER_POINTERS = 13  # csrc/decode_loop.h: the norms, each linear layer's weight and function, the qkv bias, K and V
 F32_LEVELS = ("avx512_bf16", "avx512", "avx2")  # the kernel levels with a float32 build (vector code)
 
 
@@ -38,7 +38,7 @@ class DecodeStepKernel:
         suffix = "bf16" if dtype == torch.bfloat16 else "f32"
         self._step = getattr(lib, f"decode_step_{suffix}")
         self._step.restype = ctypes.c_int
-        self._step.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
+        self._step.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
         self._work = getattr(lib, "decode_step_work_size" if dtype == torch.bfloat16 else "decode_step_f32_work_size")
         self._work.restype = ctypes.c_int64
         self._work.argtypes = [ctypes.c_void_p, ctypes.c_int64]
@@ -46,13 +46,14 @@ class DecodeStepKernel:
     def work_size(self, model: ModelStruct, rows: int) -> int:
         return self._work(ctypes.byref(model), rows)
 
-    def run(self, model: ModelStruct, linear: int, attention: int, hidden: torch.Tensor, residual: torch.Tensor,
+    def run(self, model: ModelStruct, attention: int, hidden: torch.Tensor, residual: torch.Tensor,
             positions: torch.Tensor, slots: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor,
             max_len: int, work: torch.Tensor) -> int:
-        """Every decoder layer for hidden's rows, in place; `linear` and `attention` are the C functions to call.
-        Returns the status: 0 done, 1 a position or slot out of range (nothing written), else layer*1000+call."""
+        """Every decoder layer for hidden's rows, in place; `attention` is the C function to call (the linear
+        layers' are in the model's layer table). Returns the status: 0 done, 1 a position or slot out of range
+        (nothing written), else layer*1000+call."""
         return call_profiled(
-            "radixserve::decode_step", self._step, ctypes.byref(model), linear, attention,
+            "radixserve::decode_step", self._step, ctypes.byref(model), attention,
             hidden.data_ptr(), residual.data_ptr(), positions.data_ptr(), slots.data_ptr(), kv_indices.data_ptr(),
             seq_lens.data_ptr(), hidden.shape[0], max_len, work.data_ptr(), torch.get_num_threads())
 

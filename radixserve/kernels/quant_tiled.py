@@ -32,6 +32,20 @@ class TiledKernel:
         self._rows.argtypes = [i32, ptr, ptr, i64, i64, i64, ptr, i32, i32]
         for fn in (self._matmul, self._expand, self._rows):
             fn.restype = i32
+        # NOTE: the decode step's linear signature over a descriptor {bits, data address} (c_descriptor)
+        self._linear = {torch.float32: lib.tiled_linear_f32, torch.bfloat16: lib.tiled_linear_bf16}
+
+    def linear_address(self, dtype: torch.dtype) -> int | None:
+        """The C function of the product in `dtype` with the decode step's linear signature (for C code that
+        calls it itself: models/decode_step.py), or None for another dtype."""
+        fn = self._linear.get(dtype)
+        return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
+    @staticmethod
+    def c_descriptor(w: TiledWeight) -> torch.Tensor:
+        """{bits, data address} as int64: the `weights` argument `linear_address`'s function reads (valid while
+        `w.data` lives)."""
+        return torch.tensor([w.bits, w.data.data_ptr()], dtype=torch.int64)
 
     def matmul(self, w: TiledWeight, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """x [M, K] float32/bfloat16 contiguous -> [M, N] (activations rounded to int8 per block of 32)."""

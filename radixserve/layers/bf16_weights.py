@@ -69,8 +69,9 @@ class Bf16WeightLinearMethod(LinearMethod):
             y = self.kernel(self.packed, flat, layer.bias, n)
         return y.view(*x.shape[:-1], n).to(x.dtype)
 
-    def c_linear(self, rows: int) -> int | None:
-        return self.kernel.address if 0 < rows < WIDEN_ROWS and self.packed is not None else None
+    def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
+        usable = 0 < rows < WIDEN_ROWS and dtype == torch.float32 and self.packed is not None
+        return self.kernel.address if usable else None
 
     @property
     def c_weight(self) -> torch.Tensor | None:

@@ -75,8 +75,8 @@ class GemvLinearMethod(OneDNNLinearMethod):
             return self.amx
         return self.kernel if 0 < rows <= GEMV_MAX_ROWS else None
 
-    def c_linear(self, rows: int) -> int | None:
-        kernel = self.decode_kernel(rows)
+    def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
+        kernel = self.decode_kernel(rows) if dtype == torch.bfloat16 else None
         return None if kernel is None else kernel.address
 
     @property

@@ -59,10 +59,10 @@ class LinearMethod(ABC):
     def describe(self) -> str:
         return self.name
 
-    def c_linear(self, rows: int) -> int | None:
-        """The address of the C function that multiplies `rows` rows as `apply` would (for C code that calls
-        it itself: the C decode step, models/decode_step.py), or None. Its arguments: `c_weight`'s data, x, bias,
-        y (the model dtype), m, n, k, threads."""
+    def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
+        """The address of the C function that multiplies `rows` rows of `dtype` as `apply` would (for C code that
+        calls it itself: the C decode step, models/decode_step.py), or None. Its arguments: `c_weight`'s data,
+        x, bias, y (all `dtype`), m, n, k, threads."""
         return None
 
     @property

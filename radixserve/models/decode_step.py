@@ -1,11 +1,12 @@
 """A decode batch's decoder layers in one C call (kernels/csrc/decode_loop.h), in two builds:
 
 - bf16 (csrc/decode_step.c) on CPUs with AVX512-BF16: every decoder linear layer on the GEMV/AMX method
-  (`onednn_gemv`); bit-equal to the Python layers. Prefill batches of such a model use the step's SiLU-and-mul
-  loop too (`SiluAndMul`).
+  (`onednn_gemv`) or on tiled int4/int8 weights (`packed`); bit-equal to the Python layers. Prefill batches of
+  such a model use the step's SiLU-and-mul loop too (`SiluAndMul`).
 - float32 (csrc/decode_step_f32.c) on AVX2 + FMA and AVX-512: every decoder linear layer on bf16 weights
-  (`bf16_weights`, what `--dtype auto` picks on CPUs without bf16 products); equal to the Python layers to
-  float32 rounding (their passes are inductor's, with its own exp and summation order).
+  (`bf16_weights`, what `--dtype auto` picks on CPUs without bf16 products) or on tiled int4/int8 weights;
+  equal to the Python layers to float32 rounding (their passes are inductor's, with its own exp and summation
+  order).
 
 The layers' linear products and decode attention are the kernels the Python path calls too; what the C
 loop removes is ~10 Python-level calls per layer, each of which costs 25-40 us after the weight stream
@@ -27,6 +28,7 @@ from radixserve.kernels.decode_step import DecodeStepKernel, ModelStruct, load_d
 from radixserve.kernels.gemv import load_bf16w_kernel, load_gemv_kernel
 from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
 from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
+from radixserve.layers.quantization.linear import TILED_MAX_M, PackedLinearMethod
 
 if TYPE_CHECKING:
     from radixserve.models.llama import DecoderWeights
@@ -40,10 +42,14 @@ class DecodeStep:
     def __init__(self, weights: DecoderWeights, kernel: DecodeStepKernel) -> None:
         config, self._weights, self._kernel = weights.config, weights, kernel
         self._config, self.dtype = config, kernel.dtype
-        # NOTE: every decoder layer runs the one method its dtype's build takes (_shape_refusal), with the same
-        # kernels, so one method's choice of kernel per row count is every layer's, and the Python layers'
-        self._method = weights.layers[0].qkv.method
-        self.max_rows = max(rows for rows in (GEMV_MAX_ROWS, AMX_MAX_ROWS, WIDEN_ROWS - 1) if self._method.c_linear(rows))
+        linears = [linear for layer in weights.layers for linear in layer.linears]
+        self._fns = [linear.method.c_linear(1, self.dtype) for linear in linears]
+        # NOTE: the table holds one C function per linear layer, the one `apply` runs at 1 row; the step takes
+        # the batch sizes at which every layer still runs that same function (the Python layers' choice too).
+        # None anywhere (a weight the plan could not foresee, an int8 table left in the row layout): no sizes.
+        self.max_rows = max((rows for rows in (1, GEMV_MAX_ROWS, AMX_MAX_ROWS, TILED_MAX_M, WIDEN_ROWS - 1)
+                             if all(fn is not None and linear.method.c_linear(rows, self.dtype) == fn
+                                    for linear, fn in zip(linears, self._fns, strict=True))), default=0)
         cos, sin = weights.rotary.tables(torch.device("cpu"))
         self._tables = (cos.contiguous(), sin.contiguous())
         self._struct = ModelStruct(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
@@ -69,10 +75,9 @@ class DecodeStep:
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         work = torch.empty(bs * self._work_per_row, dtype=self.dtype)
-        linear = self._method.c_linear(bs)
         positions, slots = fb.positions.to(torch.int64).contiguous(), fb.out_cache_loc.to(torch.int32).contiguous()
         kv_indices, seq_lens = meta.kv_indices.to(torch.int32).contiguous(), fb.seq_lens.to(torch.int64).contiguous()
-        status = self._kernel.run(self._struct, linear, attention, hidden, residual, positions, slots, kv_indices,
+        status = self._kernel.run(self._struct, attention, hidden, residual, positions, slots, kv_indices,
                                   seq_lens, meta.max_len, work)
         if status == 1:
             raise ValueError("decode step: a position beyond the rotary table or a slot beyond the KV pool")
@@ -90,14 +95,15 @@ class DecodeStep:
         return self._attention[1]
 
     def _bind_pool(self, pool) -> None:
-        rows, slots = [], []
+        rows, slots, fns = [], [], iter(self._fns)
         for i, layer in enumerate(self._weights.layers):
             k_cache, v_cache = pool.get_kv_buffer(i)
             slots += [k_cache.shape[0], v_cache.shape[0]]
             bias = layer.qkv.bias
-            rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                         layer.qkv.method.c_weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                         *(linear.method.c_weight.data_ptr() for linear in layer.linears[1:]),
+            qkv, o, gate_up, down = ([linear.method.c_weight.data_ptr(), next(fns)] for linear in layer.linears)
+            # NOTE: decode_loop.h's order: IN_NORM, POST_NORM, QKV, QKV_FN, QKV_BIAS, O, O_FN, GATE_UP, ... V_CACHE
+            rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *qkv,
+                         0 if bias is None else bias.data_ptr(), *o, *gate_up, *down,
                          k_cache.data_ptr(), v_cache.data_ptr()])
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._struct.layers = self._table.data_ptr()
@@ -154,7 +160,7 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
         return "no AVX512-BF16 GEMV at this kernel level"
     if dtype == torch.float32 and load_bf16w_kernel() is None:
         return "no bf16-weight kernel here"
-    shape = _shape_refusal(weights, LINEAR_OF_BUILD[dtype], methods)
+    shape = _shape_refusal(weights, _linear_methods(dtype), methods)
     if shape is not None:
         return shape
     if load_decode_step_kernel(dtype) is None:
@@ -163,19 +169,28 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
     return None
 
 
-# The linear method whose C kernel each build calls on every decoder linear layer.
+# The float linear method whose C kernel each build calls; packed (int4/int8) layers call the tiled kernel.
 LINEAR_OF_BUILD = {torch.bfloat16: GemvLinearMethod.name, torch.float32: Bf16WeightLinearMethod.name}
 
 
-def _shape_refusal(weights: DecoderWeights, wanted: str, methods: Mapping[tuple[int, int], str]) -> str | None:
+def _linear_methods(dtype: torch.dtype) -> tuple[str, ...]:
+    """The methods a build can call, in the order a refusal names them: the dtype's float method, and packed
+    weights where the tiled kernels run here (they are tiled after the plan: model_quant.tile_packed_weights)."""
+    from radixserve.kernels.quant_tiled import load_tiled_kernel
+
+    return (LINEAR_OF_BUILD[dtype], *((PackedLinearMethod.name,) if load_tiled_kernel() is not None else ()))
+
+
+def _shape_refusal(weights: DecoderWeights, wanted: tuple[str, ...],
+                   methods: Mapping[tuple[int, int], str]) -> str | None:
     config = weights.config
     if config.hidden_size % 32 or config.head_dim % 32 or config.intermediate_size % 32:
         return "hidden, head or intermediate size not a multiple of 32"
     for i, layer in enumerate(weights.layers):
         for linear in layer.linears:
-            name = linear.method.describe() if linear.method.chosen_by_format else methods.get(linear.shape, "dense")
-            if name != wanted:
-                return f"layer {i}: a linear layer runs {name}, not {wanted}"
+            name = linear.method.name if linear.method.chosen_by_format else methods.get(linear.shape, "dense")
+            if name not in wanted:
+                return f"layer {i}: a linear layer runs {name}, not {' or '.join(wanted)}"
         if any(linear.bias is not None for linear in layer.linears[1:]):
             return f"layer {i}: a biased o/gate_up/down layer"
     return None

@@ -18,8 +18,9 @@
 #include <stdint.h>
 #include <string.h>
 
-// The linear layers and the attention are the kernels the Python path calls (their C functions are passed
-// in); `weights` is the linear method's own form of the weight (a packed layout), opaque here.
+// The linear layers and the attention are the kernels the Python path calls (their C functions are passed in,
+// one per linear layer in the layer table); `weights` is the linear method's own form of the weight (a packed
+// layout, or a small descriptor of one), opaque here.
 typedef int (*linear_fn)(const void *weights, const elem_t *x, const elem_t *bias, elem_t *y, int64_t m, int64_t n,
                          int64_t k, int nthreads);
 typedef int (*attention_fn)(const elem_t *q, const elem_t *k_buf, const elem_t *v_buf, const int32_t *kv_indices,
@@ -27,8 +28,12 @@ typedef int (*attention_fn)(const elem_t *q, const elem_t *k_buf, const elem_t *
                             int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                             int nthreads);
 
-// The addresses of one layer's tensors, in this order (models/decode_step.py builds the table).
-enum { IN_NORM, POST_NORM, QKV, QKV_BIAS, O, GATE_UP, DOWN, K_CACHE, V_CACHE, LAYER_POINTERS };
+// The addresses of one layer's tensors and of its linear layers' functions, in this order (models/decode_step.py
+// builds the table).
+enum { IN_NORM, POST_NORM, QKV, QKV_FN, QKV_BIAS, O, O_FN, GATE_UP, GATE_UP_FN, DOWN, DOWN_FN, K_CACHE, V_CACHE,
+       LAYER_POINTERS };
+
+#define LINEAR(w, WHICH) ((linear_fn)(w)[WHICH##_FN])
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -48,7 +53,7 @@ static void rotary_kv_row(const decode_model *m, const int64_t *layer, const ele
     memcpy(v_cache, qkv + (m->heads + kv) * dim, (size_t)(kv * dim) * sizeof(elem_t));
 }
 
-static int decode_layers(const decode_model *m, linear_fn linear, attention_fn attention, elem_t *hidden,
+static int decode_layers(const decode_model *m, attention_fn attention, elem_t *hidden,
                          elem_t *residual, const int64_t *positions, const int32_t *slots, const int32_t *kv_indices,
                          const int64_t *seq_lens, int64_t bs, int64_t max_len, elem_t *work, int nthreads) {
     const int64_t h = m->hidden, q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
@@ -70,21 +75,21 @@ static int decode_layers(const decode_model *m, linear_fn linear, attention_fn a
                 add_rmsnorm_row(hidden + r * h, residual + r * h, (const elem_t *)w[IN_NORM], normed + r * h, h, m->eps);
             }
         }
-        if (linear((const void *)w[QKV], normed, (const elem_t *)w[QKV_BIAS], qkv, bs, qkv_size, h, nthreads))
+        if (LINEAR(w, QKV)((const void *)w[QKV], normed, (const elem_t *)w[QKV_BIAS], qkv, bs, qkv_size, h, nthreads))
             return status + 1;
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++) rotary_kv_row(m, w, qkv + r * qkv_size, positions[r], slots[r], q + r * q_size);
         if (attention(q, (const elem_t *)w[K_CACHE], (const elem_t *)w[V_CACHE], kv_indices, seq_lens, NULL, NULL,
                       attn, bs, max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
             return status + 2;
-        if (linear((const void *)w[O], attn, NULL, hidden, bs, h, q_size, nthreads)) return status + 3;
+        if (LINEAR(w, O)((const void *)w[O], attn, NULL, hidden, bs, h, q_size, nthreads)) return status + 3;
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++)
             add_rmsnorm_row(hidden + r * h, residual + r * h, (const elem_t *)w[POST_NORM], normed + r * h, h, m->eps);
-        if (linear((const void *)w[GATE_UP], normed, NULL, gate_up, bs, 2 * inter, h, nthreads)) return status + 4;
+        if (LINEAR(w, GATE_UP)((const void *)w[GATE_UP], normed, NULL, gate_up, bs, 2 * inter, h, nthreads)) return status + 4;
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++) silu_mul_row(gate_up + r * 2 * inter, act + r * inter, inter);
-        if (linear((const void *)w[DOWN], act, NULL, hidden, bs, h, inter, nthreads)) return status + 5;
+        if (LINEAR(w, DOWN)((const void *)w[DOWN], act, NULL, hidden, bs, h, inter, nthreads)) return status + 5;
     }
     return 0;
 }

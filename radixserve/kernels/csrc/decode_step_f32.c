@@ -1,8 +1,8 @@
 // The one-call decode step (decode_loop.h) for float32 models: every decoder layer of a decode batch in one
 // call, on the CPUs where `--dtype auto` computes in float32 (AVX2 + FMA, AVX-512 without BF16). The linear
-// layers are the bf16-weight kernel the Python path calls (bf16w_gemv.c) and the attention is the float32
-// decode kernel (decode_attention.c); the passes between them are the loops below, one source for the
-// AVX2 and AVX-512 builds (simd.h's `vf`: 8 or 16 float32 lanes).
+// layers are the kernels the Python path calls (bf16 weights: bf16w_gemv.c; int4/int8: quant_tiled.c) and the
+// attention is the float32 decode kernel (decode_attention.c); the passes between them are the loops below,
+// one source for the AVX2 and AVX-512 builds (simd.h's `vf`: 8 or 16 float32 lanes).
 //
 // NOTE: not bit-equal to the Python layers, whose passes inductor compiles: its exp (SiLU) and its order of
 // the RMSNorm sum of squares differ from these in the last bits of a float32; the results agree to float32
@@ -77,10 +77,10 @@ static void silu_mul_row(const float *gate_up, float *out, int64_t n) {
 
 #include "decode_loop.h"
 
-int decode_step_f32(const decode_model *m, linear_fn linear, attention_fn attention, float *hidden, float *residual,
+int decode_step_f32(const decode_model *m, attention_fn attention, float *hidden, float *residual,
                     const int64_t *positions, const int32_t *slots, const int32_t *kv_indices, const int64_t *seq_lens,
                     int64_t bs, int64_t max_len, float *work, int nthreads) {
-    return decode_layers(m, linear, attention, hidden, residual, positions, slots, kv_indices, seq_lens, bs, max_len,
+    return decode_layers(m, attention, hidden, residual, positions, slots, kv_indices, seq_lens, bs, max_len,
                          work, nthreads);
 }
 

@@ -256,4 +256,36 @@ int tiled_rows(int bits, const uint8_t *data, const int64_t *rows, int64_t count
     return status;
 }
 
+// The product for C callers with the decode step's linear signature (decode_loop.h): `w` is the descriptor
+// {bits, address of the tiled data} (int64; models/decode_step.py builds it); a bias is added to the product
+// after it is stored, as the Python path adds it.
+static int tiled_linear(const int64_t *w, const void *x, const void *bias, void *y, int bf16, int64_t M, int64_t N,
+                        int64_t K, int nthreads) {
+    const int status = tiled_matmul((int)w[0], (const uint8_t *)(intptr_t)w[1], x, bf16, y, bf16, M, N, K, nthreads);
+    if (status || !bias) return status;
+    for (int64_t i = 0; i < M * N; i++) {
+        if (bf16) {
+            uint16_t *out = (uint16_t *)y + i;
+            const uint32_t a = (uint32_t)*out << 16, b = (uint32_t)((const uint16_t *)bias)[i % N] << 16;
+            float fa, fb;
+            memcpy(&fa, &a, 4);
+            memcpy(&fb, &b, 4);
+            *out = f32_to_bf16(fa + fb);
+        } else {
+            ((float *)y)[i] += ((const float *)bias)[i % N];
+        }
+    }
+    return 0;
+}
+
+int tiled_linear_f32(const int64_t *w, const float *x, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                     int nthreads) {
+    return tiled_linear(w, x, bias, y, 0, M, N, K, nthreads);
+}
+
+int tiled_linear_bf16(const int64_t *w, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
+                      int64_t K, int nthreads) {
+    return tiled_linear(w, x, bias, y, 1, M, N, K, nthreads);
+}
+
 const char *tiled_isa(void) { return TILED_ISA; }

@@ -39,6 +39,7 @@ class PackedLinearMethod(LinearMethod):
         self.packed = packed
         self.kernel: QuantKernel | None = None
         self._bound: BoundMatmul | None = None  # the kernel bound to `packed` (decode's fast path)
+        self._descriptor: tuple[TiledWeight, torch.Tensor] | None = None  # c_weight, for the packed weight it describes
 
     def load_rows(self, tensor: torch.Tensor | PackedWeight, start: int, length: int) -> None:
         """Quantizes float rows [start, start + length) of the weight (a fused layer's shard); -1: all rows."""
@@ -60,6 +61,21 @@ class PackedLinearMethod(LinearMethod):
         if bias is not None:
             y = y + bias
         return y.view(*shape[:-1], layer.out_features)
+
+    def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
+        """The tiled kernel for up to TILED_MAX_M rows in float32 or bfloat16 (the row layout has no C entry)."""
+        kernel = load_tiled_kernel()
+        if not isinstance(self.packed, TiledWeight) or not 0 < rows <= TILED_MAX_M or kernel is None:
+            return None
+        return kernel.linear_address(dtype)
+
+    @property
+    def c_weight(self) -> torch.Tensor | None:
+        if not isinstance(self.packed, TiledWeight):
+            return None
+        if self._descriptor is None or self._descriptor[0] is not self.packed:  # NOTE: `packed` may be reassigned
+            self._descriptor = (self.packed, load_tiled_kernel().c_descriptor(self.packed))
+        return self._descriptor[1]
 
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
         return self.packed.dequantize(torch.float32)
