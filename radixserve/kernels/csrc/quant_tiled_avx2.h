@@ -51,26 +51,45 @@ static inline __m256i quad8(const int8_t *xq, int64_t i) {  // 4 activations, br
     return _mm256_set1_epi32(v);
 }
 
-// The int32 dot of 8 rows (half h of sub-tile s) with one activation row over block b.
-static inline __attribute__((always_inline)) __m256i half_dot(int bits, const uint8_t *w, int s, int h,
-                                                              const int8_t *xb, int32_t sum) {
-    const __m256i low = _mm256_set1_epi8(0x0F);
+// The 8 weight vectors of 8 rows (half h of sub-tile s) over one block, ready for the products: int4 as
+// u[j] = quad j's nibbles (j < 4: low, else high) against quad j' = (j < 4 ? 4j : 4(j - 4) + 16) of x; int8 as
+// the bytes of quad j (u = q + 128; without VNNI the signed q = u ^ 0x80). Unpacked once per block, used by
+// every activation row.
+static inline __attribute__((always_inline)) void unpack_half(int bits, const uint8_t *w, int s, int h, __m256i *u) {
+    const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    for (int j = 0; j < (bits == 4 ? 4 : 8); j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (j * 4 + s) * 64 + 32 * h));
+        if (bits == 4) {
+            u[j] = _mm256_and_si256(v, low);
+            u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        } else {
+#if defined(__AVXVNNI__)
+            u[j] = v;
+            (void)flip;
+#else
+            u[j] = _mm256_xor_si256(v, flip);
+#endif
+        }
+    }
+}
+
+// The int32 dot of the unpacked 8 rows with one activation row over the block (xb: its 32 int8 values; sum:
+// their integer sum).
+static inline __attribute__((always_inline)) __m256i half_dot(int bits, const __m256i *u, const int8_t *xb,
+                                                              int32_t sum) {
     if (bits == 4) {
 #if defined(__AVXVNNI__)
         __m256i dot = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (j * 4 + s) * 64 + 32 * h));
-            dot = _mm256_dpbusd_avx_epi32(dot, _mm256_and_si256(v, low), quad8(xb, 4 * j));
-            dot = _mm256_dpbusd_avx_epi32(dot, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), quad8(xb, 4 * j + 16));
+            dot = _mm256_dpbusd_avx_epi32(dot, u[j], quad8(xb, 4 * j));
+            dot = _mm256_dpbusd_avx_epi32(dot, u[j + 4], quad8(xb, 4 * j + 16));
         }
         return dot;
 #else
         __m256i pairs = _mm256_setzero_si256();  // int16: at most 8 * 2 * 15 * 127
         for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + (j * 4 + s) * 64 + 32 * h));
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_and_si256(v, low), quad8(xb, 4 * j)));
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                                                 quad8(xb, 4 * j + 16)));
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[j], quad8(xb, 4 * j)));
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[j + 4], quad8(xb, 4 * j + 16)));
         }
         return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
@@ -78,16 +97,13 @@ static inline __attribute__((always_inline)) __m256i half_dot(int bits, const ui
 #if defined(__AVXVNNI__)
     (void)sum;
     __m256i dot = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++)
-        dot = _mm256_dpbusd_avx_epi32(dot, _mm256_loadu_si256((const __m256i *)(w + (j * 4 + s) * 64 + 32 * h)),
-                                      quad8(xb, 4 * j));
+    for (int j = 0; j < 8; j++) dot = _mm256_dpbusd_avx_epi32(dot, u[j], quad8(xb, 4 * j));
     return dot;
 #else
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256i dot = _mm256_set1_epi32(128 * sum);
     for (int j = 0; j < 8; j++) {
-        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + (j * 4 + s) * 64 + 32 * h)), flip);
-        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(quad8(xb, 4 * j), q));
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(u[j]), _mm256_sign_epi8(quad8(xb, 4 * j), u[j]));
         dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p, ones));
     }
     return dot;
@@ -109,8 +125,10 @@ static inline __attribute__((always_inline)) void tile_product(
                 const int row = 16 * s + 8 * h;
                 const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2 * row)));
                 const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2 * TILE + 2 * row)));
+                __m256i u[8];
+                unpack_half(bits, w, s, h, u);
                 for (int r = 0; r < R; r++) {
-                    const __m256i dot = half_dot(bits, w, s, h, xq + r * K + b * QK, sums[r * nb + b]);
+                    const __m256i dot = half_dot(bits, u, xq + r * K + b * QK, sums[r * nb + b]);
                     const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[r * nb + b]));
                     __m256 a = _mm256_loadu_ps(acc[r] + row);
                     a = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[r * nb + b]), _mm256_fmadd_ps(t, scale, a));
