@@ -1,11 +1,11 @@
-"""The tiled layout of a packed weight, and its kernels (csrc/quant_tiled.c), on CPUs with AVX-512 VNNI.
+"""The tiled layout of a packed weight, and its kernels (csrc/quant_tiled.c), on CPUs with AVX2 or newer.
 
 The row layout of formats.py (GGUF's blocks, one output row after another) is what loading fills; its
 decode kernel dots one weight row at a time and pays a horizontal sum and the block scales per row,
 which at K = 576 costs more than reading the row. `TiledWeight` re-lays the same values once after
 loading: tiles of 64 output rows, one record per tile and block of 32 inputs holding the 64 scales, the
-64 mins and the weights with 16 rows side by side, so that one vpdpbusd gives 16 rows' partial sums
-and the weight is one sequential stream. It replaces the row layout (no second copy): the embedding
+64 mins and the weights with 16 rows side by side, so that one vpdpbusd gives 16 rows' partial sums (on
+AVX2 / AVX-VNNI one 256-bit step gives 8) and the weight is one sequential stream. It replaces the row layout (no second copy): the embedding
 reads its rows from it, and products with many rows expand it (transposed) for torch's dense GEMM.
 The values are the same: int4 stays scale * u + min; int8 becomes u = q + 128 with min = -128 * scale.
 """
