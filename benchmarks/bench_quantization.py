@@ -36,6 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-python", default="")
+    p.add_argument("--llama-build", default="", help="how that llama.cpp was built, for the table's header")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"of auto,{','.join(VARIANTS)}")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--class", dest="cpu_class", default="", help="run as on this CPU class (bench/docs.class_env, "
@@ -160,11 +161,13 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float]) -> str:
     cmd = (f"python benchmarks/bench_quantization.py --context {args.context} --steps {args.steps} --prefill-len "
            f"{args.prefill_len} --rounds {args.rounds} --threads {args.threads}"
            + (f" --llama-python {args.llama_python}" if args.llama_python else "")
+           + (f" --llama-build '{args.llama_build}'" if args.llama_build else "")
            + (f" --variants {args.variants}" if args.variants != ",".join(VARIANTS) else "")
            + (f" --class {args.cpu_class}" if args.cpu_class else ""))
     forced = (f" Run as the **{args.cpu_class} class** on this CPU: {' '.join(f'{k}={v}' for k, v in class_env_of(args).items())}"
-              " (our kernels and torch's); llama.cpp is its own build for that class (`--llama-python`)."
-              if args.cpu_class else "")
+              " (our kernels and torch's)." if args.cpu_class else "")
+    if args.llama_python:
+        forced += f" llama.cpp: llama-cpp-python {args.llama_build or '(build not given)'}, 2 threads, on the same file."
     auto = choose_dtype("auto", "cpu")
     return "\n".join([
         f"## Quantized weights{f' ({args.cpu_class} class)' if args.cpu_class else ''}: "
@@ -185,7 +188,7 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float]) -> str:
         "|---|---:|---:|---:|---:|",
         *rows,
         "",
-        "![quantization](bench_quantization.png)",
+        f"![quantization](bench_quantization{f'_{args.cpu_class}' if args.cpu_class else ''}.png)",
         "",
     ])
 
