@@ -17,6 +17,7 @@ linear kernel takes; anything else runs the layers in Python. Switch: RADIXSERVE
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ from radixserve.layers.quantization.linear import TILED_MAX_M, PackedLinearMetho
 
 if TYPE_CHECKING:
     from radixserve.models.llama import DecoderWeights
+
+logger = logging.getLogger(__name__)
 
 class DecodeStep:
     """`__call__(hidden, fb)` runs every decoder layer of a decode forward; `takes(fb)` says whether it can.
@@ -50,6 +53,8 @@ class DecodeStep:
         self.max_rows = max((rows for rows in (1, GEMV_MAX_ROWS, AMX_MAX_ROWS, TILED_MAX_M, WIDEN_ROWS - 1)
                              if all(fn is not None and linear.method.c_linear(rows, self.dtype) == fn
                                     for linear, fn in zip(linears, self._fns, strict=True))), default=0)
+        if self.max_rows == 0:
+            logger.warning("the C decode step finds a linear layer without a C kernel here; decode runs the Python layers")
         cos, sin = weights.rotary.tables(torch.device("cpu"))
         self._tables = (cos.contiguous(), sin.contiguous())
         self._struct = ModelStruct(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
