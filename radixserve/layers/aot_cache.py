@@ -40,9 +40,9 @@ _loaded: dict[str, AotOp] = {}  # key -> op: one load per process however many r
 class AotOp:
     """A compiled op: `op(*tensors)` returns its output tensor, or a tuple of them."""
 
-    def __init__(self, name: str, path: Path, package) -> None:
+    def __init__(self, name: str, path: Path, loader) -> None:
         self.name, self.path = name, path
-        self._run = package.loader.run  # NOTE: straight into the compiled code, no pytree handling
+        self._run = loader.run  # NOTE: straight into the compiled code, no pytree handling
 
     def __call__(self, *args: torch.Tensor):
         if torch.autograd._profiler_enabled():  # NOTE: compiled code is invisible to torch.profiler otherwise
@@ -63,14 +63,19 @@ def compile_aot_op(name: str, module: nn.Module, example_inputs: tuple[torch.Ten
     # NOTE: torch.export and inductor warn about their own internals (deprecations) on first use
     with _lock, warnings.catch_warnings():
         warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
-        import torch._inductor  # noqa: F401 (heavy; only when fused ops are wanted)
-
         if key not in _loaded:
             path = envs.CACHE_DIR.get() / "aoti" / f"{name}-{key}.pt2"
             if not path.exists():
                 _compile(name, module, example_inputs, dynamic, path)
-            _loaded[key] = AotOp(name, path, torch._inductor.aoti_load_package(str(path)))
+            _loaded[key] = AotOp(name, path, _load_package(path))
         return _loaded[key]
+
+
+def _load_package(path: Path):
+    """The compiled package's runner. NOTE: straight through torch's C++ loader: `aoti_load_package` imports
+    inductor and dynamo (~1.2 s) and asks inductor which vector ISA this CPU has, which it answers by building
+    and dlopen-probing a test library per ISA in subprocesses (~1.6 s); a warm start needs neither."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
 
 def cache_key(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], dynamic: DynamicDims) -> str:
@@ -88,6 +93,7 @@ def _compile(name: str, module: nn.Module, example_inputs: tuple[torch.Tensor, .
     dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in example_inputs if t.is_floating_point()})
     logger.info("compiling fused op %s (%s) with inductor's C++ backend; first start only, cached in %s",
                 name, "/".join(dtypes), path.parent)
+    import torch._inductor  # noqa: F401 (heavy: only to compile; loading does not need it)
     import torch.export
 
     start = time.perf_counter()

@@ -165,7 +165,7 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
         return "no AVX512-BF16 GEMV at this kernel level"
     if dtype == torch.float32 and load_bf16w_kernel() is None:
         return "no bf16-weight kernel here"
-    shape = _shape_refusal(weights, _linear_methods(dtype), methods)
+    shape = _shape_refusal(weights, LINEAR_OF_BUILD[dtype], methods)
     if shape is not None:
         return shape
     if load_decode_step_kernel(dtype) is None:
@@ -178,24 +178,21 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
 LINEAR_OF_BUILD = {torch.bfloat16: GemvLinearMethod.name, torch.float32: Bf16WeightLinearMethod.name}
 
 
-def _linear_methods(dtype: torch.dtype) -> tuple[str, ...]:
-    """The methods a build can call, in the order a refusal names them: the dtype's float method, and packed
-    weights where the tiled kernels run here (they are tiled after the plan: model_quant.tile_packed_weights)."""
+def _shape_refusal(weights: DecoderWeights, float_method: str, methods: Mapping[tuple[int, int], str]) -> str | None:
     from radixserve.kernels.quant_tiled import load_tiled_kernel
 
-    return (LINEAR_OF_BUILD[dtype], *((PackedLinearMethod.name,) if load_tiled_kernel() is not None else ()))
-
-
-def _shape_refusal(weights: DecoderWeights, wanted: tuple[str, ...],
-                   methods: Mapping[tuple[int, int], str]) -> str | None:
     config = weights.config
     if config.hidden_size % 32 or config.head_dim % 32 or config.intermediate_size % 32:
         return "hidden, head or intermediate size not a multiple of 32"
     for i, layer in enumerate(weights.layers):
         for linear in layer.linears:
             name = linear.method.name if linear.method.chosen_by_format else methods.get(linear.shape, "dense")
-            if name not in wanted:
-                return f"layer {i}: a linear layer runs {name}, not {' or '.join(wanted)}"
+            # NOTE: packed weights are tiled after the plan (model_quant.tile_packed_weights), where the tiled
+            # kernels run; asked only for a packed layer, so that a float model never builds them
+            if name == PackedLinearMethod.name and load_tiled_kernel() is None:
+                return f"layer {i}: packed weights stay in the row layout here (no tiled kernels)"
+            if name not in (float_method, PackedLinearMethod.name):
+                return f"layer {i}: a linear layer runs {name}, not {float_method} or {PackedLinearMethod.name}"
         if any(linear.bias is not None for linear in layer.linears[1:]):
             return f"layer {i}: a biased o/gate_up/down layer"
     return None
