@@ -45,8 +45,9 @@ static inline __m512 load16(const void *x, int bf16, int64_t i) {
     return _mm512_loadu_ps((const float *)x + i);
 }
 
-// The same arithmetic as quant_matmul.c's scalar quantize_row (v * (127 / amax), rounded to nearest even).
-static void quantize_row(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s) {
+// The same arithmetic as quant_matmul.c's scalar quantize_row (v * (127 / amax), rounded to nearest even);
+// also the integer sum of each block (`sums`; the AVX2 level needs it for int8).
+static void quantize_row(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s, int32_t *sums) {
     const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t b = 0; b < K / QK; b++) {
         __m512 v0 = load16(x, bf16, b * QK), v1 = load16(x, bf16, b * QK + 16);
@@ -59,7 +60,8 @@ static void quantize_row(const void *x, int bf16, int64_t K, int8_t *q, float *d
         _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(lo));
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(hi));
         d[b] = amax / 127.0f;
-        s[b] = d[b] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+        sums[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+        s[b] = d[b] * (float)sums[b];
     }
 }
 
@@ -127,41 +129,23 @@ static inline __attribute__((always_inline)) void tile_product(
     }
 }
 
-// y[M, N] = x[M, K] @ W^T; data: the tiled weight of N (padded to 64) rows.
-int tiled_matmul(int bits, const uint8_t *data, const void *x, int x_bf16, void *y, int y_bf16, int64_t M,
-                 int64_t N, int64_t K, int nthreads) {
-    if (K % QK || M < 1 || N < 1 || (bits != 4 && bits != 8)) return -1;
-    const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE, tile_bytes = nb * RECORD(bits);
-    int8_t *xq = malloc((size_t)(M * K));
-    float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
-    if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -4; }
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8)
-    for (int64_t r = 0; r < M; r++)
-        quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + r * K, xd + r * nb, xs + r * nb);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *tile = data + t * tile_bytes;
-        __m512 acc[MAX_ROWS][4];
-        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
-            const int R = M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS;
-            const int8_t *xr = xq + r0 * K;
-            const float *dr = xd + r0 * nb, *sr = xs + r0 * nb;
-            switch (R) {
-                case 1: tile_product(bits, tile, nb, xr, dr, sr, K, 1, acc); break;
-                case 2: tile_product(bits, tile, nb, xr, dr, sr, K, 2, acc); break;
-                case 3: tile_product(bits, tile, nb, xr, dr, sr, K, 3, acc); break;
-                default: tile_product(bits, tile, nb, xr, dr, sr, K, 4, acc); break;
-            }
-            for (int s = 0; s < 4; s++) {
-                const int64_t n = t * TILE + 16 * s;
-                if (n >= N) break;
-                const __mmask16 k = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-                for (int r = 0; r < R; r++) store16(y, y_bf16, (r0 + r) * N + n, acc[r][s], k);
-            }
-        }
+// Rows r0.. r0 + R of y for tile t (R <= MAX_ROWS; the activations from row r0 on).
+static void tile_rows(int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+                      const int32_t *sums, int64_t K, int R, void *y, int y_bf16, int64_t N, int64_t r0, int64_t t) {
+    (void)sums;
+    __m512 acc[MAX_ROWS][4];
+    switch (R) {  // NOTE: a constant R per call lets the compiler keep the sums in registers
+        case 1: tile_product(bits, tile, nb, xq, xd, xs, K, 1, acc); break;
+        case 2: tile_product(bits, tile, nb, xq, xd, xs, K, 2, acc); break;
+        case 3: tile_product(bits, tile, nb, xq, xd, xs, K, 3, acc); break;
+        default: tile_product(bits, tile, nb, xq, xd, xs, K, 4, acc); break;
     }
-    free(xq); free(xd); free(xs);
-    return 0;
+    for (int s = 0; s < 4; s++) {
+        const int64_t n = t * TILE + 16 * s;
+        if (n >= N) break;
+        const __mmask16 k = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+        for (int r = 0; r < R; r++) store16(y, y_bf16, (r0 + r) * N + n, acc[r][s], k);
+    }
 }
 
 // The weight's rows [n0, n1) expanded and transposed: out[K, n1 - n0] (n0 a multiple of 64), so that
@@ -209,6 +193,29 @@ int tiled_expand_t(int bits, const uint8_t *data, int64_t n0, int64_t n1, int64_
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "quant_tiled_avx2.h"
 #endif
+
+// y[M, N] = x[M, K] @ W^T; data: the tiled weight of N (padded to 64) rows. Each level supplies quantize_row
+// and tile_rows.
+int tiled_matmul(int bits, const uint8_t *data, const void *x, int x_bf16, void *y, int y_bf16, int64_t M,
+                 int64_t N, int64_t K, int nthreads) {
+    if (K % QK || M < 1 || N < 1 || (bits != 4 && bits != 8)) return -1;
+    const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE, tile_bytes = nb * RECORD(bits);
+    int8_t *xq = malloc((size_t)(M * K));
+    float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
+    int32_t *sums = malloc(sizeof(int32_t) * M * nb);
+    if (!xq || !xd || !xs || !sums) { free(xq); free(xd); free(xs); free(sums); return -4; }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8)
+    for (int64_t r = 0; r < M; r++)
+        quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + r * K, xd + r * nb, xs + r * nb,
+                     sums + r * nb);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS)
+            tile_rows(bits, data + t * tile_bytes, nb, xq + r0 * K, xd + r0 * nb, xs + r0 * nb, sums + r0 * nb, K,
+                      M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS, y, y_bf16, N, r0, t);
+    free(xq); free(xd); free(xs); free(sums);
+    return 0;
+}
 
 // Rows `rows[0..count)` expanded: out[count, K] (an embedding lookup); float32 or bfloat16.
 int tiled_rows(int bits, const uint8_t *data, const int64_t *rows, int64_t count, int64_t N, int64_t K, void *out,

@@ -138,45 +138,24 @@ static inline __attribute__((always_inline)) void tile_product(
     }
 }
 
-int tiled_matmul(int bits, const uint8_t *data, const void *x, int x_bf16, void *y, int y_bf16, int64_t M,
-                 int64_t N, int64_t K, int nthreads) {
-    if (K % QK || M < 1 || N < 1 || (bits != 4 && bits != 8)) return -1;
-    const int64_t nb = K / QK, tiles = (N + TILE - 1) / TILE, tile_bytes = nb * RECORD(bits);
-    int8_t *xq = malloc((size_t)(M * K));
-    float *xd = malloc(sizeof(float) * M * nb), *xs = malloc(sizeof(float) * M * nb);
-    int32_t *sums = malloc(sizeof(int32_t) * M * nb);
-    if (!xq || !xd || !xs || !sums) { free(xq); free(xd); free(xs); free(sums); return -4; }
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8)
-    for (int64_t r = 0; r < M; r++)
-        quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + r * K, xd + r * nb, xs + r * nb,
-                     sums + r * nb);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *tile = data + t * tile_bytes;
-        float acc[MAX_ROWS][TILE];
-        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
-            const int R = M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS;
-            const int8_t *xr = xq + r0 * K;
-            const float *dr = xd + r0 * nb, *sr = xs + r0 * nb;
-            const int32_t *qr = sums + r0 * nb;
-            switch (R) {
-                case 1: tile_product(bits, tile, nb, xr, dr, sr, qr, K, 1, acc); break;
-                case 2: tile_product(bits, tile, nb, xr, dr, sr, qr, K, 2, acc); break;
-                case 3: tile_product(bits, tile, nb, xr, dr, sr, qr, K, 3, acc); break;
-                default: tile_product(bits, tile, nb, xr, dr, sr, qr, K, 4, acc); break;
-            }
-            const int64_t valid = N - t * TILE < TILE ? N - t * TILE : TILE;
-            for (int r = 0; r < R; r++) {
-                const int64_t at = (r0 + r) * N + t * TILE;
-                if (y_bf16)
-                    for (int64_t i = 0; i < valid; i++) ((uint16_t *)y)[at + i] = f32_to_bf16(acc[r][i]);
-                else
-                    memcpy((float *)y + at, acc[r], sizeof(float) * (size_t)valid);
-            }
-        }
+// Rows r0.. r0 + R of y for tile t (R <= MAX_ROWS; the activations from row r0 on).
+static void tile_rows(int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+                      const int32_t *sums, int64_t K, int R, void *y, int y_bf16, int64_t N, int64_t r0, int64_t t) {
+    float acc[MAX_ROWS][TILE];
+    switch (R) {  // NOTE: a constant R per call lets the compiler unroll the rows
+        case 1: tile_product(bits, tile, nb, xq, xd, xs, sums, K, 1, acc); break;
+        case 2: tile_product(bits, tile, nb, xq, xd, xs, sums, K, 2, acc); break;
+        case 3: tile_product(bits, tile, nb, xq, xd, xs, sums, K, 3, acc); break;
+        default: tile_product(bits, tile, nb, xq, xd, xs, sums, K, 4, acc); break;
     }
-    free(xq); free(xd); free(xs); free(sums);
-    return 0;
+    const int64_t valid = N - t * TILE < TILE ? N - t * TILE : TILE;
+    for (int r = 0; r < R; r++) {
+        const int64_t at = (r0 + r) * N + t * TILE;
+        if (y_bf16)
+            for (int64_t i = 0; i < valid; i++) ((uint16_t *)y)[at + i] = f32_to_bf16(acc[r][i]);
+        else
+            memcpy((float *)y + at, acc[r], sizeof(float) * (size_t)valid);
+    }
 }
 
 // Up to 8 values (`valid`) to out[at..], float32 or bf16 (rounded to nearest even).
