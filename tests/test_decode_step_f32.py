@@ -42,9 +42,10 @@ def folder(tmp_path_factory):
     return path
 
 
-def _runner(folder, monkeypatch, on: bool, linear_method: str = "bf16_weights", **kw) -> ModelRunner:
+def _runner(folder, monkeypatch, on: bool, linear_method: str = "bf16_weights", dtype: str = "float32",
+            **kw) -> ModelRunner:
     monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
-    return ModelRunner(ServerArgs(model_path=str(folder), dtype="float32", device="cpu", max_total_tokens=4096,
+    return ModelRunner(ServerArgs(model_path=str(folder), dtype=dtype, device="cpu", max_total_tokens=4096,
                                   attention_backend="cpu", linear_method=linear_method, **kw))
 
 
@@ -113,6 +114,26 @@ def test_f32_step_runs_tiled_packed_weights(folder, monkeypatch, isa, quantizati
     # shows as ~1% in the logits: the size of the activation rounding itself, not more
     errors = [rel_err(on, off) for off, on in zip(off_logits[1:], on_logits[1:], strict=True)]
     assert max(errors) < 3e-2 and rel_err(on_kv, off_kv) < 3e-2
+
+
+def test_bf16_step_adds_the_qkv_bias_of_packed_layers_as_python_does(folder, monkeypatch):
+    """The bf16 build on this Qwen2-style model (a qkv bias) with int4 weights: the tiled product's bias is
+    added after the bf16 product is stored, as the Python path adds it, so the step stays bit-equal."""
+    from radixserve.kernels.gemv import load_gemv_kernel
+    from radixserve.kernels.quant_tiled import load_tiled_kernel
+
+    if load_gemv_kernel() is None or load_tiled_kernel() is None:
+        pytest.skip("needs AVX512-BF16 (the bf16 build) and the tiled kernels")
+    runs = {}
+    for on in (False, True):
+        runner = _runner(folder, monkeypatch, on, linear_method="onednn_gemv", dtype="bfloat16", quantization="int4")
+        assert runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
+        assert (runner.model.decode_step is not None) == on
+        runs[on] = _decode_run(runner, 3)
+    (off_logits, off_kv, _, _), (on_logits, on_kv, calls, _) = runs[False], runs[True]
+    assert calls == [3] * 4
+    assert all(torch.equal(on, off) for off, on in zip(off_logits, on_logits, strict=True))
+    assert torch.equal(on_kv, off_kv)
 
 
 @pytest.mark.parametrize("isa", LEVELS)
