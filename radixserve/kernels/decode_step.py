@@ -39,7 +39,7 @@ class DecodeStepKernel:
         self._step = getattr(lib, f"decode_step_{suffix}")
         self._step.restype = ctypes.c_int
         self._step.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
-        self._work = getattr(lib, "decode_step_work_size" if dtype == torch.bfloat16 else "decode_step_f32_work_size")
+        self._work = getattr(lib, f"decode_step_{suffix}_work_size")
         self._work.restype = ctypes.c_int64
         self._work.argtypes = [ctypes.c_void_p, ctypes.c_int64]
 

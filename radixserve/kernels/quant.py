@@ -18,6 +18,7 @@ from radixserve.kernels.build import CSRC, call_profiled, is_x86, load_library
 from radixserve.platform import QUANT_ISA_FLAGS, QUANT_ISA_REQUIRES, QUANT_ISAS
 
 SOURCE = CSRC / "quant_matmul.c"
+HEADERS = (CSRC / "quant_activations.h",)
 # NOTE: the levels, their flags and the features they need are platform.py's (QUANT_ISA_*)
 
 
@@ -122,5 +123,5 @@ def _built_quant_kernel(isa: str) -> QuantKernel | None:
     if isa not in QUANT_ISAS:
         raise ValueError(f"unknown quantized-kernel level {isa!r}; known: {', '.join(QUANT_ISAS)}")
     lib = load_library(SOURCE, f"quant-{isa}", QUANT_ISA_FLAGS[isa] if is_x86() else (),
-                       f"quantized matmul kernel ({isa})", "packed layers use torch")
+                       f"quantized matmul kernel ({isa})", "packed layers use torch", HEADERS)
     return None if lib is None else QuantKernel(lib, isa)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from radixserve.layers.quantization.tiled import TiledWeight
 
 SOURCE = CSRC / "quant_tiled.c"
-HEADERS = (CSRC / "quant_tiled_avx2.h",)
+HEADERS = (CSRC / "quant_tiled_avx2.h", CSRC / "quant_activations.h")
 LEVELS = ("avx512_vnni", "avx_vnni", "avx2")  # the packed-kernel levels with a tiled build (platform.QUANT_ISAS)
 
 

@@ -26,7 +26,7 @@ import torch
 from radixserve import envs
 from radixserve.kernels.build import is_x86
 from radixserve.kernels.decode_step import DecodeStepKernel, ModelStruct, load_decode_step_kernel
-from radixserve.kernels.gemv import load_bf16w_kernel, load_gemv_kernel
+from radixserve.kernels.gemv import load_gemv_kernel
 from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
 from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
 from radixserve.layers.quantization.linear import TILED_MAX_M, PackedLinearMethod
@@ -163,8 +163,6 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
         return "the fused ops are off (the C loop is the fused path's layer structure)"
     if dtype == torch.bfloat16 and load_gemv_kernel() is None:
         return "no AVX512-BF16 GEMV at this kernel level"
-    if dtype == torch.float32 and load_bf16w_kernel() is None:
-        return "no bf16-weight kernel here"
     shape = _shape_refusal(weights, LINEAR_OF_BUILD[dtype], methods)
     if shape is not None:
         return shape

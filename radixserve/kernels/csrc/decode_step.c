@@ -84,7 +84,7 @@ int decode_step_bf16(const decode_model *m, attention_fn attention, uint16_t *hi
 }
 
 // Elements of the work buffer `decode_step_bf16` needs for `bs` rows.
-int64_t decode_step_work_size(const decode_model *m, int64_t bs) { return decode_work_size(m, bs); }
+int64_t decode_step_bf16_work_size(const decode_model *m, int64_t bs) { return decode_work_size(m, bs); }
 
 // SiLU(gate) * up of m fused [gate | up] rows of 2n values into m rows of n: the loop the decode step
 // runs, for prefill-sized batches (models/decode_step.py). Returns 0; 1 if n is not a multiple of 16.

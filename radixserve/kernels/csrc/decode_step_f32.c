@@ -21,22 +21,8 @@
 
 typedef float elem_t;
 
-static inline vf vf_div(vf a, vf b) {
-#if SIMD_WIDTH == 16
-    return _mm512_div_ps(a, b);
-#else
-    return _mm256_div_ps(a, b);
-#endif
-}
-
 // exp(x) for any x: the attention kernels' polynomial (simd.h), valid above 0 too; inf above ~88.7.
-static inline vf exp_any(vf x) {
-#if SIMD_WIDTH == 16
-    return vf_exp_nonpositive(_mm512_min_ps(x, vf_set1(89.0f)));
-#else
-    return vf_exp_nonpositive(_mm256_min_ps(x, vf_set1(89.0f)));
-#endif
-}
+static inline vf exp_any(vf x) { return vf_exp_nonpositive(vf_min(x, vf_set1(89.0f))); }
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)), as layers/layernorm.py's rms_norm in float32.
 static void rmsnorm_row(const float *x, const float *weight, float *out, int64_t n, float eps) {

@@ -63,32 +63,9 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
 }
 
-static inline float load_x(const void *x, int bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
-
 // ---- activations: one row of K values -> int8 blocks, d[b], s[b] = d[b] * sum(q) ----
 
-static void quantize_row(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        float v[QK], amax = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            v[j] = load_x(x, bf16, b * QK + j);
-            float a = fabsf(v[j]);
-            amax = a > amax ? a : amax;
-        }
-        float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            int qi = (int)lrintf(v[j] * inv);
-            qi = qi > 127 ? 127 : (qi < -127 ? -127 : qi);
-            q[b * QK + j] = (int8_t)qi;
-            sum += qi;
-        }
-        d[b] = scale;
-        s[b] = scale * (float)sum;
-    }
-}
+#include "quant_activations.h"
 
 // ---- per (weight row, activation row) block factors ----
 
@@ -335,7 +312,8 @@ int quant_matmul(int bits, const void *w, const uint16_t *scale, const uint16_t 
     if (!xq || !xd || !xs) { free(xq); free(xd); free(xs); return -4; }
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 8)
     for (int64_t r = 0; r < M; r++)
-        quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + r * K, xd + r * nb, xs + r * nb);
+        quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + r * K, xd + r * nb, xs + r * nb,
+                     NULL);
     int64_t row_bytes = bits == 4 ? K / 2 : K;
     int status = 0;
 #pragma omp parallel num_threads(nthreads)

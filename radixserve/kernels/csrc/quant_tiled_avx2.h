@@ -16,34 +16,7 @@
 #define TILED_ISA "avx2"
 #endif
 
-// The same arithmetic as quant_matmul.c's scalar quantize_row (v * (127 / amax), rounded to nearest even);
-// also the integer sum of each block (`sums`), for int8's unsigned offset.
-static void quantize_row(const void *x, int bf16, int64_t K, int8_t *q, float *d, float *s, int32_t *sums) {
-    for (int64_t b = 0; b < K / QK; b++) {
-        float v[QK], amax = 0.0f;
-        for (int j = 0; j < QK; j++) {
-            const int64_t i = b * QK + j;
-            if (bf16) {
-                const uint32_t bits = (uint32_t)((const uint16_t *)x)[i] << 16;
-                memcpy(&v[j], &bits, 4);
-            } else {
-                v[j] = ((const float *)x)[i];
-            }
-            amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
-        }
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int j = 0; j < QK; j++) {
-            int qi = (int)lrintf(v[j] * inv);
-            qi = qi > 127 ? 127 : (qi < -127 ? -127 : qi);
-            q[b * QK + j] = (int8_t)qi;
-            sum += qi;
-        }
-        d[b] = amax / 127.0f;
-        s[b] = d[b] * (float)sum;
-        sums[b] = sum;
-    }
-}
+#include "quant_activations.h"  // quantize_row, as quant_matmul.c rounds the activations
 
 static inline __m256i quad8(const int8_t *xq, int64_t i) {  // 4 activations, broadcast to 8 lanes
     int32_t v;

@@ -29,6 +29,8 @@ static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 static inline float vf_hsum(vf v) { return _mm512_reduce_add_ps(v); }
@@ -91,6 +93,8 @@ static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vf vf_fnmadd(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline float vf_hsum(vf v) {
