@@ -13,6 +13,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 QUANTIZATIONS = ("none", "int8", "int4")
+SPECULATIVE_ALGORITHMS = ("none", "ngram")
 # NOTE: the per-request size bounds the HTTP front end checks before any work (FrontendConfig carries them).
 REQUEST_BOUNDS = ("max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries", "max_chat_messages",
                   "max_id_chars", "max_request_items")
@@ -53,6 +54,12 @@ class ServerArgs:
     tool_call_parser: str = _opt("auto", "the text format of tool calls: auto (from the chat template; SmolLM2's "
                                          "own for a template without tools), hermes (also Qwen 2.5), llama3, "
                                          "mistral, smollm2", TOOL_CALL_PARSERS)
+    speculative_algorithm: str = _opt("none", "speculative decoding: ngram drafts from the request's own prompt "
+                                              "and output, verified exactly by the model (docs/speculative.md)",
+                                      SPECULATIVE_ALGORITHMS)
+    speculative_num_draft_tokens: int = _opt(6, "most draft tokens a request proposes per step")
+    speculative_ngram_min_match: int = _opt(2, "shortest suffix (tokens) an n-gram draft may match")
+    speculative_ngram_max_match: int = _opt(8, "longest suffix (tokens) an n-gram draft tries first")
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
     attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
@@ -88,7 +95,8 @@ class ServerArgs:
     log_interval: int = _opt(40, "decode steps between decode log lines")
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "quantization", "schedule_policy", "radix_eviction_policy", "tool_call_parser"):
+        for name in ("dtype", "quantization", "schedule_policy", "radix_eviction_policy", "tool_call_parser",
+                     "speculative_algorithm"):
             choices = _choices(name)
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
@@ -106,6 +114,10 @@ class ServerArgs:
             raise ValueError(f"queue_timeout must be positive, got {self.queue_timeout}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
+        if self.speculative_algorithm != "none":
+            from radixserve.speculative.config import SpecConfig
+
+            SpecConfig.of(self)  # NOTE: raises ValueError naming the bad value
         if self.keyless_rate_limit < 0:
             raise ValueError(f"keyless_rate_limit must be >= 0, got {self.keyless_rate_limit}")
         for name in ("max_request_fanout", "max_queued_requests", "fair_share_slice", "frontend_workers",

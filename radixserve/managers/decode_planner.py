@@ -1,7 +1,7 @@
 """The next decode step of the running batch, retracting requests when the KV pool is short.
 
 `DecodePlanner` is a part of `Scheduler` with one job: make the running batch fit one more token
-per request. When it does not, requests are retracted (their KV released, outputs kept; they go
+per request (and, with speculative decoding, its drafts: speculative/). When it does not, requests are retracted (their KV released, outputs kept; they go
 back to the front of the waiting queue) and, if even one request alone cannot fit, aborted.
 """
 
@@ -18,19 +18,22 @@ from radixserve.managers.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBat
 from radixserve.managers.schedule_policy import NewTokenRatio
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor
+from radixserve.speculative.ngram import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
 
 class DecodePlanner:
     def __init__(self, queue: RequestQueue, prefill: PrefillPlanner, output: OutputProcessor,
-                 new_token_ratio: NewTokenRatio, stats: SchedulerStats, pool_tokens: int) -> None:
+                 new_token_ratio: NewTokenRatio, stats: SchedulerStats, pool_tokens: int,
+                 drafter: NgramDrafter | None = None) -> None:
         self.queue = queue
         self.prefill = prefill
         self.output = output
         self.new_token_ratio = new_token_ratio
         self.stats = stats
         self.pool_tokens = pool_tokens
+        self.drafter = drafter  # speculative decoding (speculative/ngram.py); None when off
         # Test hook (SGLang's SGLANG_TEST_RETRACT): retract one request every N decode steps.
         self.test_retract_interval = envs.TEST_RETRACT_INTERVAL.get()
         self.decode_steps = 0
@@ -50,8 +53,24 @@ class DecodePlanner:
             if not batch.check_decode_mem():
                 self._abort_out_of_memory(batch)
                 return None
-        batch.prepare_for_decode()
+        drafts = self._drafts(batch)
+        if drafts is None:
+            batch.prepare_for_decode()
+        else:
+            batch.prepare_for_verify(drafts)
         return batch
+
+    def _drafts(self, batch: ScheduleBatch) -> list[list[int]] | None:
+        """Each request's draft for a verify step, or None for a plain decode step (no drafter, no draft, or
+        no room for the draft tokens: a plain step always fits, as checked before)."""
+        if self.drafter is None:
+            return None
+        drafts = [self.drafter.propose(r) for r in batch.reqs]
+        if not any(drafts):
+            return None
+        if not batch.kv_manager.can_allocate(batch.reqs, [1 + len(d) for d in drafts]):
+            return None
+        return drafts
 
     def _extend_jumped(self, batch: ScheduleBatch) -> None:
         """Requests that took jump-forward tokens (constrained/jump_forward.py) either leave for one extend

@@ -126,7 +126,7 @@ class ForwardPipeline:
         try:
             if expected_rows is not None and self._rows_changed(fb, expected_rows):
                 self.counters.corrupted_reads += 1
-            if fb.forward_mode.is_decode():
+            if fb.forward_mode.is_decode() and fb.verify is None:  # NOTE: a verify step's inputs are all known
                 fb.input_ids = self.future_map.resolve(fb.req_pool_indices)
                 if fb.host_input_ids is not None:
                     fb.input_ids[fb.host_input_ids[0]] = fb.host_input_ids[1]
@@ -135,7 +135,11 @@ class ForwardPipeline:
             read_done.record()  # NOTE: even on failure, or the scheduler would wait on read_done forever
             raise
         next_ids = runner.sample(logits, sampling_info)
-        self.future_map.stash(fb.req_pool_indices, next_ids)
+        if fb.verify is None:
+            self.future_map.stash(fb.req_pool_indices, next_ids)
+        else:  # NOTE: one entry per request; the host feeds the next step's inputs after a verify
+            last = fb.verify.last_rows(next_ids.device)
+            self.future_map.stash(fb.req_pool_indices[last], next_ids[last])
         logprobs = None if top_k is None else runner.logprobs(logits, next_ids, sampling_info, top_k)
         return StepOutput(next_ids, logprobs, fb.input_logprobs)
 

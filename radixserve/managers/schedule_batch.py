@@ -107,6 +107,28 @@ class ScheduleBatch:
         self.forward_batch = fb
         return fb
 
+    def prepare_for_verify(self, drafts: list[list[int]]) -> ForwardBatch:
+        """A decode step whose requests with a draft run one row per token: the last sampled one, then the draft
+        (speculative/verify.py). Every input token is known on the host."""
+        from radixserve.speculative.verify import VerifyInput
+
+        self.forward_mode = ForwardMode.DECODE
+        reqs = self.reqs
+        base = [r.kv.kv_allocated_len for r in reqs]
+        # NOTE: the slots come flat in request order, one per row
+        slots = self.kv_manager.alloc_extend(reqs, [b + 1 + len(d) for b, d in zip(base, drafts, strict=True)])
+        inputs, rows, seq_lens = [], [], []
+        for req, b, draft in zip(reqs, base, drafts, strict=True):
+            # NOTE: the token at position b: the last one, or a jump-forward's forced token being fed
+            prompt = len(req.origin_input_ids)
+            inputs.extend([req.origin_input_ids[b] if b < prompt else req.output_ids[b - prompt], *draft])
+            rows.extend([req.kv.req_pool_idx] * (1 + len(draft)))
+            seq_lens.extend(range(b + 1, b + 2 + len(draft)))
+        fb = ForwardBatch.for_decode(inputs, rows, seq_lens, slots, self.device)
+        fb.verify = VerifyInput(drafts, base)
+        self.forward_batch = fb
+        return fb
+
     def _forced_inputs(self, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows whose input token (position seq_len - 1) the host knows: every row in the normal loop, and
         under overlap the rows fed a jump-forward's forced tokens, whose previous sample was dropped

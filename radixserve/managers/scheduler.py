@@ -60,6 +60,8 @@ from radixserve.managers.step_pipelines import Pipelines
 from radixserve.mem_cache.kv_manager import KVManager
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.server_args import ServerArgs
+from radixserve.speculative.config import SpecConfig
+from radixserve.speculative.ngram import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +118,10 @@ class Scheduler:
         jump = JumpForward(self.tokenizer, enabled=not (args.disable_jump_forward or args.disable_radix_cache))
         self.output = OutputProcessor(self.kv_manager, self.queue, self.prefill, self.stats, self.tokenizer,
                                       lambda out: self.output_sink(out), args.log_interval, pool, jump)
-        self.decode = DecodePlanner(self.queue, self.prefill, self.output, self.new_token_ratio, self.stats, pool)
+        self.spec = SpecConfig.of(args)
+        drafter = NgramDrafter(self.spec, self.context_len) if self.spec is not None else None
+        self.decode = DecodePlanner(self.queue, self.prefill, self.output, self.new_token_ratio, self.stats, pool,
+                                    drafter)
         self.grammars = GrammarManager(self.model_runner, self.queue, self.output, self.eos_token_ids,
                                        args.grammar_compile_timeout)
         self.inputs = InputProcessor(self.queue, self.output, self.stats, RequestLimits.of_runner(self.model_runner),
@@ -190,20 +195,26 @@ class Scheduler:
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
+        if self.spec is not None:
+            # NOTE: drafts are taken from the host's tokens: a decode step under speculation waits for the
+            # results in flight (prefills still overlap; docs/speculative.md).
+            self._process_in_flight()
         return self.update_running_batch()
 
     def run_batch(self, batch: ScheduleBatch, pipeline: ForwardPipeline | None = None) -> LaunchedBatch:
         """The one forward path of both loops: launch `batch`'s forward, sampling and copy to the host."""
-        reqs = batch.reqs
-        # NOTE: the output index of the token this step samples; under overlap the host's output_ids lag
-        # one step, the allocated length does not (0 for a non-final chunk, whose token is dropped).
-        output_lens = [max(r.kv.kv_allocated_len - len(r.origin_input_ids), 0) for r in reqs]
+        reqs, output_lens = _sampled_rows(batch)
         info = self.sampling_info(reqs, output_lens, batch.forward_mode.is_extend())
         pipeline = pipeline or self.normal_pipeline()
         self.grammars.attach(info, reqs)
         if not pipeline.pending:
             self.grammars.fill(info)  # NOTE: every earlier result is processed: the rows' grammars are current
         return pipeline.launch(batch, info, logprob_top_k(reqs))
+
+    def _process_in_flight(self) -> None:
+        for pipeline in (self.pipelines.overlap, self.pipelines.normal):
+            while pipeline is not None and pipeline.pending:
+                self.process_batch_result(pipeline.pending.popleft())
 
     # ---- the parts' entry points, under SGLang's names ----------------------------------------------
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
@@ -414,3 +425,19 @@ class Scheduler:
     @property
     def pipeline_counters(self) -> Any:
         return self.pipelines.counters
+
+
+def _sampled_rows(batch: ScheduleBatch) -> tuple[list[Req], list[int]]:
+    """The request of each row a forward samples, and the output index of that row's token.
+
+    NOTE: under overlap the host's output_ids lag one step, the allocated length does not (0 for a
+    non-final chunk, whose token is dropped). A verify step samples after every row of a draft."""
+    reqs = batch.reqs
+    verify = batch.forward_batch.verify if batch.forward_batch is not None else None
+    if verify is None:
+        return reqs, [max(r.kv.kv_allocated_len - len(r.origin_input_ids), 0) for r in reqs]
+    rows, lens = [], []
+    for req, base, n in zip(reqs, verify.base_lens, verify.row_counts, strict=True):
+        rows.extend([req] * n)
+        lens.extend(range(base + 1 - len(req.origin_input_ids), base + 1 + n - len(req.origin_input_ids)))
+    return rows, lens

@@ -24,6 +24,9 @@ class SchedulerStats:
     grammar_rows_masked: int = 0  # grammar rows whose token mask was filled before sampling
     grammar_rows_checked: int = 0  # grammar rows sampled first, their token checked (constrained/batch_mask.py)
     grammar_rows_refused: int = 0  # of those, rows whose token the grammar refused: masked and sampled again
+    spec_verify_steps: int = 0  # speculative decoding: decode steps that verified at least one draft
+    spec_draft_tokens: int = 0  # draft tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of those, accepted (each verify also yields one token of the model's own)
     prompt_tokens: int = 0  # Σ prompt lengths of admitted requests (first prefill only)
     cached_tokens: int = 0  # Σ of their cache hits (first prefill only)
     generated_tokens: int = 0
@@ -46,6 +49,10 @@ class SchedulerStats:
             yield
         finally:
             setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
+
+    @property
+    def spec_accept_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def cache_hit_rate(self) -> float:

@@ -16,6 +16,7 @@ from radixserve.constrained.jump_forward import JumpForward
 from radixserve.managers.io_struct import BatchTokenIDOut
 from radixserve.managers.req import FinishReason, Req
 from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, decode_log_line
+from radixserve.speculative.verify import accept_greedy
 
 if TYPE_CHECKING:
     from radixserve.layers.sampler import TokenLogprobs
@@ -98,6 +99,9 @@ class OutputProcessor:
                 self.stats.prefill_forward_s += elapsed
             else:
                 self.stats.decode_forward_s += elapsed
+        if launched.forward_batch.verify is not None:
+            self.process_batch_result_verify(launched, result, counters)
+            return
         live, keep = [], []
         for i, (req, row) in enumerate(zip(launched.batch.reqs, launched.rows, strict=True)):
             if req.finished() or req.kv.req_pool_idx != row:
@@ -159,6 +163,49 @@ class OutputProcessor:
         if self.stats.num_decode_batches % self.log_interval == 0:
             self.log_decode_stats(len(batch.reqs))
         self.stream_output(batch.reqs)
+
+    def process_batch_result_verify(self, launched: LaunchedBatch, result: GenerationBatchResult,
+                                    counters: PipelineCounters) -> None:
+        """A verify step (speculative/verify.py): each request keeps its accepted draft tokens and the model's
+        token after them; the KV of rejected draft tokens goes back to the allocator at once."""
+        verify = launched.forward_batch.verify
+        counters.processed += 1
+        live, appended = [], 0
+        for req, row, draft, base, offset in zip(launched.batch.reqs, launched.rows, verify.drafts, verify.base_lens,
+                                                 verify.row_offsets(), strict=True):
+            if req.finished() or req.kv.req_pool_idx != row:
+                counters.dropped_tokens += 1 + len(draft)
+                continue  # NOTE: finished in an earlier result, aborted, or retracted: handled once
+            live.append(req)
+            tokens = accept_greedy(draft, result.next_token_ids[offset: offset + 1 + len(draft)])
+            self.kv_manager.commit(req, base + len(tokens))
+            if draft:
+                self._count_draft(req, len(draft), len(tokens) - 1)
+            if req.to_abort is None and req.samples_next(base + 1):
+                for i, token in enumerate(tokens):
+                    self.append_output_token(req, token, result, offset + i)
+                    appended += 1
+                    req.check_finished(self.tokenizer)
+                    if req.finished():
+                        break
+            else:
+                req.check_finished(self.tokenizer)
+            if req.finished():
+                self.release_finished_req(req)  # NOTE: frees the rejected slots with the rest
+            else:
+                self.kv_manager.release_tail(req, base + len(tokens))
+                self.jump(req)
+        self.decode_throughput.add(appended)
+        self.stats.num_decode_batches += 1
+        if self.stats.num_decode_batches % self.log_interval == 0:
+            self.log_decode_stats(len(live))
+        self.stream_output(live)
+
+    def _count_draft(self, req: Req, drafted: int, accepted: int) -> None:
+        req.spec.record(drafted, accepted)
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_draft_tokens += drafted
+        self.stats.spec_accepted_tokens += accepted
 
     def jump(self, req: Req) -> None:
         """Appends what the request's grammar forces next, if enough (constrained/jump_forward.py)."""

@@ -221,6 +221,18 @@ class KVManager:
             kv.kv_allocated_len += 1
         return out
 
+    def slots_needed(self, reqs: Sequence[KVRequest], counts: Sequence[int]) -> int:
+        """Free slots that `counts[i]` more tokens for each request take (whole pages beyond its last one)."""
+        ps = self.page_size
+        return sum(-(-(r.kv.kv_allocated_len + n) // ps) * ps - -(-r.kv.kv_allocated_len // ps) * ps
+                   for r, n in zip(reqs, counts, strict=True))
+
+    def can_allocate(self, reqs: Sequence[KVRequest], counts: Sequence[int]) -> bool:
+        """Evict the shortfall, then say whether `counts[i]` more tokens for each request fit."""
+        needed = self.slots_needed(reqs, counts)
+        self.evict(needed)
+        return self.allocator.available_size() >= needed
+
     def decode_slots_needed(self, reqs: Sequence[KVRequest]) -> int:
         """Free slots the next decode step takes: one per request, or a page per request at a page start."""
         if self.page_size == 1:
@@ -241,6 +253,18 @@ class KVManager:
     def commit(self, req: KVRequest, computed_len: int) -> None:
         """A forward that wrote KV up to `computed_len` has had its result processed."""
         req.kv.kv_committed_len = computed_len
+
+    def release_tail(self, req: KVRequest, keep_len: int) -> None:
+        """Keep the request's first `keep_len` row positions and free what it allocated beyond them (a verify
+        step's rejected draft tokens). With pages, a page that still holds a kept position stays with the request.
+
+        NOTE: only private positions are freed: `keep_len` is at least its committed tokens."""
+        kv = req.kv
+        assert kv.cache_protected_len <= keep_len <= kv.kv_allocated_len, (keep_len, kv)
+        first_free = -(-keep_len // self.page_size) * self.page_size
+        if first_free < kv.kv_allocated_len:
+            self._free_row(self.req_to_token_pool.req_to_token[kv.req_pool_idx], [(first_free, kv.kv_allocated_len)])
+        kv.kv_allocated_len = keep_len
 
     def cache_unfinished_req(self, req: KVRequest, chunked: bool = False) -> None:
         """Publish a running request's computed tokens (`fill_ids`) in the tree, keeping them locked.

@@ -52,6 +52,9 @@ class ForwardBatch:
     # Decode only: (batch indices, token ids) of rows whose input token the host knows and the previous
     # sample is not (a jump-forward's forced tokens fed one per step); they replace the resolved ids.
     host_input_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Speculative decoding: a decode-shaped forward whose requests run one row per draft token too
+    # (speculative/verify.py); rows, positions and seq_lens are per row, input ids all known on the host.
+    verify: object | None = None
     # Set by the model runner before the forward: the pools and backend the layers use.
     req_to_token_pool: object | None = None
     token_to_kv_pool: object | None = None

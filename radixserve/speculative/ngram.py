@@ -1,0 +1,149 @@
+"""N-gram drafts: the continuation of the latest earlier occurrence of a request's last n tokens.
+
+Agents, code edits and retrieval answers copy long spans of their input; where a request's last n
+tokens (n from `max_match` down to `min_match`, longest first) occurred before in its prompt or
+output, the tokens that followed them there are a cheap guess of what comes next. `NgramIndex` keeps,
+per request, the latest end position of every n-gram seen so far, updated as tokens arrive (a dict
+probe per n per step, no scan). `DraftBudget` shrinks a request's draft length when little of it is
+accepted and pauses drafting when nothing is, so text that does not repeat pays almost nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.speculative.config import SpecConfig
+
+ZERO_STREAK_PAUSE = 3  # verifies in a row that accepted nothing before drafting pauses
+MAX_PAUSE_STEPS = 64
+
+
+class NgramIndex:
+    """The latest end position of each n-gram (min_match <= n <= max_match) of one token sequence."""
+
+    def __init__(self, min_match: int, max_match: int) -> None:
+        self.sizes = range(max_match, min_match - 1, -1)  # NOTE: longest first: the most specific match wins
+        self.tokens: list[int] = []
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.indexed = 0  # end positions [1, indexed] are in the dicts
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def propose(self, max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens that followed the latest earlier occurrence of the longest suffix found."""
+        tokens = self.tokens
+        end = len(tokens)
+        self._index_until(end - 1)  # NOTE: the suffix itself (ending at `end`) must not match itself
+        for n in self.sizes:
+            if n > end:
+                continue
+            at = self.ends[n].get(tuple(tokens[end - n:]))
+            if at is not None:
+                return tokens[at: at + max_tokens]
+        return []
+
+    def _index_until(self, last_end: int) -> None:
+        tokens = self.tokens
+        for e in range(self.indexed + 1, last_end + 1):
+            for n in self.sizes:
+                if n <= e:
+                    self.ends[n][tuple(tokens[e - n: e])] = e
+        self.indexed = max(self.indexed, last_end)
+
+
+@dataclass
+class DraftBudget:
+    """A request's adaptive draft length: about one more than it has lately had accepted."""
+
+    max_tokens: int
+    mean_accepted: float = field(default=-1.0)  # exponential mean of accepted drafts per verify; <0: none yet
+    zero_streak: int = 0
+    paused_steps: int = 0
+
+    def next_length(self) -> int:
+        if self.paused_steps > 0:
+            self.paused_steps -= 1
+            return 0
+        if self.mean_accepted < 0:
+            return self.max_tokens
+        return max(1, min(self.max_tokens, math.ceil(self.mean_accepted) + 1))
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        rate = accepted if self.mean_accepted < 0 else 0.5 * self.mean_accepted + 0.5 * accepted
+        self.mean_accepted = rate if accepted < drafted else max(rate, accepted)
+        self.zero_streak = self.zero_streak + 1 if accepted == 0 else 0
+        if self.zero_streak >= ZERO_STREAK_PAUSE:
+            # NOTE: backs off exponentially while drafts keep failing; one accepted token resets it.
+            self.paused_steps = min(2 ** (self.zero_streak - ZERO_STREAK_PAUSE + 2), MAX_PAUSE_STEPS)
+
+
+@dataclass
+class SpecState:
+    """What speculation keeps on a request (`req.spec`): its index, its budget, its counters."""
+
+    index: NgramIndex
+    budget: DraftBudget
+    seen: int = 0  # tokens of prompt + output already in the index
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.budget.record(drafted, accepted)
+
+
+def can_draft(req: Any) -> bool:
+    """Whether a request may take drafts this step: greedy, nothing that processes its logits or constrains
+    its tokens (penalties, logit bias, grammars, jump-forward), and its host tokens are current (the last
+    sampled token is known and is the only one without KV)."""
+    params = req.sampling_params
+    return (params.is_greedy and not params.processes_logits and req.grammar is None and not req.forced_pending
+            and req.to_abort is None and req.kv.kv_allocated_len == req.seqlen - 1)
+
+
+class NgramDrafter:
+    """Proposes each request's draft from its own prompt and output."""
+
+    def __init__(self, config: SpecConfig, context_len: int) -> None:
+        self.config = config
+        self.context_len = context_len
+
+    def propose(self, req: Any) -> list[int]:
+        """The draft of one running request (empty when it cannot or should not draft)."""
+        if not can_draft(req):
+            return []
+        state = self._state(req)
+        # NOTE: every draft is followed by one token of the target's own; neither may pass max_new_tokens
+        # nor the context.
+        room = min(req.max_new_tokens - len(req.output_ids), self.context_len - req.seqlen) - 1
+        length = min(state.budget.next_length(), room)
+        if length <= 0:
+            return []
+        self._catch_up(req, state)
+        return state.index.propose(length)
+
+    def _state(self, req: Any) -> SpecState:
+        state = getattr(req, "spec", None)
+        if state is None:
+            cfg = self.config
+            state = SpecState(NgramIndex(cfg.min_match, cfg.max_match), DraftBudget(cfg.num_draft_tokens))
+            req.spec = state
+        return state
+
+    @staticmethod
+    def _catch_up(req: Any, state: SpecState) -> None:
+        prompt = len(req.origin_input_ids)
+        if state.seen < prompt:
+            state.index.extend(req.origin_input_ids[state.seen:])
+            state.seen = prompt
+        state.index.extend(req.output_ids[state.seen - prompt:])
+        state.seen = prompt + len(req.output_ids)
