@@ -41,10 +41,10 @@ def next_token(seq: list[int]) -> int:
     return h % VOCAB
 
 
-def reference(prompt: list[int], params: SamplingParams) -> list[int]:
+def reference(prompt: list[int], params: SamplingParams, rule=next_token) -> list[int]:
     seq, out = list(prompt), []
     while len(out) < params.max_new_tokens:
-        tok = next_token(seq)
+        tok = rule(seq)
         out.append(tok)
         seq.append(tok)
         if tok in params.stop_token_ids or (not params.ignore_eos and tok == EOS):
@@ -53,7 +53,9 @@ def reference(prompt: list[int], params: SamplingParams) -> list[int]:
 
 
 class FakeRunner:
-    def __init__(self, pool_tokens: int, page_size: int = 1, max_running: int = 8, context_len: int = 512) -> None:
+    def __init__(self, pool_tokens: int, page_size: int = 1, max_running: int = 8, context_len: int = 512,
+                 rule=next_token) -> None:
+        self.rule = rule  # the next token of a sequence (read back from KV)
         self.device = torch.device("cpu")
         self.page_size = page_size
         self.context_len = context_len
@@ -77,7 +79,7 @@ class FakeRunner:
         self.kv[fb.out_cache_loc] = fb.input_ids
         logits = torch.zeros(fb.batch_size, VOCAB)
         for i, slots in enumerate(rows):
-            logits[i, next_token(self.kv[slots].tolist())] = 1.0
+            logits[i, self.rule(self.kv[slots].tolist())] = 1.0
         if fb.extra_logits_indices is not None:
             fb.input_logprobs = compute_input_logprobs(self._prompt_logits(fb), fb.extra_target_ids, fb.extra_top_k)
         return logits
@@ -92,7 +94,7 @@ class FakeRunner:
         logits = torch.zeros(len(fb.extra_logits_indices), VOCAB)
         for j, flat in enumerate(fb.extra_logits_indices.tolist()):
             row, pos = owner[flat]
-            logits[j, next_token(self.kv[table[row, : pos + 1].long()].tolist())] = 1.0
+            logits[j, self.rule(self.kv[table[row, : pos + 1].long()].tolist())] = 1.0
         return logits
 
     def sample(self, logits: torch.Tensor, info) -> torch.Tensor:
@@ -108,7 +110,7 @@ class FakeScheduler(Scheduler):
 
 
 def make_scheduler(pool_tokens=256, page_size=1, max_running=8, chunk=-1, disable_cache=False,
-                   policy="lpm", max_prefill_tokens=16384, conservativeness=1.0, **extra):
+                   policy="lpm", max_prefill_tokens=16384, conservativeness=1.0, rule=next_token, **extra):
     args = ServerArgs(max_total_tokens=pool_tokens, page_size=page_size, chunked_prefill_size=chunk,
                       disable_radix_cache=disable_cache, schedule_policy=policy,
                       max_prefill_tokens=max_prefill_tokens, schedule_conservativeness=conservativeness, **extra)
@@ -126,7 +128,7 @@ def make_scheduler(pool_tokens=256, page_size=1, max_running=8, chunk=-1, disabl
             if o.input_token_logprobs is not None:
                 rec["input_logprobs"] = o.input_token_logprobs
 
-    sched = FakeScheduler(args, FakeRunner(pool_tokens, page_size, max_running), output_sink=sink)
+    sched = FakeScheduler(args, FakeRunner(pool_tokens, page_size, max_running, rule=rule), output_sink=sink)
     return sched, outputs
 
 

@@ -96,7 +96,8 @@ def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float) -> dict[st
     # NOTE: the scheduler's finish reason as it is (SGLang's: the stop token or string matched, the length
     # reached, an abort's message and status), the same dict the Engine returns.
     return {"id": rid, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "cached_tokens": r.cached_tokens, "finish_reason": r.finish, "e2e_latency": time.monotonic() - started}
+            "cached_tokens": r.cached_tokens, "finish_reason": r.finish, "e2e_latency": time.monotonic() - started,
+            **(r.spec or {})}
 
 
 async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest, extra_key: Any,

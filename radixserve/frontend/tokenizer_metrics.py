@@ -22,6 +22,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 SCHEDULER_COUNTERS = {
     "evicted_tokens": ("evicted_tokens", "KV tokens evicted from the radix cache"),
     "num_retractions": ("num_retractions", "requests retracted from decode because the KV pool was full"),
+    "spec_verify_steps": ("spec_verify_steps", "speculative decoding: request steps that verified a draft"),
+    "spec_draft_tokens": ("spec_draft_tokens", "speculative decoding: draft tokens verified"),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "speculative decoding: draft tokens accepted"),
 }
 SCHEDULER_GAUGES = {
     "num_running_reqs": ("num_running_reqs", "requests in the running (decode) batch"),
@@ -29,6 +32,9 @@ SCHEDULER_GAUGES = {
     "token_usage": ("token_usage", "fraction of the KV pool held by requests and locked cache (not evictable)"),
     "evictable_tokens": ("evictable_tokens", "KV tokens in the radix cache that could be evicted"),
     "max_total_num_tokens": ("max_total_num_tokens", "KV pool size in tokens"),
+    "spec_accept_rate": ("spec_accept_rate", "speculative decoding: accepted / verified draft tokens, since start"),
+    "spec_accept_length": ("spec_accept_length", "speculative decoding: tokens a request's verify step yielded, "
+                                                 "on average since start (accepted drafts + the model's own)"),
 }
 
 

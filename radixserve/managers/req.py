@@ -212,7 +212,8 @@ class Req:
             self.output_token_logprobs[sent:] if logprobs else None,
             self.output_top_logprobs[sent:] if logprobs else None,
             self.input_token_logprobs if send_input else None,
-            self.input_top_logprobs if send_input else None)
+            self.input_top_logprobs if send_input else None,
+            self.spec.meta() if self.spec is not None and self.spec.verify_steps else None)
 
     @property
     def wants_input_logprobs(self) -> bool:

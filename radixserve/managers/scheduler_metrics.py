@@ -40,7 +40,8 @@ class SchedulerStats:
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float]:
-        return {**dataclasses.asdict(self), "forward_time_s": self.prefill_forward_s + self.decode_forward_s}
+        return {**dataclasses.asdict(self), "forward_time_s": self.prefill_forward_s + self.decode_forward_s,
+                "spec_accept_rate": self.spec_accept_rate, "spec_accept_length": self.spec_accept_length}
 
     @contextmanager
     def timing(self, counter: str) -> Iterator[None]:
@@ -53,6 +54,11 @@ class SchedulerStats:
     @property
     def spec_accept_rate(self) -> float:
         return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_accept_length(self) -> float:
+        steps = self.spec_verify_steps
+        return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
 
     @property
     def cache_hit_rate(self) -> float:

@@ -187,9 +187,11 @@ class ModelRunner:
         used = "torch only" if kernels is None else f"C {', '.join(kernels['used']) or 'none'} ({kernels['class']})"
         logger.info(
             "model %s | dtype %s (%s) | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
-            "max running requests %d | max context %d | attention %s, %s | quantization %s: %s | %s | malloc %s | CPU: %s",
+            "max running requests %d | max context %d | speculative %s | attention %s, %s | quantization %s: %s | %s | "
+            "malloc %s | CPU: %s",
             self.loaded.name, self.dtype_choice.dtype, self.dtype_choice.reason, self.device,
             self.max_total_num_tokens, gib, self.page_size, self.max_running_requests, self.context_len,
+            self.server_args.speculative_algorithm,
             self.server_args.attention_backend, used, self.server_args.quantization, weight_summary(self.model),
             self.device_setup.describe(), "kept" if self.malloc_tuned else "default", platform.summary_line())
         logger.info("execution plan:\n%s", self.execution_plan.describe())

@@ -10,7 +10,6 @@ accepted and pauses drafting when nothing is, so text that does not repeat pays 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +69,7 @@ class DraftBudget:
             return 0
         if self.mean_accepted < 0:
             return self.max_tokens
-        return max(1, min(self.max_tokens, math.ceil(self.mean_accepted) + 1))
+        return max(1, min(self.max_tokens, int(self.mean_accepted + 0.5) + 1))
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -93,6 +92,14 @@ class SpecState:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+
+    def meta(self) -> dict[str, float]:
+        """The request's figures in `meta_info` (SGLang's `spec_verify_ct`; the accept length counts the
+        model's own token of each verify step, so it is the tokens a verify step yielded on average)."""
+        steps, drafted, accepted = self.verify_steps, self.draft_tokens, self.accepted_tokens
+        return {"spec_verify_ct": steps, "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+                "spec_accept_rate": accepted / drafted if drafted else 0.0,
+                "spec_accept_length": (accepted + steps) / steps if steps else 0.0}
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verify_steps += 1

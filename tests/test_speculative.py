@@ -1,0 +1,207 @@
+"""Speculative decoding (n-gram drafts, greedy verification): the drafter, the acceptance rule, and the
+scheduler on a fake model that quotes its context, so drafts are often right and sometimes wrong.
+
+The fake reads every token back from its "KV" (test_scheduler_fake.py): a verify row that attended over a
+wrong slot, or a rejected draft's slot left in a row, changes the outputs, which must equal a plain greedy
+loop token for token; the conservation identity is checked after every step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixserve.managers.io_struct import AbortReq
+from radixserve.server_args import ServerArgs
+from radixserve.speculative.config import SpecConfig
+from radixserve.speculative.ngram import DraftBudget, NgramIndex
+from radixserve.speculative.verify import VerifyInput, accept_greedy
+from tests.test_scheduler_fake import VOCAB, conserve, drain, make_scheduler, next_token, reference, submit
+
+
+def quoting(seq: list[int]) -> int:
+    """The token after the latest earlier occurrence of the last 3 tokens, else a hash of the sequence; every
+    seventh position a hash too, so some drafts fail."""
+    if len(seq) >= 4 and len(seq) % 7:
+        tail = seq[-3:]
+        for start in range(len(seq) - 4, -1, -1):
+            if seq[start: start + 3] == tail:
+                return seq[start + 3]
+    return next_token(seq)
+
+
+# ---- the drafter --------------------------------------------------------------------------------
+def test_ngram_index_takes_the_longest_suffix_and_its_latest_occurrence():
+    index = NgramIndex(min_match=1, max_match=3)
+    index.extend([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    # [6, 7] occurred twice before the end; the latest (followed by 9) wins, as far as the tokens go
+    assert index.propose(4) == [9, 2, 6, 7]
+    index.extend([9])
+    # now the 3-gram [6, 7, 9] matches at 5..8: its continuation, not that of the shorter [7, 9]
+    assert index.propose(2) == [2, 6]
+    index.extend([3])
+    assert index.propose(3) == []  # 3 never occurred before the end: no draft
+    index.extend([3, 3])
+    assert index.propose(5) == [3]  # the suffix never matches itself: only the one token after [3, 3] earlier
+
+
+def test_ngram_index_ignores_matches_shorter_than_min_match():
+    index = NgramIndex(min_match=2, max_match=4)
+    index.extend([1, 2, 3, 9, 4, 3])
+    assert index.propose(3) == []  # [3] matches but is shorter than 2; [4, 3] never occurred
+    index.extend([9])
+    assert index.propose(3) == [4, 3, 9]
+
+
+def test_draft_budget_adapts_and_pauses_on_failure():
+    budget = DraftBudget(max_tokens=6)
+    assert budget.next_length() == 6
+    budget.record(6, 6)
+    assert budget.next_length() == 6
+    budget.record(6, 1)
+    assert 1 < budget.next_length() < 6  # shrinks toward what is accepted, plus one
+    for _ in range(3):
+        budget.record(budget.next_length() or 1, 0)
+    paused = [budget.next_length() for _ in range(4)]
+    assert paused == [0, 0, 0, 0]  # three verifies that accepted nothing: drafting pauses
+    while budget.paused_steps:
+        budget.next_length()
+    assert budget.next_length() == 1
+    budget.record(1, 1)
+    assert budget.zero_streak == 0 and budget.next_length() == 2
+
+
+def test_accept_greedy_keeps_the_matching_prefix_and_the_models_token():
+    assert accept_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert accept_greedy([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert accept_greedy([4, 5, 6], [8, 5, 6, 7]) == [8]
+    assert accept_greedy([], [3]) == [3]
+
+
+def test_verify_input_rows():
+    verify = VerifyInput([[1, 2], [], [3]], [10, 20, 30])
+    assert verify.row_counts == [3, 1, 2]
+    assert verify.row_offsets() == [0, 3, 4]
+    assert verify.last_rows("cpu").tolist() == [2, 3, 5]
+
+
+def test_bad_speculative_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        ServerArgs(speculative_algorithm="eagle9")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
+    with pytest.raises(ValueError, match="match lengths"):
+        ServerArgs(speculative_algorithm="ngram", speculative_ngram_min_match=5, speculative_ngram_max_match=3)
+    assert SpecConfig.of(ServerArgs()) is None
+    assert SpecConfig.of(ServerArgs(speculative_algorithm="ngram")).num_draft_tokens == 6
+
+
+# ---- the scheduler --------------------------------------------------------------------------------
+def _spec_scheduler(**kw):
+    return make_scheduler(rule=quoting, speculative_algorithm="ngram", **kw)
+
+
+def _quoting_prompt(rng: random.Random) -> list[int]:
+    """A prompt that repeats a random phrase, so the quoting model continues it."""
+    phrase = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 12))]
+    noise = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(0, 6))]
+    return noise + phrase * rng.randrange(1, 4) + phrase[: rng.randrange(3, len(phrase))]
+
+
+def _run(sched, overlap: bool, steps_between: int = 0):
+    if overlap:
+        sched.init_overlap()
+        sched.run_until_idle_overlap(20_000, on_step=lambda: conserve(sched))
+        sched.close_overlap()
+        conserve(sched)
+    else:
+        drain(sched)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_outputs_equal_plain_greedy_under_pressure(page_size, overlap):
+    rng = random.Random(7 + page_size + 10 * overlap)
+    # NOTE: a small pool and a tiny decode reserve over-admit, so decode retracts; chunks of 16 tokens
+    sched, outputs = _spec_scheduler(pool_tokens=192, page_size=page_size, max_running=6, chunk=16,
+                                     conservativeness=0.05)
+    expected = {}
+    for i in range(40):
+        prompt = _quoting_prompt(rng) if i % 4 else [rng.randrange(1, VOCAB) for _ in range(rng.randrange(2, 30))]
+        sp = submit(sched, f"r{i}", prompt, max_new_tokens=rng.randrange(1, 60), temperature=0.0,
+                    ignore_eos=rng.random() < 0.7, stop_token_ids=[rng.randrange(1, VOCAB)] if i % 5 == 0 else [])
+        expected[f"r{i}"] = reference(prompt, sp, quoting)
+    _run(sched, overlap)
+    for rid, want in expected.items():
+        assert outputs[rid]["ids"] == want, rid
+        assert outputs[rid]["finish"]["type"] in ("stop", "length")
+    stats = sched.stats
+    assert stats.spec_accepted_tokens > 0, "no draft was ever accepted: the test exercises nothing"
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens, "no draft was ever rejected"
+    assert stats.num_retractions > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborts_mid_verify_leak_nothing(overlap):
+    rng = random.Random(3)
+    sched, outputs = _spec_scheduler(pool_tokens=512, max_running=8)
+    expected = {}
+    for i in range(16):
+        prompt = _quoting_prompt(rng)
+        expected[f"r{i}"] = reference(prompt, submit(sched, f"r{i}", prompt, max_new_tokens=60, temperature=0.0,
+                                                     ignore_eos=True), quoting)
+    if overlap:
+        sched.init_overlap()
+    step = sched.run_step_overlap if overlap else sched.run_step
+    for n in range(12):
+        step(block_when_idle=False)
+        conserve(sched)
+        if n % 3 == 2:
+            sched.input_queue.put(AbortReq(f"r{n}"))
+    _run(sched, overlap)
+    aborted = [rid for rid, rec in outputs.items() if rec["finish"]["type"] == "abort"]
+    assert aborted
+    for rid, want in expected.items():
+        got = outputs[rid]["ids"]
+        assert got == want[: len(got)] if rid in aborted else got == want, rid
+    assert sched.stats.spec_accepted_tokens > 0
+
+
+def test_mixed_batch_greedy_and_sampled_requests():
+    """A sampled request takes no draft: it runs its single row in the verify forward beside drafting ones."""
+    rng = random.Random(11)
+    sched, outputs = _spec_scheduler(pool_tokens=1024, max_running=8)
+    expected = {}
+    for i in range(6):
+        prompt = _quoting_prompt(rng)
+        sp = submit(sched, f"r{i}", prompt, max_new_tokens=30, temperature=0.0 if i % 2 else 0.8, ignore_eos=True)
+        expected[f"r{i}"] = reference(prompt, sp, quoting)  # NOTE: the fake's sampler is an argmax for every row
+    drain(sched)
+    for rid, want in expected.items():
+        assert outputs[rid]["ids"] == want, rid
+    reqs_drafted = sched.stats.spec_verify_steps
+    assert reqs_drafted > 0
+
+
+def test_max_new_tokens_and_stop_tokens_end_a_draft():
+    sched, outputs = _spec_scheduler(pool_tokens=1024, max_running=8)
+    phrase = list(range(10, 22))
+    prompt = phrase * 3
+    # the quoting model continues the phrase, drafts run through whole phrases and must stop exactly
+    want = reference(prompt, submit(sched, "len", prompt, max_new_tokens=17, temperature=0.0, ignore_eos=True),
+                     quoting)
+    submit(sched, "stop", prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[15])
+    drain(sched)
+    assert outputs["len"]["ids"] == want and len(want) == 17 and outputs["len"]["finish"]["type"] == "length"
+    assert outputs["stop"]["ids"] == [10, 11, 12, 13, 14, 15] and outputs["stop"]["finish"]["matched"] == 15
+    assert sched.stats.spec_accepted_tokens >= 10
+
+
+def test_spec_off_never_drafts():
+    sched, outputs = make_scheduler(rule=quoting)
+    prompt = list(range(10, 22)) * 3
+    want = reference(prompt, submit(sched, "a", prompt, max_new_tokens=20, temperature=0.0, ignore_eos=True), quoting)
+    drain(sched)
+    assert sched.stats.spec_verify_steps == 0
+    assert outputs["a"]["ids"] == want

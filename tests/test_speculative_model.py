@@ -1,0 +1,95 @@
+"""Speculative decoding on the REAL embedded model (SmolLM2-135M, float32): speculation on and off give the
+same greedy tokens, in both loops and with pages, on text that repeats its prompt and on text that does not;
+logprobs of accepted tokens equal plain decoding's; the figures reach meta_info and the scheduler's state.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_overlap_parity import ABORTS, PRESSURE, assert_same_outputs, mixed_requests, run_scheduler
+
+pytestmark = pytest.mark.slow
+
+CODE = '''def summarize(values):
+    total = 0
+    for v in values:
+        if v > 0:
+            total += v
+        else:
+            total -= v
+    return total / len(values)
+'''
+
+
+def quoting_requests(loaded, n: int) -> list:
+    """Chat prompts that ask the model to copy code back with small edits (drafts are often right)."""
+    from radixserve.sampling_params import SamplingParams
+
+    tok = loaded.tokenizer
+    asks = ["Repeat this code exactly:", "Rename `total` to `acc` in this code:", "Add a docstring to this code:",
+            "Copy the code below and add type hints:"]
+    work = []
+    for i in range(n):
+        text = f"{asks[i % len(asks)]}\n\n{CODE.replace('values', 'items' if i % 2 else 'values')}"
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True))
+        work.append((f"q{i}", list(ids), SamplingParams(max_new_tokens=24 + 8 * (i % 3), temperature=0.0)))
+    return work
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_parity_on_quoting_and_mixed_requests(loaded, overlap):
+    work = quoting_requests(loaded, 8) + mixed_requests(16)
+    plain, _ = run_scheduler(loaded, work, overlap=overlap, max_total_tokens=4096)
+    spec, sched = run_scheduler(loaded, work, overlap=overlap, max_total_tokens=4096, speculative_algorithm="ngram")
+    for rid, _, params in work:
+        if rid not in ABORTS.values():
+            assert spec[rid]["ids"] == plain[rid]["ids"], rid
+    assert sched.stats.spec_accepted_tokens > 20
+    assert sched.stats.spec_draft_tokens > sched.stats.spec_accepted_tokens
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_greedy_parity_64_mixed_requests_both_loops(loaded, page_size):
+    """The overlap parity run (chunks, retraction on a small pool, aborts) with speculation on, against it off."""
+    work = quoting_requests(loaded, 4) + mixed_requests(60)
+    pressure = dict(PRESSURE, max_total_tokens=512, page_size=page_size)
+    plain, _ = run_scheduler(loaded, work, overlap=False, **pressure)
+    for overlap in (False, True):
+        spec, sched = run_scheduler(loaded, work, overlap=overlap, speculative_algorithm="ngram", **pressure)
+        assert_same_outputs(plain, spec, work)
+        assert sched.stats.num_retractions > 0 and sched.stats.spec_accepted_tokens > 0
+
+
+def test_engine_meta_info_logprobs_and_metrics(loaded):
+    import torch
+
+    from radixserve import Engine
+
+    tok = loaded.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": f"Repeat this code exactly:\n\n{CODE}"}],
+                                     tokenize=False, add_generation_prompt=True)
+    params = {"temperature": 0, "max_new_tokens": 48}
+    results = {}
+    for algo in ("none", "ngram"):
+        engine = Engine(dtype="float32", device="cpu", max_total_tokens=2048, speculative_algorithm=algo,
+                        log_level="warning")
+        try:
+            results[algo] = engine.generate(prompt, params, return_logprob=True)
+            state = engine.get_internal_state()
+        finally:
+            engine.shutdown()
+        assert "error" not in state["kv_conservation"] and state["protected_tokens"] == 0
+    plain, spec = results["none"], results["ngram"]
+    assert spec["output_ids"] == plain["output_ids"]
+    assert "spec_verify_ct" not in plain["meta_info"]
+    meta = spec["meta_info"]
+    assert meta["spec_verify_ct"] > 0 and 0 < meta["spec_accepted_tokens"] <= meta["spec_draft_tokens"]
+    assert meta["spec_accept_length"] > 1.5  # copying code: most steps yield several tokens
+    assert state["spec_accepted_tokens"] == meta["spec_accepted_tokens"]
+    # NOTE: an accepted token's logprob comes from its verify row: the same position, the same context
+    a = torch.tensor([lp[0] for lp in plain["meta_info"]["output_token_logprobs"]])
+    b = torch.tensor([lp[0] for lp in spec["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
