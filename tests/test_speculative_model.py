@@ -55,7 +55,7 @@ def test_greedy_parity_on_quoting_and_mixed_requests(loaded, overlap):
 def test_greedy_parity_64_mixed_requests_both_loops(loaded, page_size):
     """The overlap parity run (chunks, retraction on a small pool, aborts) with speculation on, against it off."""
     work = quoting_requests(loaded, 4) + mixed_requests(60)
-    pressure = dict(PRESSURE, max_total_tokens=512, page_size=page_size)
+    pressure = dict(PRESSURE, page_size=page_size)
     plain, _ = run_scheduler(loaded, work, overlap=False, **pressure)
     for overlap in (False, True):
         spec, sched = run_scheduler(loaded, work, overlap=overlap, speculative_algorithm="ngram", **pressure)

@@ -1,0 +1,172 @@
+"""Decode speed with and without n-gram speculative decoding, on three workloads, batch 1 and batch 8.
+
+(a) code editing: the answer re-emits a snippet of the prompt with a small change; (b) a multi-turn agent
+whose answer quotes an earlier tool output; (c) free text, which repeats little. Both engines (speculation
+off and on) live in this process and alternate per measurement; each prompt is computed once before it is
+timed (its prefix is then cached), so the figure is decode: output tokens / wall time of the batch.
+
+    flock /tmp/radixserve-bench.lock python benchmarks/bench_speculative.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+PLOT = ROOT / "docs" / "bench_speculative.png"
+BEGIN, END = "<!-- bench_speculative:begin -->", "<!-- bench_speculative:end -->"
+SOURCES = ["radixserve/speculative/ngram.py", "radixserve/mem_cache/kv_manager.py", "radixserve/managers/req.py",
+           "radixserve/managers/schedule_batch.py", "radixserve/speculative/verify.py", "radixserve/server_args.py",
+           "radixserve/managers/decode_planner.py", "radixserve/mem_cache/allocator.py"]
+TOPICS = ["a lighthouse keeper", "a city under the sea", "the first snow of winter", "a clockmaker's apprentice",
+          "a robot learning to paint", "a desert caravan", "an old library at night", "a fox and a crow"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--max-new-tokens", type=int, default=192)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--num-draft-tokens", type=int, default=6)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--no-docs", action="store_true")
+    return p.parse_args()
+
+
+def snippet(path: str, i: int) -> str:
+    lines = (ROOT / path).read_text().splitlines()
+    start = 20 + 7 * i
+    return "\n".join(lines[start: start + 24])
+
+
+def workloads(n: int) -> dict[str, list[list[dict]]]:
+    code = [[{"role": "user", "content": f"Repeat this Python code exactly, but rename the variable `req` to "
+                                         f"`request`:\n\n```python\n{snippet(SOURCES[i % len(SOURCES)], i)}\n```"}]
+            for i in range(n)]
+    agent = []
+    for i in range(n):
+        rows = "\n".join(f"{{\"job\": \"build-{i}-{k}\", \"status\": \"{'failed' if k % 3 == i % 3 else 'passed'}\", "
+                         f"\"duration_s\": {17 * k + i}, \"log\": \"logs/ci/{i}/{k}.txt\"}}" for k in range(12))
+        agent.append([
+            {"role": "user", "content": "Check the CI jobs of the last night and tell me which failed."},
+            {"role": "assistant", "content": "I will call the `list_jobs` tool."},
+            {"role": "user", "content": f"Tool `list_jobs` returned:\n{rows}"},
+            {"role": "assistant", "content": "I have the list of jobs."},
+            {"role": "user", "content": "Copy every line of the tool output whose status is failed, exactly as "
+                                        "it was written, one per line."},
+        ])
+    free = [[{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}] for i in range(n)]
+    return {"code editing": code, "agent quoting tool output": agent, "free text": free}
+
+
+def measure(engine, prompts: list[str], max_new: int) -> tuple[float, float, float]:
+    """(output tokens/s, accepted draft tokens per drafted token, tokens per verify step) of one batch."""
+    params = {"temperature": 0, "max_new_tokens": max_new}
+    started = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    drafted = sum(o["meta_info"].get("spec_draft_tokens", 0) for o in outs)
+    accepted = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
+    steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    return tokens / elapsed, accepted / drafted if drafted else 0.0, (accepted + steps) / steps if steps else 0.0
+
+
+def main() -> None:
+    args = parse_args()
+    from radixserve import Engine
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    engines = {
+        "off": Engine(dtype=args.dtype, log_level="warning"),
+        "ngram": Engine(dtype=args.dtype, log_level="warning", speculative_algorithm="ngram",
+                        speculative_num_draft_tokens=args.num_draft_tokens),
+    }
+    tok = engines["off"].tokenizer
+    texts = {name: [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
+             for name, msgs in workloads(max(sizes)).items()}
+    for engine in engines.values():  # NOTE: every prompt computed once: the timed runs decode
+        for prompts in texts.values():
+            engine.generate(prompts, {"temperature": 0, "max_new_tokens": 1})
+    load = [os.getloadavg()[0]]
+    runs: dict[tuple[str, int, str], list[tuple[float, float, float]]] = {}
+    for r in range(args.rounds):
+        for name, prompts in texts.items():
+            for bs in sizes:
+                for mode, engine in engines.items():
+                    result = measure(engine, prompts[:bs], args.max_new_tokens)
+                    runs.setdefault((name, bs, mode), []).append(result)
+                    print(f"round {r + 1} {name} bs={bs} {mode}: {result[0]:.1f} tok/s, accept rate {result[1]:.2f}, "
+                          f"{result[2]:.2f} tokens/verify", flush=True)
+    load.append(os.getloadavg()[0])
+    for engine in engines.values():
+        engine.shutdown()
+    med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in runs.items()}
+    body = doc_body(args, med, load, list(texts), sizes)
+    print(body)
+    if not args.no_docs:
+        from radixserve.bench.docs import write_doc_section
+
+        write_doc_section(DOCS, BEGIN, END, body)
+        plot(med, list(texts), sizes)
+
+
+def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list[str], sizes: list[int]) -> str:
+    import torch
+
+    from radixserve.bench.docs import cpu_header
+
+    rows = []
+    for name in names:
+        for bs in sizes:
+            off, on = med[(name, bs, "off")], med[(name, bs, "ngram")]
+            rows.append(f"| {name} | {bs} | {off[0]:.1f} | {on[0]:.1f} | **{on[0] / off[0]:.2f}x** | {on[1]:.2f} | "
+                        f"{on[2]:.2f} |")
+    cmd = (f"python benchmarks/bench_speculative.py --max-new-tokens {args.max_new_tokens} --rounds {args.rounds} "
+           f"--batch-sizes {args.batch_sizes} --num-draft-tokens {args.num_draft_tokens} --dtype {args.dtype}")
+    return "\n".join([
+        "## Speculative decoding: n-gram drafts (`benchmarks/bench_speculative.py`)",
+        "",
+        f"{cpu_header(args.dtype)} torch {torch.__version__}. Load average {load[0]:.1f} at start, {load[1]:.1f} at "
+        f"end. Model: embedded SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens at most; both engines "
+        f"in one process, alternating, median of {args.rounds} rounds; prompts computed once before timing, so "
+        "the figure is decode (output tokens / wall time of the batch). Outputs are identical with and without "
+        "speculation (greedy).",
+        "",
+        f"Command: `flock /tmp/radixserve-bench.lock {cmd}`",
+        "",
+        "| workload | batch | off tok/s | ngram tok/s | speed-up | accept rate | tokens per verify |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "![speculative decoding](bench_speculative.png)",
+        "",
+    ])
+
+
+def plot(med: dict, names: list[str], sizes: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 3.8))
+    axes = axes if len(sizes) > 1 else [axes]
+    for ax, bs in zip(axes, sizes, strict=True):
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [med[(n, bs, "off")][0] for n in names], 0.4, label="off")
+        ax.bar([x + 0.2 for x in xs], [med[(n, bs, "ngram")][0] for n in names], 0.4, label="ngram")
+        ax.set_xticks(list(xs), names, fontsize=8)
+        ax.set_title(f"decode tokens/s, batch {bs}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=90)
+
+
+if __name__ == "__main__":
+    main()
