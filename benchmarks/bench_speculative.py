@@ -1,9 +1,9 @@
 """Decode speed with and without n-gram speculative decoding, on three workloads, batch 1 and batch 8.
 
 (a) code editing: the answer re-emits a snippet of the prompt with a small change; (b) a multi-turn agent
-whose answer quotes an earlier tool output; (c) free text, which repeats little. Both engines (speculation
-off and on) live in this process and alternate per measurement; each prompt is computed once before it is
-timed (its prefix is then cached), so the figure is decode: output tokens / wall time of the batch.
+whose answer quotes an earlier tool output; (c) free text, which repeats little. Each mode (speculation off, on) runs in its own process, and rounds
+alternate them; each prompt is computed once before it is timed (its prefix is then cached), so the figure is
+decode: output tokens / wall time of the batch.
 
     flock /tmp/radixserve-bench.lock python benchmarks/bench_speculative.py
 """
@@ -11,8 +11,11 @@ timed (its prefix is then cached), so the figure is decode: output tokens / wall
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-draft-tokens", type=int, default=6)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     return p.parse_args()
 
 
@@ -53,12 +57,10 @@ def workloads(n: int) -> dict[str, list[list[dict]]]:
         rows = "\n".join(f"{{\"job\": \"build-{i}-{k}\", \"status\": \"{'failed' if k % 3 == i % 3 else 'passed'}\", "
                          f"\"duration_s\": {17 * k + i}, \"log\": \"logs/ci/{i}/{k}.txt\"}}" for k in range(12))
         agent.append([
-            {"role": "user", "content": "Check the CI jobs of the last night and tell me which failed."},
-            {"role": "assistant", "content": "I will call the `list_jobs` tool."},
-            {"role": "user", "content": f"Tool `list_jobs` returned:\n{rows}"},
-            {"role": "assistant", "content": "I have the list of jobs."},
-            {"role": "user", "content": "Copy every line of the tool output whose status is failed, exactly as "
-                                        "it was written, one per line."},
+            {"role": "system", "content": "You are an agent with tools. Quote tool results verbatim."},
+            {"role": "user", "content": "Check the CI jobs of the last night: what did `list_jobs` return?"},
+            {"role": "assistant", "content": f"I called `list_jobs`. The tool returned:\n{rows}"},
+            {"role": "user", "content": "Quote the first six lines of that output again."},
         ])
     free = [[{"role": "user", "content": f"Write a short story about {TOPICS[i % len(TOPICS)]}."}] for i in range(n)]
     return {"code editing": code, "agent quoting tool output": agent, "free text": free}
@@ -77,43 +79,58 @@ def measure(engine, prompts: list[str], max_new: int) -> tuple[float, float, flo
     return tokens / elapsed, accepted / drafted if drafted else 0.0, (accepted + steps) / steps if steps else 0.0
 
 
-def main() -> None:
-    args = parse_args()
+MODES = ("off", "ngram")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One mode in this process: every workload and batch size once; JSON lines on stdout."""
     from radixserve import Engine
 
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engines = {
-        "off": Engine(dtype=args.dtype, log_level="warning"),
-        "ngram": Engine(dtype=args.dtype, log_level="warning", speculative_algorithm="ngram",
-                        speculative_num_draft_tokens=args.num_draft_tokens),
-    }
-    tok = engines["off"].tokenizer
+    spec = {} if args.worker == "off" else {"speculative_algorithm": "ngram",
+                                            "speculative_num_draft_tokens": args.num_draft_tokens}
+    engine = Engine(dtype=args.dtype, log_level="warning", **spec)
+    tok = engine.tokenizer
     texts = {name: [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
              for name, msgs in workloads(max(sizes)).items()}
-    for engine in engines.values():  # NOTE: every prompt computed once: the timed runs decode
-        for prompts in texts.values():
-            engine.generate(prompts, {"temperature": 0, "max_new_tokens": 1})
+    for prompts in texts.values():  # NOTE: every prompt computed once: the timed runs decode
+        engine.generate(prompts, {"temperature": 0, "max_new_tokens": 1})
+    for name, prompts in texts.items():
+        for bs in sizes:
+            print(json.dumps({"workload": name, "bs": bs, "result": measure(engine, prompts[:bs],
+                                                                            args.max_new_tokens)}), flush=True)
+    engine.shutdown()
+
+
+def run_mode(mode: str) -> list[dict]:
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", mode]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
     load = [os.getloadavg()[0]]
     runs: dict[tuple[str, int, str], list[tuple[float, float, float]]] = {}
     for r in range(args.rounds):
-        for name, prompts in texts.items():
-            for bs in sizes:
-                for mode, engine in engines.items():
-                    result = measure(engine, prompts[:bs], args.max_new_tokens)
-                    runs.setdefault((name, bs, mode), []).append(result)
-                    print(f"round {r + 1} {name} bs={bs} {mode}: {result[0]:.1f} tok/s, accept rate {result[1]:.2f}, "
-                          f"{result[2]:.2f} tokens/verify", flush=True)
+        for mode in MODES:
+            for rec in run_mode(mode):
+                runs.setdefault((rec["workload"], rec["bs"], mode), []).append(tuple(rec["result"]))
+                print(f"round {r + 1} {rec['workload']} bs={rec['bs']} {mode}: {rec['result'][0]:.1f} tok/s, "
+                      f"accept rate {rec['result'][1]:.2f}, {rec['result'][2]:.2f} tokens/verify", flush=True)
     load.append(os.getloadavg()[0])
-    for engine in engines.values():
-        engine.shutdown()
     med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in runs.items()}
-    body = doc_body(args, med, load, list(texts), sizes)
+    names = list(workloads(1))
+    body = doc_body(args, med, load, names, sizes)
     print(body)
     if not args.no_docs:
         from radixserve.bench.docs import write_doc_section
 
         write_doc_section(DOCS, BEGIN, END, body)
-        plot(med, list(texts), sizes)
+        plot(med, names, sizes)
 
 
 def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list[str], sizes: list[int]) -> str:
@@ -133,8 +150,8 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
         "## Speculative decoding: n-gram drafts (`benchmarks/bench_speculative.py`)",
         "",
         f"{cpu_header(args.dtype)} torch {torch.__version__}. Load average {load[0]:.1f} at start, {load[1]:.1f} at "
-        f"end. Model: embedded SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens at most; both engines "
-        f"in one process, alternating, median of {args.rounds} rounds; prompts computed once before timing, so "
+        f"end. Model: embedded SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens at most; each mode "
+        f"in its own process, rounds alternate, median of {args.rounds} rounds; prompts computed once before timing, so "
         "the figure is decode (output tokens / wall time of the batch). Outputs are identical with and without "
         "speculation (greedy).",
         "",

@@ -205,3 +205,104 @@ def test_spec_off_never_drafts():
     drain(sched)
     assert sched.stats.spec_verify_steps == 0
     assert outputs["a"]["ids"] == want
+
+
+# ---- speculative sampling -------------------------------------------------------------------------
+def chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square quantile at p = 0.001 (z of the normal), Wilson-Hilferty's approximation."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def chi_square(counts: dict, probs: dict, n: int) -> float:
+    return sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in probs.items())
+
+
+@pytest.mark.parametrize("draft", [0, 3, -1])
+def test_sampler_keeps_the_target_distribution_against_a_draft(draft):
+    """One row, many times: with a draft token d the row's token is still distributed as p (top-k applied)."""
+    import torch
+
+    from radixserve.layers.sampler import Sampler, SamplingBatchInfo
+    from radixserve.sampling_params import SamplingParams
+
+    n, logits = 40_000, torch.tensor([2.0, 0.5, 1.0, 1.5, -1.0, 0.0])
+    params = SamplingParams(temperature=0.7, top_k=5)
+    info = SamplingBatchInfo.from_params([params] * n, [0] * n, "cpu", default_generator_seed=1)
+    info.draft_ids = torch.full((n,), draft, dtype=torch.int64)
+    ids = Sampler()(logits.repeat(n, 1), info)
+    p = torch.softmax(logits / 0.7, dim=-1)
+    p[p.argmin()] = 0  # top-k 5 of 6
+    p = p / p.sum()
+    counts = {int(t): int(c) for t, c in zip(*torch.unique(ids, return_counts=True), strict=True)}
+    assert counts.get(int(logits.argmin()), 0) == 0
+    probs = {t: float(p[t]) for t in range(6) if p[t] > 0}
+    assert chi_square(counts, probs, n) < chi_square_critical(len(probs) - 1), counts
+
+
+class _ConditionalRunner:
+    """A 3-token model: the next token's distribution depends on the last token, read back from KV; sampling is
+    radixserve's Sampler, so the scheduler's verify steps run speculative sampling for real."""
+
+    TABLE = [[1.2, 0.2, -0.5], [-0.3, 0.9, 0.4], [0.5, -0.4, 0.8]]
+
+    def __new__(cls, pool_tokens: int, max_running: int):
+        import torch
+
+        from radixserve.layers.sampler import Sampler
+        from tests.test_scheduler_fake import FakeRunner
+
+        runner = FakeRunner(pool_tokens, 1, max_running)
+        runner.model_config.vocab_size = 3
+        runner.model_config.eos_token_ids = ()
+        sampler, table = Sampler(), torch.tensor(cls.TABLE)
+
+        def forward(fb, read_done=None):
+            rows = runner.req_to_token_pool.req_to_token
+            last = [int(rows[r, n - 1]) for r, n in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, strict=True)]
+            if read_done is not None:
+                read_done.record()
+            runner.kv[fb.out_cache_loc] = fb.input_ids
+            return table[runner.kv[torch.tensor(last)]]
+
+        runner.forward = forward
+        runner.sample = lambda logits, info: sampler(logits, info)
+        return runner
+
+
+def test_speculative_sampling_output_distribution_end_to_end():
+    """Thousands of seeded requests through the scheduler with n-gram drafts: the joint distribution of their
+    first three tokens matches the model's (chi-square), and drafts were both kept and refused."""
+    import itertools
+
+    import torch
+
+    from radixserve.managers.io_struct import TokenizedGenerateReqInput
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.sampling_params import SamplingParams
+
+    outputs: dict[str, list[int]] = {}
+
+    def sink(out):
+        for o in out.outputs:
+            outputs.setdefault(o.rid, []).extend(o.new_token_ids)
+
+    args = ServerArgs(max_total_tokens=8192, chunked_prefill_size=-1, speculative_algorithm="ngram",
+                      speculative_ngram_min_match=1, random_seed=5)
+    sched = Scheduler(args, _ConditionalRunner(8192, 128), output_sink=sink)
+    n, prompt = 3000, [0, 1, 2, 0, 1, 2, 0, 1]  # NOTE: drafts 2, 0, 1 ...: the n-gram continuation
+    for i in range(n):
+        params = SamplingParams(temperature=1.0, max_new_tokens=3, ignore_eos=True, seed=i)
+        sched.input_queue.put(TokenizedGenerateReqInput(f"r{i}", prompt, params))
+    sched.run_until_idle(100_000, on_step=lambda: conserve(sched))
+    conserve(sched)
+    p = torch.softmax(torch.tensor(_ConditionalRunner.TABLE), dim=-1)
+    probs = {}
+    for a, b, c in itertools.product(range(3), repeat=3):
+        probs[(a, b, c)] = float(p[1, a] * p[a, b] * p[b, c])
+    counts: dict = {}
+    for ids in outputs.values():
+        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+    assert sum(counts.values()) == n
+    assert chi_square(counts, probs, n) < chi_square_critical(26), counts
+    stats = sched.stats
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens

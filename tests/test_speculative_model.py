@@ -43,7 +43,7 @@ def test_greedy_parity_on_quoting_and_mixed_requests(loaded, overlap):
     work = quoting_requests(loaded, 8) + mixed_requests(16)
     plain, _ = run_scheduler(loaded, work, overlap=overlap, max_total_tokens=4096)
     spec, sched = run_scheduler(loaded, work, overlap=overlap, max_total_tokens=4096, speculative_algorithm="ngram")
-    for rid, _, params in work:
+    for rid, _, _ in work:
         if rid not in ABORTS.values():
             assert spec[rid]["ids"] == plain[rid]["ids"], rid
     assert sched.stats.spec_accepted_tokens > 20

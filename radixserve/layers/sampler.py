@@ -43,6 +43,9 @@ class SamplingBatchInfo:
     # Constrained decoding (constrained/batch_mask.py): the rows' grammars, set by the scheduler once the rows'
     # earlier tokens are accepted; sampling waits for them.
     grammar_mask: BatchMask | None = None
+    # Speculative decoding (speculative/verify.py): per row, the draft token the row's sample decides on (the
+    # next row's input), -1 where none. A sampled row keeps it with its probability, else samples the rest.
+    draft_ids: torch.Tensor | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], output_lens: list[int], device: torch.device | str,
@@ -131,7 +134,28 @@ class Sampler:
         probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = _filter_probs(probs, info)
-        return torch.where(info.greedy, greedy_ids, _invert_cdf(probs, self._uniforms(probs.shape[0], info)))
+        u = self._uniforms(probs.shape[0], info)
+        sampled = _invert_cdf(probs, u) if info.draft_ids is None else self._verify_drafts(probs, u, info)
+        return torch.where(info.greedy, greedy_ids, sampled)
+
+    def _verify_drafts(self, probs: torch.Tensor, u: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Speculative sampling against a draft that proposed one token d with certainty: keep d with probability
+        p(d), else sample from p without d. Each row's token is then distributed exactly as p, and a row keeps
+        the draft exactly when the greedy rule (speculative/verify.accept_greedy) accepts it. Rows without a
+        draft sample as usual."""
+        drafts = info.draft_ids
+        has = drafts >= 0
+        d = drafts.clamp(min=0).unsqueeze(1)
+        p_draft = probs.gather(1, d).squeeze(1).double() / probs.double().sum(dim=-1)
+        keep = has & (u < p_draft)
+        residual = probs.scatter(1, d, torch.zeros_like(d, dtype=probs.dtype)) if bool(has.any()) else probs
+        # NOTE: the row's second uniform (draw 1) for the residual, so that acceptance and choice are independent
+        rows = has.nonzero().flatten().tolist()
+        u_rest = u.clone()
+        if rows:
+            u_rest[torch.tensor(rows, device=u.device)] = self._uniforms(len(rows), info, rows, draw=1)
+        rest = _invert_cdf(torch.where(has.unsqueeze(1), residual, probs), torch.where(has, u_rest, u))
+        return torch.where(keep, drafts, rest)
 
     def _sample_refused(self, logits: torch.Tensor, processed: torch.Tensor, next_ids: torch.Tensor,
                         info: SamplingBatchInfo, rows: list[int]) -> torch.Tensor:

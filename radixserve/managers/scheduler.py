@@ -205,6 +205,9 @@ class Scheduler:
         """The one forward path of both loops: launch `batch`'s forward, sampling and copy to the host."""
         reqs, output_lens = _sampled_rows(batch)
         info = self.sampling_info(reqs, output_lens, batch.forward_mode.is_extend())
+        verify = batch.forward_batch.verify
+        if verify is not None and info is not None:
+            info.draft_ids = verify.draft_ids(self.device)
         pipeline = pipeline or self.normal_pipeline()
         self.grammars.attach(info, reqs)
         if not pipeline.pending:

@@ -109,11 +109,11 @@ class SpecState:
 
 
 def can_draft(req: Any) -> bool:
-    """Whether a request may take drafts this step: greedy, nothing that processes its logits or constrains
-    its tokens (penalties, logit bias, grammars, jump-forward), and its host tokens are current (the last
-    sampled token is known and is the only one without KV)."""
+    """Whether a request may take drafts this step: nothing processes its logits or constrains its tokens
+    (penalties, logit bias, grammars, jump-forward), and its host tokens are current (the last sampled token
+    is known and is the only one without KV). Greedy and sampled requests alike (speculative sampling)."""
     params = req.sampling_params
-    return (params.is_greedy and not params.processes_logits and req.grammar is None and not req.forced_pending
+    return (not params.processes_logits and req.grammar is None and not req.forced_pending
             and req.to_abort is None and req.kv.kv_allocated_len == req.seqlen - 1)
 
 

@@ -6,8 +6,10 @@ its own position. Every row's K/V is written before any row attends (decode atte
 step both do), so row i sees the draft tokens before it: a causal chain in a decode batch, with no new
 attention kernel. Requests without a draft run their usual single row in the same forward.
 
-Greedy acceptance keeps the longest draft prefix equal to the target's argmax at each row, plus the
-target's own token after it: the output is the one plain greedy decoding produces.
+Acceptance keeps the longest draft prefix equal to the token the target chose at each row, plus the target's
+own token after it. Greedy rows choose the argmax, so the output is the one plain greedy decoding produces;
+sampled rows choose by speculative sampling (layers/sampler.py: keep the draft token d with probability p(d),
+else sample p without d), so each token is distributed exactly as without speculation.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class VerifyInput:
             offsets.append(at)
             at += n
         return offsets
+
+    def draft_ids(self, device: torch.device | str) -> torch.Tensor:
+        """Per row, the draft token its sample decides on (the next row's input); -1 on each request's last row."""
+        ids = [t for draft in self.drafts for t in (*draft, -1)]
+        return torch.tensor(ids, dtype=torch.int64, device=device)
 
     def last_rows(self, device: torch.device | str) -> torch.Tensor:
         """Each request's last row (its next input is sampled there when nothing is accepted beyond it)."""
