@@ -306,3 +306,63 @@ def test_speculative_sampling_output_distribution_end_to_end():
     assert chi_square(counts, probs, n) < chi_square_critical(26), counts
     stats = sched.stats
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+
+
+# ---- drafts from the radix tree -------------------------------------------------------------------
+def _tree(page_size: int = 1):
+    import torch
+
+    from radixserve.mem_cache.radix_cache import RadixCache
+    from radixserve.mem_cache.radix_key import RadixKey
+
+    tree = RadixCache(page_size=page_size)
+
+    def insert(tokens, ns=None):
+        tree.insert(RadixKey(tokens, ns), torch.arange(len(tokens), dtype=torch.int32))
+
+    return tree, insert
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_continuation_reads_another_answer_in_the_same_namespace_only(page_size):
+    from radixserve.speculative.tree_draft import tree_continuation
+
+    tree, insert = _tree(page_size)
+    insert(list(range(1, 25)))  # a prompt and its answer
+    insert(list(range(1, 9)) + [70, 71, 72, 73, 74, 75, 76, 77])  # another answer
+    insert(list(range(1, 25)), ns="tenant-b")
+    from radixserve.mem_cache.radix_key import RadixKey
+
+    tree.match_prefix(RadixKey(list(range(1, 9)) + [70, 71, 72, 73, 74, 75, 76, 77]))  # the most recently used path
+    nodes, stamps = tree.node_count(), {n.id: n.last_access_time for n in tree._iter_nodes()}
+    assert tree_continuation(tree, list(range(1, 14)), None, 5) == [14, 15, 16, 17, 18]
+    assert tree_continuation(tree, list(range(1, 9)), None, 3) == [70, 71, 72]  # the most recently used child
+    assert tree_continuation(tree, list(range(1, 11)), None, 30) == list(range(11, 25))  # as far as it goes
+    assert tree_continuation(tree, [1, 2, 3, 99], None, 4) == []  # diverged
+    assert tree_continuation(tree, list(range(1, 14)), "tenant-c", 5) == []  # another namespace sees nothing
+    assert tree_continuation(tree, list(range(1, 14)), "tenant-b", 2) == [14, 15]
+    # NOTE: read only: no edge split, no access time touched
+    assert tree.node_count() == nodes and {n.id: n.last_access_time for n in tree._iter_nodes()} == stamps
+
+
+def test_a_repeated_prompt_drafts_the_earlier_answer_from_the_tree():
+    """The hash model never repeats itself, so own-sequence drafts are rare; the second run of a prompt takes the
+    first run's answer from the tree (nearly all accepted), and a request in another namespace does not."""
+    from radixserve.managers.io_struct import TokenizedGenerateReqInput
+    from radixserve.sampling_params import SamplingParams
+
+    sched, outputs = make_scheduler(pool_tokens=1024, speculative_algorithm="ngram")
+    prompt = list(range(30, 60))
+    submit(sched, "first", prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    drain(sched)
+    alone = sched.stats.spec_accepted_tokens
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    sched.input_queue.put(TokenizedGenerateReqInput("other-ns", prompt, params, extra_key="tenant-b"))
+    drain(sched)
+    other_ns = sched.stats.spec_accepted_tokens - alone
+    submit(sched, "again", prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    drain(sched)
+    again = sched.stats.spec_accepted_tokens - alone - other_ns
+    want = reference(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert outputs["first"]["ids"] == outputs["again"]["ids"] == outputs["other-ns"]["ids"] == want
+    assert again >= 30 and other_ns <= alone + 3, (alone, other_ns, again)

@@ -119,7 +119,7 @@ class Scheduler:
         self.output = OutputProcessor(self.kv_manager, self.queue, self.prefill, self.stats, self.tokenizer,
                                       lambda out: self.output_sink(out), args.log_interval, pool, jump)
         self.spec = SpecConfig.of(args)
-        drafter = NgramDrafter(self.spec, self.context_len) if self.spec is not None else None
+        drafter = NgramDrafter(self.spec, self.context_len, self.tree_cache) if self.spec is not None else None
         self.decode = DecodePlanner(self.queue, self.prefill, self.output, self.new_token_ratio, self.stats, pool,
                                     drafter)
         self.grammars = GrammarManager(self.model_runner, self.queue, self.output, self.eos_token_ids,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.speculative.config import SpecConfig
+from radixserve.speculative.tree_draft import tree_continuation
 
 ZERO_STREAK_PAUSE = 3  # verifies in a row that accepted nothing before drafting pauses
 MAX_PAUSE_STEPS = 64
@@ -118,11 +119,13 @@ def can_draft(req: Any) -> bool:
 
 
 class NgramDrafter:
-    """Proposes each request's draft from its own prompt and output."""
+    """Proposes each request's draft from its own prompt and output, else from what followed its whole sequence in
+    the radix tree (another request's answer to the same text, in the same namespace: tree_draft.py)."""
 
-    def __init__(self, config: SpecConfig, context_len: int) -> None:
+    def __init__(self, config: SpecConfig, context_len: int, tree: Any = None) -> None:
         self.config = config
         self.context_len = context_len
+        self.tree = tree
 
     def propose(self, req: Any) -> list[int]:
         """The draft of one running request (empty when it cannot or should not draft)."""
@@ -136,7 +139,10 @@ class NgramDrafter:
         if length <= 0:
             return []
         self._catch_up(req, state)
-        return state.index.propose(length)
+        draft = state.index.propose(length)
+        if not draft and self.tree is not None:
+            draft = tree_continuation(self.tree, state.index.tokens, req.extra_key, length)
+        return draft
 
     def _state(self, req: Any) -> SpecState:
         state = getattr(req, "spec", None)
