@@ -24,9 +24,8 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_speculative.png"
 BEGIN, END = "<!-- bench_speculative:begin -->", "<!-- bench_speculative:end -->"
 PROMPT_IDS = Path("/tmp/radixserve_bench_speculative_prompts.json")  # the token ids our worker ran, for vLLM's
-SOURCES = ["radixserve/speculative/ngram.py", "radixserve/mem_cache/kv_manager.py", "radixserve/managers/req.py",
-           "radixserve/managers/schedule_batch.py", "radixserve/speculative/verify.py", "radixserve/server_args.py",
-           "radixserve/managers/decode_planner.py", "radixserve/mem_cache/allocator.py"]
+# NOTE: snippets of the standard library (fixed for a Python version), not of this repository, which changes
+SOURCES = ["heapq", "bisect", "textwrap", "fnmatch", "shlex", "colorsys", "glob", "string"]
 TOPICS = ["a lighthouse keeper", "a city under the sea", "the first snow of winter", "a clockmaker's apprentice",
           "a robot learning to paint", "a desert caravan", "an old library at night", "a fox and a crow"]
 
@@ -45,15 +44,18 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def snippet(path: str, i: int) -> str:
-    lines = (ROOT / path).read_text().splitlines()
-    start = 20 + 7 * i
+def snippet(module: str, i: int) -> str:
+    import importlib
+
+    lines = Path(importlib.import_module(module).__file__).read_text().splitlines()
+    start = next(n for n in range(20 + 7 * i, len(lines)) if lines[n].lstrip().startswith("def "))
     return "\n".join(lines[start: start + 24])
 
 
 def workloads(n: int) -> dict[str, list[list[dict]]]:
-    code = [[{"role": "user", "content": f"Repeat this Python code exactly, but rename the variable `req` to "
-                                         f"`request`:\n\n```python\n{snippet(SOURCES[i % len(SOURCES)], i)}\n```"}]
+    code = [[{"role": "user", "content": f"Repeat this Python code exactly, with one change: add the comment "
+                                         f"`# reviewed` as its first line.\n\n```python\n"
+                                         f"{snippet(SOURCES[i % len(SOURCES)], i)}\n```"}]
             for i in range(n)]
     agent = []
     for i in range(n):
