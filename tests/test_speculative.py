@@ -366,3 +366,22 @@ def test_a_repeated_prompt_drafts_the_earlier_answer_from_the_tree():
     want = reference(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
     assert outputs["first"]["ids"] == outputs["again"]["ids"] == outputs["other-ns"]["ids"] == want
     assert again >= 30 and other_ns <= alone + 3, (alone, other_ns, again)
+
+
+# ---- figures: /metrics and the native meta_info ---------------------------------------------------
+def test_spec_figures_reach_metrics_and_native_meta_info():
+    import time
+
+    from radixserve.entrypoints.serving_common import ChoiceResult
+    from radixserve.entrypoints.serving_native import _meta
+    from radixserve.frontend.tokenizer_metrics import ServerMetrics
+    from radixserve.managers.scheduler_metrics import SchedulerStats
+
+    stats = SchedulerStats(spec_verify_steps=10, spec_draft_tokens=40, spec_accepted_tokens=30)
+    text = ServerMetrics(lambda: stats.as_dict(), lambda: True).expose().decode()
+    assert "radixserve:spec_accepted_tokens_total 30.0" in text
+    assert "radixserve:spec_accept_rate 0.75" in text and "radixserve:spec_accept_length 4.0" in text
+    result = ChoiceResult(rid="a", spec={"spec_verify_ct": 3, "spec_accept_length": 2.5})
+    meta = _meta("a", result, time.monotonic())
+    assert meta["spec_verify_ct"] == 3 and meta["spec_accept_length"] == 2.5
+    assert "spec_verify_ct" not in _meta("b", ChoiceResult(rid="b"), time.monotonic())

@@ -51,6 +51,7 @@ class BatchMask:
         self.reqs = reqs  # the batch's requests, row by row (the scheduler's; sampling never reads them)
         self.ready = threading.Event()
         self.masked: list[int] = []  # rows filled before sampling
+        self.extra_masked: list[int] = []  # verify rows of drafting requests, filled one by one (grammar_manager)
         self.checked: list[tuple[int, RowGrammar]] = []  # rows whose sampled token is checked
         self.num_refused = 0  # of the checked rows, those masked and sampled again
 
@@ -72,8 +73,9 @@ class BatchMask:
     def apply(self, logits: torch.Tensor) -> None:
         """Waits until the rows are set, then masks the rows filled before sampling, in place."""
         self.ready.wait()
-        if self.masked:
-            apply_rows(logits, self.bitmask, self.masked)
+        rows = self.masked + self.extra_masked
+        if rows:
+            apply_rows(logits, self.bitmask, rows)
 
     def refused(self, next_ids: torch.Tensor) -> list[int]:
         """The checked rows whose sampled token their grammar refuses; each of them filled in the bitmask.

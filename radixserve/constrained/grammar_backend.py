@@ -81,6 +81,27 @@ class Grammar:
         """Fills `row` of `bitmask` with the tokens that may come next."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` may come next, one after another (a speculative draft's part the grammar
+        allows); the matcher's state is left as it was."""
+        n = 0
+        for token in tokens:
+            if not self._matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+    def fill_row_after(self, bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
+        """Fills `row` with the tokens that may come after `tokens` (allowed: a verified draft's prefix)."""
+        for token in tokens:
+            if not self._matcher.accept_token(token):
+                raise RuntimeError(f"draft token {token} is not allowed by the grammar it was checked against")
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        if tokens:
+            self._matcher.rollback(len(tokens))
+
 
 class GrammarBackend:
     """xgrammar's compiler for one tokenizer and vocabulary, a worker thread that runs it, and the cache."""

@@ -18,7 +18,7 @@ from radixserve.managers.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBat
 from radixserve.managers.schedule_policy import NewTokenRatio
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor
-from radixserve.speculative.ngram import NgramDrafter
+from radixserve.speculative.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +26,14 @@ logger = logging.getLogger(__name__)
 class DecodePlanner:
     def __init__(self, queue: RequestQueue, prefill: PrefillPlanner, output: OutputProcessor,
                  new_token_ratio: NewTokenRatio, stats: SchedulerStats, pool_tokens: int,
-                 drafter: NgramDrafter | None = None) -> None:
+                 drafter: Drafter | None = None) -> None:
         self.queue = queue
         self.prefill = prefill
         self.output = output
         self.new_token_ratio = new_token_ratio
         self.stats = stats
         self.pool_tokens = pool_tokens
-        self.drafter = drafter  # speculative decoding (speculative/ngram.py); None when off
+        self.drafter = drafter  # speculative decoding (speculative/drafter.py); None when off
         # Test hook (SGLang's SGLANG_TEST_RETRACT): retract one request every N decode steps.
         self.test_retract_interval = envs.TEST_RETRACT_INTERVAL.get()
         self.decode_steps = 0

@@ -112,11 +112,18 @@ class GrammarManager:
         if mask is None or mask.ready.is_set():
             return
         masked, checked = [], []
+        drafts = _draft_prefixes(mask.reqs, info.draft_ids)
         try:
             for row, req in enumerate(mask.reqs):
                 grammar = req.grammar
                 if (grammar is None or req.finished() or req.is_chunked or grammar.rejected or grammar.is_terminated()
                         or not req.samples_next(req.kv.kv_allocated_len)):  # NOTE: a sample to be dropped
+                    continue
+                if drafts is not None and drafts[row] is not None:
+                    # NOTE: a verify row of a drafting request: the state after the draft tokens before it,
+                    # filled before sampling (speculative sampling needs the whole masked distribution)
+                    grammar.fill_row_after(mask.bitmask, row, drafts[row])
+                    mask.extra_masked.append(row)
                     continue
                 rows = checked if checked_after_sampling(req.sampling_params, req.logprob.return_logprob) else masked
                 rows.append((row, grammar))
@@ -128,3 +135,19 @@ class GrammarManager:
         mask = getattr(info, "grammar_mask", None)
         if mask is not None:
             mask.release()
+
+
+
+def _draft_prefixes(reqs: list[Any], draft_ids: Any) -> list[list[int] | None] | None:
+    """Per row of a verify batch, the draft tokens before it when its request drafted (a drafting request's rows
+    are adjacent and its first row has a draft id: speculative/verify.py), else None; None without drafts."""
+    if draft_ids is None:
+        return None
+    ids = draft_ids.tolist()
+    out: list[list[int] | None] = []
+    for row, req in enumerate(reqs):
+        if row > 0 and reqs[row - 1] is req:
+            out.append([*out[-1], ids[row - 1]])
+        else:
+            out.append([] if ids[row] >= 0 else None)
+    return out

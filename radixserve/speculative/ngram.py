@@ -110,11 +110,13 @@ class SpecState:
 
 
 def can_draft(req: Any) -> bool:
-    """Whether a request may take drafts this step: nothing processes its logits or constrains its tokens
-    (penalties, logit bias, grammars, jump-forward), and its host tokens are current (the last sampled token
-    is known and is the only one without KV). Greedy and sampled requests alike (speculative sampling)."""
-    params = req.sampling_params
-    return (not params.processes_logits and req.grammar is None and not req.forced_pending
+    """Whether a request may take drafts this step: nothing processes its logits (penalties, logit bias,
+    min_new_tokens), no jump-forward tokens wait to be fed, its grammar (if any) is live, and its host tokens
+    are current (the last sampled token is known and is the only one without KV). Greedy and sampled requests
+    alike (speculative sampling)."""
+    params, grammar = req.sampling_params, req.grammar
+    live_grammar = grammar is None or not (grammar.rejected or grammar.is_terminated())
+    return (not params.processes_logits and live_grammar and not req.forced_pending
             and req.to_abort is None and req.kv.kv_allocated_len == req.seqlen - 1)
 
 
@@ -142,6 +144,8 @@ class NgramDrafter:
         draft = state.index.propose(length)
         if not draft and self.tree is not None:
             draft = tree_continuation(self.tree, state.index.tokens, req.extra_key, length)
+        if draft and req.grammar is not None:
+            draft = draft[: req.grammar.allowed_prefix(draft)]  # NOTE: a token the grammar refuses ends the draft
         return draft
 
     def _state(self, req: Any) -> SpecState:
