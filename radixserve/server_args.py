@@ -60,6 +60,8 @@ class ServerArgs:
     speculative_num_draft_tokens: int = _opt(6, "most draft tokens a request proposes per step")
     speculative_ngram_min_match: int = _opt(2, "shortest suffix (tokens) an n-gram draft may match")
     speculative_ngram_max_match: int = _opt(8, "longest suffix (tokens) an n-gram draft tries first")
+    speculative_max_verify_rows: int = _opt(32, "most rows (requests + draft tokens) a verify step runs; drafts "
+                                                "are cut to fit, the best-accepted requests first")
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
     attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")

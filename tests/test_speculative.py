@@ -287,7 +287,7 @@ def test_speculative_sampling_output_distribution_end_to_end():
             outputs.setdefault(o.rid, []).extend(o.new_token_ids)
 
     args = ServerArgs(max_total_tokens=8192, chunked_prefill_size=-1, speculative_algorithm="ngram",
-                      speculative_ngram_min_match=1, random_seed=5)
+                      speculative_ngram_min_match=1, speculative_max_verify_rows=1024, random_seed=5)
     sched = Scheduler(args, _ConditionalRunner(8192, 128), output_sink=sink)
     n, prompt = 3000, [0, 1, 2, 0, 1, 2, 0, 1]  # NOTE: drafts 2, 0, 1 ...: the n-gram continuation
     for i in range(n):
@@ -385,3 +385,20 @@ def test_spec_figures_reach_metrics_and_native_meta_info():
     meta = _meta("a", result, time.monotonic())
     assert meta["spec_verify_ct"] == 3 and meta["spec_accept_length"] == 2.5
     assert "spec_verify_ct" not in _meta("b", ChoiceResult(rid="b"), time.monotonic())
+
+
+def test_fit_rows_gives_the_row_budget_to_the_best_accepted_requests():
+    from types import SimpleNamespace
+
+    from radixserve.managers.decode_planner import fit_rows
+
+    def req(mean):
+        return SimpleNamespace(spec=SimpleNamespace(budget=DraftBudget(max_tokens=6, mean_accepted=mean)))
+
+    reqs = [req(0.5), req(4.0), req(-1.0), req(2.0)]
+    drafts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], []]
+    assert fit_rows(drafts, reqs, 32) == drafts  # fits: unchanged
+    # 4 requests + 6 draft tokens: the unverified one (counts as 6) and the 4.0 one first, the 0.5 one last
+    assert fit_rows(drafts, reqs, 10) == [[], [4, 5, 6, 7], [8, 9], []]
+    assert fit_rows(drafts, reqs, 5) == [[], [], [8], []]
+    assert fit_rows(drafts, reqs, 4) == [[], [], [], []]

@@ -122,3 +122,39 @@ def test_grammar_requests_draft_within_their_grammar(loaded):
         assert re.fullmatch(pattern, out["text"]), out["text"]
     assert spec[0]["output_ids"] == plain[0]["output_ids"]
     assert spec[0]["meta_info"]["spec_accepted_tokens"] > 0
+
+
+def test_verify_rows_run_cascade_attention_over_a_shared_prefix(loaded):
+    """Four requests behind one 300-token prefix, each copying code: their verify rows (one batch of 16+ rows)
+    attend over the shared prefix once (cascade), with the same tokens as without speculation."""
+    from radixserve.sampling_params import SamplingParams
+
+    tok = loaded.tokenizer
+    shared = tok.encode("You are a careful assistant. " * 60)[:300]
+    work = []
+    for i in range(4):
+        ask = tok.encode(f"\nCopy this code exactly:\n{CODE.replace('total', f'total_{i}')}\nCopy:\n")
+        work.append((f"c{i}", shared + ask, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)))
+    plain, _ = run_scheduler(loaded, work, overlap=False, max_total_tokens=4096)
+    spec, sched = run_scheduler(loaded, work, overlap=False, max_total_tokens=4096, speculative_algorithm="ngram")
+    for rid, _, _ in work:
+        assert spec[rid]["ids"] == plain[rid]["ids"], rid
+    assert sched.model_runner.attn_backend.cascade_forwards["decode"] > 0
+    assert sched.stats.spec_accepted_tokens > 0
+
+
+def test_penalized_and_logprob_requests_beside_drafting_ones(loaded):
+    """Requests with penalties or logit bias take no draft but share the verify forward with drafting ones
+    (their single row, their penalty history): every output equals the run without speculation."""
+    from radixserve.sampling_params import SamplingParams
+
+    work = quoting_requests(loaded, 4)
+    prompt = work[0][1]
+    work += [("freq", prompt, SamplingParams(max_new_tokens=32, temperature=0.0, frequency_penalty=0.8)),
+             ("rep", prompt, SamplingParams(max_new_tokens=32, temperature=0.0, repetition_penalty=1.3)),
+             ("bias", prompt, SamplingParams(max_new_tokens=32, temperature=0.0, logit_bias={28: 5.0}))]
+    plain, _ = run_scheduler(loaded, work, overlap=True, max_total_tokens=4096)
+    spec, sched = run_scheduler(loaded, work, overlap=True, max_total_tokens=4096, speculative_algorithm="ngram")
+    for rid, _, _ in work:
+        assert spec[rid]["ids"] == plain[rid]["ids"], rid
+    assert sched.stats.spec_accepted_tokens > 0

@@ -63,14 +63,18 @@ class DecodePlanner:
     def _drafts(self, batch: ScheduleBatch) -> list[list[int]] | None:
         """Each request's draft for a verify step, or None for a plain decode step (no drafter, no draft, or
         no room for the draft tokens: a plain step always fits, as checked before)."""
-        if self.drafter is None:
+        if not self.may_draft(batch):
             return None
-        drafts = [self.drafter.propose(r) for r in batch.reqs]
+        drafts = fit_rows([self.drafter.propose(r) for r in batch.reqs], batch.reqs, self.drafter.config.max_verify_rows)
         if not any(drafts):
             return None
         if not batch.kv_manager.can_allocate(batch.reqs, [1 + len(d) for d in drafts]):
             return None
         return drafts
+
+    def may_draft(self, batch: ScheduleBatch) -> bool:
+        """Whether the next decode step of `batch` could verify drafts (a row left beside its requests)."""
+        return self.drafter is not None and len(batch.reqs) < self.drafter.config.max_verify_rows
 
     def _extend_jumped(self, batch: ScheduleBatch) -> None:
         """Requests that took jump-forward tokens (constrained/jump_forward.py) either leave for one extend
@@ -112,3 +116,23 @@ class DecodePlanner:
             logger.error("Abort %s: %s", req.rid, message)
             self.output.finish_now(req, FinishReason.abort(message, status_code=500))
         batch.filter_batch()
+
+
+def fit_rows(drafts: list[list[int]], reqs: list, max_rows: int) -> list[list[int]]:
+    """The drafts cut so that requests plus draft tokens stay within `max_rows`, the room going first to the
+    requests whose drafts were accepted most lately (SpecState's budget; a request not yet verified counts as
+    fully accepted, so that it is tried)."""
+    room = max_rows - len(drafts)
+    if sum(map(len, drafts)) <= room:
+        return drafts
+
+    def accepted(i: int) -> float:
+        budget = reqs[i].spec.budget
+        return budget.mean_accepted if budget.mean_accepted >= 0 else budget.max_tokens
+
+    order = sorted((i for i in range(len(drafts)) if drafts[i]), key=accepted, reverse=True)
+    out = [[] for _ in drafts]
+    for i in order:
+        out[i] = drafts[i][: max(room, 0)]
+        room -= len(out[i])
+    return out

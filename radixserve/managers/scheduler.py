@@ -195,8 +195,8 @@ class Scheduler:
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
-        if self.spec is not None:
-            # NOTE: drafts are taken from the host's tokens: a decode step under speculation waits for the
+        if self.decode.may_draft(self.running_batch):
+            # NOTE: drafts are taken from the host's tokens: a decode step that may verify drafts waits for the
             # results in flight (prefills still overlap; docs/speculative.md).
             self._process_in_flight()
         return self.update_running_batch()

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 
 class Drafter(Protocol):
+    config: Any  # a SpecConfig: the decode planner reads max_verify_rows
+
     def propose(self, req: Any) -> list[int]:
         """Up to the request's draft length of tokens to verify after its last one; [] for none. Must leave
         `req.spec` set (a SpecState) when it returns a draft."""
