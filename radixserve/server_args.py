@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.function_call.formats import TOOL_CALL_PARSERS
+from radixserve.speculative.config import ALGORITHMS as SPECULATIVE_ALGORITHMS
+from radixserve.speculative.config import SpecConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 QUANTIZATIONS = ("none", "int8", "int4")
-SPECULATIVE_ALGORITHMS = ("none", "ngram")
 # NOTE: the per-request size bounds the HTTP front end checks before any work (FrontendConfig carries them).
 REQUEST_BOUNDS = ("max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries", "max_chat_messages",
                   "max_id_chars", "max_request_items")
@@ -117,8 +118,6 @@ class ServerArgs:
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.speculative_algorithm != "none":
-            from radixserve.speculative.config import SpecConfig
-
             SpecConfig.of(self)  # NOTE: raises ValueError naming the bad value
         if self.keyless_rate_limit < 0:
             raise ValueError(f"keyless_rate_limit must be >= 0, got {self.keyless_rate_limit}")

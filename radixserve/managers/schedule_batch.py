@@ -141,6 +141,22 @@ class ScheduleBatch:
         as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=self.device)  # noqa: E731
         return as_long([i for i, _ in fed]), as_long([t for _, t in fed])
 
+    def sampled_rows(self) -> tuple[list[Req], list[int]]:
+        """The request of each row the forward samples, and the output index of that row's token.
+
+        NOTE: under overlap the host's output_ids lag one step, the allocated length does not (0 for a
+        non-final chunk, whose token is dropped). A verify step samples after every row of a draft."""
+        reqs = self.reqs
+        verify = self.forward_batch.verify if self.forward_batch is not None else None
+        if verify is None:
+            return reqs, [max(r.kv.kv_allocated_len - len(r.origin_input_ids), 0) for r in reqs]
+        rows, lens = [], []
+        for req, base, n in zip(reqs, verify.base_lens, verify.row_counts, strict=True):
+            first = base + 1 - len(req.origin_input_ids)
+            rows.extend([req] * n)
+            lens.extend(range(first, first + n))
+        return rows, lens
+
     def check_decode_mem(self, reqs: list[Req] | None = None) -> bool:
         """Evict the shortfall, then say whether the next decode step's slots are available."""
         return self.kv_manager.can_decode(self.reqs if reqs is None else reqs)

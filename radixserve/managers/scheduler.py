@@ -204,7 +204,7 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduleBatch, pipeline: ForwardPipeline | None = None) -> LaunchedBatch:
         """The one forward path of both loops: launch `batch`'s forward, sampling and copy to the host."""
-        reqs, output_lens = _sampled_rows(batch)
+        reqs, output_lens = batch.sampled_rows()
         info = self.sampling_info(reqs, output_lens, batch.forward_mode.is_extend())
         verify = batch.forward_batch.verify
         if verify is not None and info is not None:
@@ -430,18 +430,3 @@ class Scheduler:
     def pipeline_counters(self) -> Any:
         return self.pipelines.counters
 
-
-def _sampled_rows(batch: ScheduleBatch) -> tuple[list[Req], list[int]]:
-    """The request of each row a forward samples, and the output index of that row's token.
-
-    NOTE: under overlap the host's output_ids lag one step, the allocated length does not (0 for a
-    non-final chunk, whose token is dropped). A verify step samples after every row of a draft."""
-    reqs = batch.reqs
-    verify = batch.forward_batch.verify if batch.forward_batch is not None else None
-    if verify is None:
-        return reqs, [max(r.kv.kv_allocated_len - len(r.origin_input_ids), 0) for r in reqs]
-    rows, lens = [], []
-    for req, base, n in zip(reqs, verify.base_lens, verify.row_counts, strict=True):
-        rows.extend([req] * n)
-        lens.extend(range(base + 1 - len(req.origin_input_ids), base + 1 + n - len(req.origin_input_ids)))
-    return rows, lens

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.server_args import SPECULATIVE_ALGORITHMS as ALGORITHMS
+ALGORITHMS = ("none", "ngram")
 
 
 @dataclass(frozen=True)
