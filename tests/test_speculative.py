@@ -390,7 +390,7 @@ def test_spec_figures_reach_metrics_and_native_meta_info():
 def test_fit_rows_gives_the_row_budget_to_the_best_accepted_requests():
     from types import SimpleNamespace
 
-    from radixserve.managers.decode_planner import fit_rows
+    from radixserve.speculative.drafter import fit_rows
 
     def req(mean):
         return SimpleNamespace(spec=SimpleNamespace(budget=DraftBudget(max_tokens=6, mean_accepted=mean)))
@@ -407,8 +407,8 @@ def test_fit_rows_gives_the_row_budget_to_the_best_accepted_requests():
 def test_step_cost_fits_rows_and_prices_draft_tokens():
     from types import SimpleNamespace
 
-    from radixserve.managers.decode_planner import worth_rows
     from radixserve.speculative.cost import StepCost
+    from radixserve.speculative.drafter import worth_rows
 
     cost = StepCost()
     assert cost.row_value_threshold(8) == 0.0  # nothing seen: rows count as free
@@ -431,7 +431,7 @@ def test_step_cost_fits_rows_and_prices_draft_tokens():
 def test_a_request_whose_drafts_do_not_pay_is_probed_again():
     from types import SimpleNamespace
 
-    from radixserve.managers.decode_planner import worth_rows
+    from radixserve.speculative.drafter import worth_rows
 
     req = SimpleNamespace(spec=SimpleNamespace(budget=DraftBudget(max_tokens=6, rate=0.1)))
     cut = 0

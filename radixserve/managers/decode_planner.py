@@ -1,8 +1,9 @@
 """The next decode step of the running batch, retracting requests when the KV pool is short.
 
 `DecodePlanner` is a part of `Scheduler` with one job: make the running batch fit one more token
-per request (and, with speculative decoding, its drafts: speculative/). When it does not, requests are retracted (their KV released, outputs kept; they go
-back to the front of the waiting queue) and, if even one request alone cannot fit, aborted.
+per request (with speculative decoding, also its drafts: speculative/). When it does not, requests are
+retracted (their KV released, outputs kept; they go back to the front of the waiting queue) and, if even
+one request alone cannot fit, aborted.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from radixserve.managers.schedule_batch import RETRACT_DECODE_STEPS, ScheduleBat
 from radixserve.managers.schedule_policy import NewTokenRatio
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor
-from radixserve.speculative.drafter import Drafter
+from radixserve.speculative.drafter import Drafter, batch_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,7 @@ class DecodePlanner:
         no room for the draft tokens: a plain step always fits, as checked before)."""
         if not self.may_draft(batch):
             return None
-        threshold = self.drafter.cost.row_value_threshold(len(batch.reqs))
-        drafts = [worth_rows(self.drafter.propose(r), r, threshold) for r in batch.reqs]
-        drafts = fit_rows(drafts, batch.reqs, self.drafter.config.max_verify_rows)
+        drafts = batch_drafts(self.drafter, batch.reqs)
         if not any(drafts):
             return None
         if not batch.kv_manager.can_allocate(batch.reqs, [1 + len(d) for d in drafts]):
@@ -119,41 +118,3 @@ class DecodePlanner:
             self.output.finish_now(req, FinishReason.abort(message, status_code=500))
         batch.filter_batch()
 
-
-def fit_rows(drafts: list[list[int]], reqs: list, max_rows: int) -> list[list[int]]:
-    """The drafts cut so that requests plus draft tokens stay within `max_rows`, the room going first to the
-    requests whose drafts were accepted most lately (SpecState's budget; a request not yet verified counts as
-    fully accepted, so that it is tried)."""
-    room = max_rows - len(drafts)
-    if sum(map(len, drafts)) <= room:
-        return drafts
-
-    def accepted(i: int) -> float:
-        budget = reqs[i].spec.budget
-        return budget.mean_accepted if budget.mean_accepted >= 0 else budget.max_tokens
-
-    order = sorted((i for i in range(len(drafts)) if drafts[i]), key=accepted, reverse=True)
-    out = [[] for _ in drafts]
-    for i in order:
-        out[i] = drafts[i][: max(room, 0)]
-        room -= len(out[i])
-    return out
-
-
-UNKNOWN_RATE = 0.8  # a request's draft-token acceptance before it verified any draft (optimistic: it gets tried)
-RELAX = 0.1  # each step a request's draft is cut away, its rate moves this share back toward UNKNOWN_RATE
-
-
-def worth_rows(draft: list[int], req, threshold: float) -> list[int]:
-    """The draft, when the request's draft rows pay for themselves (speculative/cost.py): the share of its draft
-    tokens lately accepted (accepted tokens come in runs, so the measured share, not a per-token guess) must
-    exceed the acceptance a row needs here. A request whose draft is dropped drifts back toward the optimistic
-    rate, so that it is probed again: text changes, and a rate never tested never moves."""
-    if not draft or threshold <= 0.0:
-        return draft
-    budget = req.spec.budget
-    rate = UNKNOWN_RATE if budget.rate < 0 else budget.rate
-    if rate > threshold:
-        return draft
-    budget.rate = rate + RELAX * (UNKNOWN_RATE - rate)
-    return []

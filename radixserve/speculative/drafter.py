@@ -1,7 +1,9 @@
-"""What the scheduler needs of a drafter: the seam where another way of drafting plugs in.
+"""What the scheduler needs of a drafter, the seam where another way of drafting plugs in, and the batch's
+draft policy that every drafter shares.
 
-The decode planner asks `propose(req)` for each running request before a decode step; a non-empty answer
-makes the step a verify step (verify.py). Everything after the draft is shared by every drafter: the verify
+The decode planner asks `batch_drafts` before a decode step, which asks `propose(req)` for each running
+request, keeps the drafts whose rows pay (cost.py) and cuts them to the row limit; a non-empty answer makes
+the step a verify step (verify.py). Everything after the draft is shared by every drafter: the verify
 rows, acceptance (greedy or speculative sampling), the KV of rejected tokens, the figures on `req.spec`
 (a `SpecState`, which the output processor records into). `NgramDrafter` (ngram.py) is the one shipped; an
 EAGLE head or a small draft model would keep its own KV (its own pool and tree; an EAGLE draft's tree in the
@@ -10,6 +12,7 @@ bigram view, `RadixCache(is_eagle=True)`) and draft from its forward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 
@@ -21,3 +24,50 @@ class Drafter(Protocol):
         """Up to the request's draft length of tokens to verify after its last one; [] for none. Must leave
         `req.spec` set (a SpecState) when it returns a draft."""
         ...
+
+
+def batch_drafts(drafter: Drafter, reqs: Sequence[Any]) -> list[list[int]]:
+    """Each request's draft for the next step: proposed, kept only where its rows pay (`worth_rows`), cut to the
+    row limit (`fit_rows`)."""
+    threshold = drafter.cost.row_value_threshold(len(reqs))
+    drafts = [worth_rows(drafter.propose(r), r, threshold) for r in reqs]
+    return fit_rows(drafts, reqs, drafter.config.max_verify_rows)
+
+
+def fit_rows(drafts: list[list[int]], reqs: Sequence[Any], max_rows: int) -> list[list[int]]:
+    """The drafts cut so that requests plus draft tokens stay within `max_rows`, the room going first to the
+    requests whose drafts were accepted most lately (SpecState's budget; a request not yet verified counts as
+    fully accepted, so that it is tried)."""
+    room = max_rows - len(drafts)
+    if sum(map(len, drafts)) <= room:
+        return drafts
+
+    def accepted(i: int) -> float:
+        budget = reqs[i].spec.budget
+        return budget.mean_accepted if budget.mean_accepted >= 0 else budget.max_tokens
+
+    order = sorted((i for i in range(len(drafts)) if drafts[i]), key=accepted, reverse=True)
+    out = [[] for _ in drafts]
+    for i in order:
+        out[i] = drafts[i][: max(room, 0)]
+        room -= len(out[i])
+    return out
+
+
+UNKNOWN_RATE = 0.8  # a request's draft-token acceptance before it verified any draft (optimistic: it gets tried)
+RELAX = 0.1  # each step a request's draft is cut away, its rate moves this share back toward UNKNOWN_RATE
+
+
+def worth_rows(draft: list[int], req: Any, threshold: float) -> list[int]:
+    """The draft, when the request's draft rows pay for themselves (speculative/cost.py): the share of its draft
+    tokens lately accepted (accepted tokens come in runs, so the measured share, not a per-token guess) must
+    exceed the acceptance a row needs here. A request whose draft is dropped drifts back toward the optimistic
+    rate, so that it is probed again: text changes, and a rate never tested never moves."""
+    if not draft or threshold <= 0.0:
+        return draft
+    budget = req.spec.budget
+    rate = UNKNOWN_RATE if budget.rate < 0 else budget.rate
+    if rate > threshold:
+        return draft
+    budget.rate = rate + RELAX * (UNKNOWN_RATE - rate)
+    return []
