@@ -131,8 +131,10 @@ def _stream_to_stdout(chunks: Any) -> dict[str, Any]:
 def _meta_line(meta: dict[str, Any]) -> str:
     reason = (meta.get("finish_reason") or {}).get("type")
     ttft = meta.get("ttft")
+    spec = (f", {meta['spec_accepted_tokens']}/{meta['spec_draft_tokens']} draft tokens accepted, "
+            f"{meta['spec_accept_length']:.2f} tokens per verify") if meta.get("spec_verify_ct") else ""
     return (f"[{meta['prompt_tokens']} prompt tokens, {meta['cached_tokens']} cached, "
-            f"{meta['completion_tokens']} generated, finish: {reason}, "
+            f"{meta['completion_tokens']} generated{spec}, finish: {reason}, "
             f"TTFT {ttft if ttft is None else round(ttft, 3)} s, total {meta['e2e_latency']:.2f} s]")
 
 
