@@ -137,7 +137,6 @@ class GrammarManager:
             mask.release()
 
 
-
 def _draft_prefixes(reqs: list[Any], draft_ids: Any) -> list[list[int] | None] | None:
     """Per row of a verify batch, the draft tokens before it when its request drafted (a drafting request's rows
     are adjacent and its first row has a draft id: speculative/verify.py), else None; None without drafts."""

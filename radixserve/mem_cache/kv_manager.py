@@ -8,7 +8,9 @@ at its private row positions `[cache_protected_len, kv_allocated_len)`.
 A request's KV goes through: `match_prefix` (waiting: an unlocked match) → `lock` (admitted) →
 `alloc_extend` (a row, the matched slots and new ones written into it) → `commit` (a forward's
 result was processed) → `cache_unfinished` (computed tokens published, still locked) →
-`alloc_decode` … → `release` (finished: handed to the tree; retracted or aborted: freed).
+`alloc_decode` … → `release` (finished: handed to the tree; retracted or aborted: freed). A speculative
+verify step allocates its draft tokens' slots with `alloc_extend` and gives back the rejected ones with
+`release_tail`.
 
 Every change of who owns a request's slots is in this file: the tree (`RadixCache`) takes keys and
 slots only, and `cache_unfinished_req` / `cache_finished_req` (SGLang's names, on its RadixCache) are
@@ -223,9 +225,12 @@ class KVManager:
 
     def slots_needed(self, reqs: Sequence[KVRequest], counts: Sequence[int]) -> int:
         """Free slots that `counts[i]` more tokens for each request take (whole pages beyond its last one)."""
-        ps = self.page_size
-        return sum(-(-(r.kv.kv_allocated_len + n) // ps) * ps - -(-r.kv.kv_allocated_len // ps) * ps
-                   for r, n in zip(reqs, counts, strict=True))
+        pages = self._page_ceil
+        return sum(pages(r.kv.kv_allocated_len + n) - pages(r.kv.kv_allocated_len) for r, n in zip(reqs, counts,
+                                                                                                   strict=True))
+
+    def _page_ceil(self, positions: int) -> int:
+        return -(-positions // self.page_size) * self.page_size
 
     def can_allocate(self, reqs: Sequence[KVRequest], counts: Sequence[int]) -> bool:
         """Evict the shortfall, then say whether `counts[i]` more tokens for each request fit."""
@@ -261,7 +266,7 @@ class KVManager:
         NOTE: only private positions are freed: `keep_len` is at least its committed tokens."""
         kv = req.kv
         assert kv.cache_protected_len <= keep_len <= kv.kv_allocated_len, (keep_len, kv)
-        first_free = -(-keep_len // self.page_size) * self.page_size
+        first_free = self._page_ceil(keep_len)
         if first_free < kv.kv_allocated_len:
             self._free_row(self.req_to_token_pool.req_to_token[kv.req_pool_idx], [(first_free, kv.kv_allocated_len)])
         kv.kv_allocated_len = keep_len
