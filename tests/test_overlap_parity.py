@@ -73,6 +73,7 @@ def run_scheduler(loaded, work, overlap: bool, device: str = "cpu", **kw):
             rec = outputs.setdefault(o.rid, {"ids": [], "finish": None})
             rec["ids"].extend(o.new_token_ids)
             rec["finish"] = o.finished_reason
+            rec["spec"] = o.spec or rec.get("spec")
 
     sched = Scheduler(args, ModelRunner(args, loaded), output_sink=sink)
     if overlap:

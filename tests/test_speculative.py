@@ -254,7 +254,7 @@ class _ConditionalRunner:
         runner = FakeRunner(pool_tokens, 1, max_running)
         runner.model_config.vocab_size = 3
         runner.model_config.eos_token_ids = ()
-        sampler, table = Sampler(), torch.tensor(cls.TABLE)
+        sampler, table = Sampler(num_rows=runner.req_to_token_pool.size + 1), torch.tensor(cls.TABLE)
 
         def forward(fb, read_done=None):
             rows = runner.req_to_token_pool.req_to_token
@@ -439,3 +439,41 @@ def test_a_request_whose_drafts_do_not_pay_is_probed_again():
         cut += 1
         assert cut < 50
     assert 5 <= cut <= 20 and req.spec.budget.rate > 0.5
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 0.7}, {"presence_penalty": 0.9},
+                                     {"repetition_penalty": 1.8}, {"min_new_tokens": 6}])
+def test_penalized_requests_draft_with_their_history_exact(penalty):
+    """On a 3-token model where penalties decide most argmaxes, penalized greedy requests with drafts give the
+    tokens of the run without speculation: each verify row counts the draft tokens before it, and the history
+    keeps only the accepted ones."""
+    from radixserve.managers.io_struct import TokenizedGenerateReqInput
+    from radixserve.managers.scheduler import Scheduler
+    from radixserve.sampling_params import SamplingParams
+
+    def run(algorithm: str) -> tuple[dict[str, list[int]], Scheduler]:
+        outputs: dict[str, list[int]] = {}
+
+        def sink(out):
+            for o in out.outputs:
+                outputs.setdefault(o.rid, []).extend(o.new_token_ids)
+
+        args = ServerArgs(max_total_tokens=4096, chunked_prefill_size=-1, speculative_algorithm=algorithm,
+                          speculative_ngram_min_match=1)
+        runner = _ConditionalRunner(4096, 16)
+        runner.model_config.eos_token_ids = (2,)
+        sched = Scheduler(args, runner, output_sink=sink)
+        for i in range(12):
+            prompt = [0, 1, 2, 0, 1, 2, 0, 1][: 4 + i % 5] + [i % 3]
+            params = SamplingParams(temperature=0.0, max_new_tokens=20, **penalty)
+            sched.input_queue.put(TokenizedGenerateReqInput(f"r{i}", prompt, params))
+        sched.run_until_idle(10_000, on_step=lambda: conserve(sched))
+        conserve(sched)
+        return outputs, sched
+
+    plain, _ = run("none")
+    spec, sched = run("ngram")
+    assert spec == plain
+    assert sched.stats.spec_accepted_tokens > 0
+    if "repetition_penalty" not in penalty:  # NOTE: that one makes the model cycle 0, 1, 2: every draft is right
+        assert sched.stats.spec_draft_tokens > sched.stats.spec_accepted_tokens

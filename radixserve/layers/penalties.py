@@ -33,6 +33,9 @@ class PenaltyBatchInfo:
     record: torch.Tensor  # bool [bs]: this step's sample is kept (not a non-final prefill chunk)
     banned: tuple[list[int], list[int]]  # (batch index, token id) pairs set to -inf (min_new_tokens)
     bias: tuple[list[int], list[int], list[float]]  # (batch index, token id, value) added (logit_bias)
+    # Speculative decoding: (batch index, token id) of the draft tokens before a verify row, which its history
+    # counts as if generated (the request's own row history has not seen them yet)
+    drafted: tuple[list[int], list[int]] = ([], [])
 
 
 class PenaltyState:
@@ -50,8 +53,12 @@ class PenaltyState:
             self._ensure(logits.shape[-1], logits.device)
             self._reset(info.resets)
             counts = self.counts[info.rows].float()
-            logits -= info.frequency * counts + info.presence * (counts > 0)
             seen = self.seen[info.rows]
+            if info.drafted[0]:
+                index = (_long(info.drafted[0], logits.device), _long(info.drafted[1], logits.device))
+                counts.index_put_(index, torch.ones(len(info.drafted[0]), device=logits.device), accumulate=True)
+                seen[index] = True
+            logits -= info.frequency * counts + info.presence * (counts > 0)
             scaled = torch.where(logits > 0, logits / info.repetition, logits * info.repetition)
             logits = torch.where(seen, scaled, logits)
         rows, tokens, values = info.bias

@@ -11,7 +11,7 @@ per step, 27 ms on 2 cores (48 ms with per-row seeded generators), the inversion
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -46,6 +46,7 @@ class SamplingBatchInfo:
     # Speculative decoding (speculative/verify.py): per row, the draft token the row's sample decides on (the
     # next row's input), -1 where none. A sampled row keeps it with its probability, else samples the rest.
     draft_ids: torch.Tensor | None = None
+    verify: Any = None  # the VerifyInput these rows come from (the grammar rows and penalties read it)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], output_lens: list[int], device: torch.device | str,

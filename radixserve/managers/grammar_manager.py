@@ -112,7 +112,8 @@ class GrammarManager:
         if mask is None or mask.ready.is_set():
             return
         masked, checked = [], []
-        drafts = _draft_prefixes(mask.reqs, info.draft_ids)
+        verify = getattr(info, "verify", None)
+        drafts = verify.row_prefixes() if verify is not None else None
         try:
             for row, req in enumerate(mask.reqs):
                 grammar = req.grammar
@@ -136,17 +137,3 @@ class GrammarManager:
         if mask is not None:
             mask.release()
 
-
-def _draft_prefixes(reqs: list[Any], draft_ids: Any) -> list[list[int] | None] | None:
-    """Per row of a verify batch, the draft tokens before it when its request drafted (a drafting request's rows
-    are adjacent and its first row has a draft id: speculative/verify.py), else None; None without drafts."""
-    if draft_ids is None:
-        return None
-    ids = draft_ids.tolist()
-    out: list[list[int] | None] = []
-    for row, req in enumerate(reqs):
-        if row > 0 and reqs[row - 1] is req:
-            out.append([*out[-1], ids[row - 1]])
-        else:
-            out.append([] if ids[row] >= 0 else None)
-    return out

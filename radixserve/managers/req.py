@@ -125,6 +125,11 @@ class Req:
         self.forced_pending = 0
         self.penalty_reset = True
 
+    def penalties_after_verify(self) -> None:
+        """A verify step sampled after draft tokens that were not all kept: its penalty history is rebuilt from
+        the host's tokens (speculative/verify.attach_drafts)."""
+        self.penalty_reset = self.sampling_params.uses_history
+
     @property
     def extend_input_len(self) -> int:
         """Tokens this round computes: `fill_ids` beyond the prefix whose KV exists."""

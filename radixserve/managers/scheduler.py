@@ -62,6 +62,7 @@ from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.ngram import NgramDrafter
+from radixserve.speculative.verify import attach_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ class Scheduler:
         info = self.sampling_info(reqs, output_lens, batch.forward_mode.is_extend())
         verify = batch.forward_batch.verify
         if verify is not None and info is not None:
-            info.draft_ids = verify.draft_ids(self.device)
+            attach_drafts(info, verify, self.device)
         pipeline = pipeline or self.normal_pipeline()
         self.grammars.attach(info, reqs)
         if not pipeline.pending:

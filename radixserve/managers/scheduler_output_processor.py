@@ -185,6 +185,7 @@ class OutputProcessor:
             self.kv_manager.commit(req, base + len(tokens))
             if draft:
                 self._count_draft(req, len(draft), len(tokens) - 1)
+                req.penalties_after_verify()
             if req.to_abort is None and req.samples_next(base + 1):
                 for i, token in enumerate(tokens):
                     self.append_output_token(req, token, result, offset + i)

@@ -114,13 +114,13 @@ class SpecState:
 
 
 def can_draft(req: Any) -> bool:
-    """Whether a request may take drafts this step: nothing processes its logits (penalties, logit bias,
-    min_new_tokens), no jump-forward tokens wait to be fed, its grammar (if any) is live, and its host tokens
-    are current (the last sampled token is known and is the only one without KV). Greedy and sampled requests
-    alike (speculative sampling)."""
-    params, grammar = req.sampling_params, req.grammar
+    """Whether a request may take drafts this step: no jump-forward tokens wait to be fed, its grammar (if any)
+    is live, and its host tokens are current (the last sampled token is known and is the only one without KV).
+    Greedy and sampled requests alike (speculative sampling), penalties and logit bias included (each verify
+    row is processed as if the draft tokens before it were generated: speculative/verify.attach_drafts)."""
+    grammar = req.grammar
     live_grammar = grammar is None or not (grammar.rejected or grammar.is_terminated())
-    return (not params.processes_logits and live_grammar and not req.forced_pending
+    return (live_grammar and not req.forced_pending
             and req.to_abort is None and req.kv.kv_allocated_len == req.seqlen - 1)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,14 @@ class VerifyInput:
         ids = [t for draft in self.drafts for t in (*draft, -1)]
         return torch.tensor(ids, dtype=torch.int64, device=device)
 
+    def row_prefixes(self) -> list[list[int] | None]:
+        """Per row, the draft tokens before it (the state its sample is taken in differs from the request's by
+        them) for requests that drafted; None on the single row of a request without a draft."""
+        out: list[list[int] | None] = []
+        for draft in self.drafts:
+            out.extend([draft[:j] for j in range(len(draft) + 1)] if draft else [None])
+        return out
+
     def last_rows(self, device: torch.device | str) -> torch.Tensor:
         """Each request's last row (its next input is sampled there when nothing is accepted beyond it)."""
         return torch.tensor([o + n - 1 for o, n in zip(self.row_offsets(), self.row_counts, strict=True)],
@@ -56,3 +65,23 @@ def accept_greedy(draft: Sequence[int], targets: Sequence[int]) -> list[int]:
     while accepted < len(draft) and draft[accepted] == targets[accepted]:
         accepted += 1
     return [*draft[:accepted], targets[accepted]]
+
+
+def attach_drafts(info: Any, verify: VerifyInput, device: torch.device | str) -> None:
+    """Give a verify batch's sampling info its drafts: the token each row's sample decides on (speculative
+    sampling), and for the penalties the draft tokens before each row. A drafting row's sample is not recorded
+    in the penalty history on the device: the request's history is rebuilt from the host's tokens, which hold
+    exactly the accepted ones (Req.penalties_after_verify)."""
+    info.draft_ids = verify.draft_ids(device)
+    info.verify = verify
+    penalties = info.penalties
+    if penalties is None:
+        return
+    rows, tokens, keep = [], [], []
+    for row, prefix in enumerate(verify.row_prefixes()):
+        keep.append(prefix is None)
+        for token in prefix or ():
+            rows.append(row)
+            tokens.append(token)
+    penalties.drafted = (rows, tokens)
+    penalties.record = penalties.record & torch.tensor(keep, dtype=torch.bool, device=penalties.record.device)
