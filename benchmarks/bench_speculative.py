@@ -223,7 +223,7 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
         "|---|---:|---:|---:|---:|---:|---:|" + vllm_rule,
         *rows,
         "",
-        "![speculative decoding](bench_speculative.png)",
+        f"![speculative decoding](bench_speculative{f'_{args.cpu_class}' if args.cpu_class else ''}.png)",
         "",
     ])
 
