@@ -117,8 +117,8 @@ class Scheduler:
                                       self.device)
         # NOTE: without the radix cache a jump's extend would recompute the whole sequence
         jump = JumpForward(self.tokenizer, enabled=not (args.disable_jump_forward or args.disable_radix_cache))
-        self.spec = SpecConfig.of(args)
-        drafter = NgramDrafter(self.spec, self.context_len, self.tree_cache) if self.spec is not None else None
+        spec = SpecConfig.of(args)
+        drafter = NgramDrafter(spec, self.context_len, self.tree_cache) if spec is not None else None
         self.output = OutputProcessor(self.kv_manager, self.queue, self.prefill, self.stats, self.tokenizer,
                                       lambda out: self.output_sink(out), args.log_interval, pool, jump,
                                       drafter.cost if drafter is not None else None)

@@ -53,16 +53,25 @@ class SchedulerStats:
 
     @property
     def spec_accept_rate(self) -> float:
-        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+        return accept_rate(self.spec_accepted_tokens, self.spec_draft_tokens)
 
     @property
     def spec_accept_length(self) -> float:
-        steps = self.spec_verify_steps
-        return (self.spec_accepted_tokens + steps) / steps if steps else 0.0
+        return accept_length(self.spec_accepted_tokens, self.spec_verify_steps)
 
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def accept_rate(accepted: int, drafted: int) -> float:
+    """Speculative decoding: the share of draft tokens accepted."""
+    return accepted / drafted if drafted else 0.0
+
+
+def accept_length(accepted: int, verify_steps: int) -> float:
+    """Speculative decoding: tokens a verify step yielded on average (its accepted drafts and the model's own)."""
+    return (accepted + verify_steps) / verify_steps if verify_steps else 0.0
 
 
 class DecodeThroughput:

@@ -225,6 +225,8 @@ class KVManager:
 
     def slots_needed(self, reqs: Sequence[KVRequest], counts: Sequence[int]) -> int:
         """Free slots that `counts[i]` more tokens for each request take (whole pages beyond its last one)."""
+        if self.page_size == 1:
+            return sum(counts)
         pages = self._page_ceil
         return sum(pages(r.kv.kv_allocated_len + n) - pages(r.kv.kv_allocated_len) for r, n in zip(reqs, counts,
                                                                                                    strict=True))
@@ -238,17 +240,10 @@ class KVManager:
         self.evict(needed)
         return self.allocator.available_size() >= needed
 
-    def decode_slots_needed(self, reqs: Sequence[KVRequest]) -> int:
-        """Free slots the next decode step takes: one per request, or a page per request at a page start."""
-        if self.page_size == 1:
-            return len(reqs)
-        return self.page_size * sum(1 for r in reqs if r.kv.kv_allocated_len % self.page_size == 0)
-
     def can_decode(self, reqs: Sequence[KVRequest]) -> bool:
-        """Evict the shortfall, then say whether the next decode step of `reqs` fits."""
-        needed = self.decode_slots_needed(reqs)
-        self.evict(needed)
-        return self.allocator.available_size() >= needed
+        """Evict the shortfall, then say whether the next decode step of `reqs` (one token each) fits: one slot per
+        request, or a page per request at a page start."""
+        return self.can_allocate(reqs, [1] * len(reqs))
 
     def _out_of_memory(self, what: str, num_tokens: int) -> RuntimeError:
         return RuntimeError(f"out of KV memory allocating {num_tokens} {what} slot(s) "

@@ -40,7 +40,3 @@ class SpecConfig:
         return cls(args.speculative_algorithm, args.speculative_num_draft_tokens,
                    args.speculative_ngram_min_match, args.speculative_ngram_max_match,
                    args.speculative_max_verify_rows)
-
-    def describe(self) -> str:
-        return (f"{self.algorithm} (up to {self.num_draft_tokens} draft tokens, match {self.min_match}-"
-                f"{self.max_match} tokens, at most {self.max_verify_rows} rows per step)")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.managers.scheduler_metrics import accept_length, accept_rate
 from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.cost import StepCost
 from radixserve.speculative.tree_draft import tree_continuation
@@ -79,8 +80,8 @@ class DraftBudget:
             return
         share = accepted / drafted
         self.rate = share if self.rate < 0 else 0.5 * self.rate + 0.5 * share
-        rate = accepted if self.mean_accepted < 0 else 0.5 * self.mean_accepted + 0.5 * accepted
-        self.mean_accepted = rate if accepted < drafted else max(rate, accepted)
+        mean = accepted if self.mean_accepted < 0 else 0.5 * self.mean_accepted + 0.5 * accepted
+        self.mean_accepted = mean if accepted < drafted else max(mean, accepted)
         self.zero_streak = self.zero_streak + 1 if accepted == 0 else 0
         if self.zero_streak >= ZERO_STREAK_PAUSE:
             # NOTE: backs off exponentially while drafts keep failing; one accepted token resets it.
@@ -103,8 +104,7 @@ class SpecState:
         model's own token of each verify step, so it is the tokens a verify step yielded on average)."""
         steps, drafted, accepted = self.verify_steps, self.draft_tokens, self.accepted_tokens
         return {"spec_verify_ct": steps, "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
-                "spec_accept_rate": accepted / drafted if drafted else 0.0,
-                "spec_accept_length": (accepted + steps) / steps if steps else 0.0}
+                "spec_accept_rate": accept_rate(accepted, drafted), "spec_accept_length": accept_length(accepted, steps)}
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verify_steps += 1
