@@ -13,6 +13,7 @@ from test_decode_step import Recorder
 from test_model_support import rel_err, save_tiny_tokenizer
 
 from radixserve.kernels.decode_step import F32_LEVELS
+from radixserve.layers.f32_gemv import F32_GEMV_ROWS
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models import decode_step
@@ -138,12 +139,12 @@ def test_bf16_step_adds_the_qkv_bias_of_packed_layers_as_python_does(folder, mon
 
 @pytest.mark.parametrize("isa", LEVELS)
 def test_f32_step_off_a_bf16_weight_layer_declines(folder, monkeypatch, isa):
-    """With float32 weights (--linear-method dense) there is no C kernel to call: the layers run in Python,
+    """With float32 weights on F.linear (--linear-method dense) there is no C kernel to call: the layers run in Python,
     and the plan says which layer and method stopped it."""
     force_level(isa, monkeypatch)
     runner = _runner(folder, monkeypatch, True, linear_method="dense")
     assert runner.model.decode_step is None
-    assert runner.execution_plan.decoder_refusal == "layer 0: a linear layer runs dense, not bf16_weights or packed"
+    assert runner.execution_plan.decoder_refusal == "layer 0: a linear layer runs dense, not bf16_weights or f32_gemv or packed"
 
 
 def test_f32_refusals_name_the_dtype_and_level(folder, monkeypatch):
@@ -154,3 +155,28 @@ def test_f32_refusals_name_the_dtype_and_level(folder, monkeypatch):
     monkeypatch.setenv("RADIXSERVE_CPU_ISA", "portable")
     refusal = decode_step.decode_step_refusal(view, torch.float32, plan.fused_ops, plan.linear_methods)
     assert refusal == "the C decode step has no build for this kernel level"
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("bs", [1, 5, 9])
+def test_f32_step_runs_float32_weights(folder, monkeypatch, isa, bs):
+    """`--dtype float32` weights on the float32 GEMV (`f32_gemv`): the step calls the same GEMV per layer and
+    matches the Python layers to float32 rounding; the plan names the kernel."""
+    force_level(isa, monkeypatch)
+    runs = {}
+    for on in (False, True):
+        runner = _runner(folder, monkeypatch, on, linear_method="f32_gemv")
+        assert (runner.model.decode_step is not None) == on
+        if on:
+            assert runner.model.decode_step.max_rows == F32_GEMV_ROWS - 1
+            assert runner.execution_plan.as_dict()["decoder"]["reason"] == (
+                "float32 on the float32 GEMV: every decoder layer in one C call")
+        runs[on] = _decode_run(runner, bs)
+    (off_logits, off_kv, _, off_tokens), (on_logits, on_kv, calls, on_tokens) = runs[False], runs[True]
+    # NOTE: above the GEMV's rows the layers run oneDNN, so the step declines and Python runs them
+    assert calls == ([bs] * 4 if bs < F32_GEMV_ROWS else [])
+    assert torch.equal(on_logits[0], off_logits[0])
+    for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
+        assert rel_err(on, off) < 1e-5
+    assert rel_err(on_kv, off_kv) < 1e-5
+    assert on_tokens == off_tokens

@@ -151,3 +151,47 @@ def _built_bf16w(level: str) -> Bf16WeightGemv | None:
     lib = load_library(BF16W_SOURCE, f"bf16w-gemv-{level}", rs_platform.ISA_FLAGS[level], "bf16-weight kernel",
                        "bf16 weights are widened to float32 for every product")
     return None if lib is None else Bf16WeightGemv(lib, level)
+
+
+F32_SOURCE = CSRC / "f32_gemv.c"
+F32_HEADERS = (CSRC / "simd.h", CSRC / "attention_common.h")
+
+
+class F32Gemv:
+    """ctypes binding of `f32_gemv` (csrc/f32_gemv.c): float32 weights in their own [N, K] layout, float32 x, bias
+    and y; built at the kernel level this process runs (`level`)."""
+
+    def __init__(self, lib: ctypes.CDLL, level: str) -> None:
+        self._fn, self.level = lib.f32_gemv, level
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+
+    @property
+    def address(self) -> int:
+        """The product's C function address (for C code that calls it itself: models/decode_step.py)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
+    def __call__(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] float32 contiguous, weight [N, K] float32 contiguous -> y [M, N] float32."""
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        status = call_profiled("radixserve::linear::f32_gemv", self._fn, weight.data_ptr(), x.data_ptr(),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                               torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"f32_gemv rejected x {tuple(x.shape)} for a weight of {n} rows (status {status})")
+        return y
+
+
+def load_f32_kernel() -> F32Gemv | None:
+    """The float32 product at this process's kernel level (read at each call, so a forced lower RADIXSERVE_CPU_ISA
+    gets its own build), or None without a compiler."""
+    return _built_f32(rs_platform.kernel_isa() if is_x86() else "portable")
+
+
+@functools.cache
+def _built_f32(level: str) -> F32Gemv | None:
+    lib = load_library(F32_SOURCE, f"f32-gemv-{level}", rs_platform.ISA_FLAGS[level], "float32 GEMV kernel",
+                       "float32 layers use F.linear alone", F32_HEADERS)
+    return None if lib is None else F32Gemv(lib, level)

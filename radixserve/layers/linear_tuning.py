@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from radixserve import envs
-from radixserve.layers import bf16_weights, gemv  # noqa: F401 (register their linear methods)
+from radixserve.layers import bf16_weights, f32_gemv, gemv  # noqa: F401 (register their linear methods)
 from radixserve.layers.linear import (
     AUTO,
     LINEAR_METHODS,

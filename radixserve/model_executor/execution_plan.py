@@ -32,6 +32,13 @@ _C_DECODER_REASON = {
     torch.bfloat16: "bf16 on the AVX512-BF16 GEMV: every decoder layer in one C call",
     torch.float32: "float32 on the bf16-weight kernel: every decoder layer in one C call",
 }
+_F32_WEIGHTS_REASON = "float32 on the float32 GEMV: every decoder layer in one C call"
+
+
+def _c_decoder_reason(dtype: torch.dtype, methods: Mapping[Shape, str]) -> str:
+    if dtype == torch.float32 and "f32_gemv" in methods.values() and "bf16_weights" not in methods.values():
+        return _F32_WEIGHTS_REASON
+    return _C_DECODER_REASON.get(dtype, "every decoder layer in one C call")
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
                *_attention_entries(attention, dtype, args),
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
-                         refusal or _C_DECODER_REASON.get(dtype, "every decoder layer in one C call"))]
+                         refusal or _c_decoder_reason(dtype, methods))]
     return ExecutionPlan(dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
                          tuple(entries))
 

@@ -4,7 +4,8 @@
   (`onednn_gemv`) or on tiled int4/int8 weights (`packed`); bit-equal to the Python layers. Prefill batches of
   such a model use the step's SiLU-and-mul loop too (`SiluAndMul`).
 - float32 (csrc/decode_step_f32.c) on AVX2 + FMA and AVX-512: every decoder linear layer on bf16 weights
-  (`bf16_weights`, what `--dtype auto` picks on CPUs without bf16 products) or on tiled int4/int8 weights;
+  (`bf16_weights`, what `--dtype auto` picks on CPUs without bf16 products), on float32 weights (`f32_gemv`,
+  `--dtype float32`) or on tiled int4/int8 weights;
   equal to the Python layers to float32 rounding (their passes are inductor's, with its own exp and summation
   order).
 
@@ -28,6 +29,7 @@ from radixserve.kernels.build import is_x86
 from radixserve.kernels.decode_step import DecodeStepKernel, ModelStruct, load_decode_step_kernel
 from radixserve.kernels.gemv import load_gemv_kernel
 from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
+from radixserve.layers.f32_gemv import F32_GEMV_ROWS, F32GemvLinearMethod
 from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
 from radixserve.layers.quantization.linear import TILED_MAX_M, PackedLinearMethod
 
@@ -50,7 +52,7 @@ class DecodeStep:
         # NOTE: the table holds one C function per linear layer, the one `apply` runs at 1 row; the step takes
         # the batch sizes at which every layer still runs that same function (the Python layers' choice too).
         # None anywhere (a weight the plan could not foresee, an int8 table left in the row layout): no sizes.
-        self.max_rows = max((rows for rows in (1, GEMV_MAX_ROWS, AMX_MAX_ROWS, TILED_MAX_M, WIDEN_ROWS - 1)
+        self.max_rows = max((rows for rows in (1, GEMV_MAX_ROWS, AMX_MAX_ROWS, TILED_MAX_M, F32_GEMV_ROWS - 1, WIDEN_ROWS - 1)
                              if all(fn is not None and linear.method.c_linear(rows, self.dtype) == fn
                                     for linear, fn in zip(linears, self._fns, strict=True))), default=0)
         if self.max_rows == 0:
@@ -173,10 +175,11 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
 
 
 # The float linear method whose C kernel each build calls; packed (int4/int8) layers call the tiled kernel.
-LINEAR_OF_BUILD = {torch.bfloat16: GemvLinearMethod.name, torch.float32: Bf16WeightLinearMethod.name}
+LINEAR_OF_BUILD = {torch.bfloat16: (GemvLinearMethod.name,),
+                   torch.float32: (Bf16WeightLinearMethod.name, F32GemvLinearMethod.name)}
 
 
-def _shape_refusal(weights: DecoderWeights, float_method: str, methods: Mapping[tuple[int, int], str]) -> str | None:
+def _shape_refusal(weights: DecoderWeights, float_methods: tuple[str, ...], methods: Mapping[tuple[int, int], str]) -> str | None:
     from radixserve.kernels.quant_tiled import load_tiled_kernel
 
     config = weights.config
@@ -189,8 +192,8 @@ def _shape_refusal(weights: DecoderWeights, float_method: str, methods: Mapping[
             # kernels run; asked only for a packed layer, so that a float model never builds them
             if name == PackedLinearMethod.name and load_tiled_kernel() is None:
                 return f"layer {i}: packed weights stay in the row layout here (no tiled kernels)"
-            if name not in (float_method, PackedLinearMethod.name):
-                return f"layer {i}: a linear layer runs {name}, not {float_method} or {PackedLinearMethod.name}"
+            if name not in (*float_methods, PackedLinearMethod.name):
+                return f"layer {i}: a linear layer runs {name}, not {' or '.join(float_methods)} or {PackedLinearMethod.name}"
         if any(linear.bias is not None for linear in layer.linears[1:]):
             return f"layer {i}: a biased o/gate_up/down layer"
     return None
