@@ -236,3 +236,18 @@ def test_quantization_is_refused_on_cuda_with_a_clear_error():
         load_model(None, torch.bfloat16, "cuda", "int8")
     with pytest.raises(ValueError, match="quantization"):
         ServerArgs(quantization="int3")
+
+
+def test_levels_are_the_ones_this_cpu_has_not_every_one_below_the_best(monkeypatch):
+    """An AMD Zen 4 has AVX512-VNNI but not AVX-VNNI (the VEX form): avx_vnni is not one of its levels (running
+    it there was an illegal instruction)."""
+    from radixserve.kernels import quant
+
+    zen4 = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                      "avx512_bf16"})
+    monkeypatch.setattr(quant, "cpu_flags", lambda: zen4)
+    monkeypatch.setattr(quant, "is_x86", lambda: True)
+    assert quant.best_quant_isa() == "avx512_vnni"
+    assert quant.runnable_isas() == ["avx512_vnni", "avx2", "portable"]
+    monkeypatch.setattr(quant, "cpu_flags", lambda: zen4 | {"avx_vnni"})
+    assert quant.runnable_isas() == ["avx512_vnni", "avx_vnni", "avx2", "portable"]
