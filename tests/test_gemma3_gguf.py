@@ -54,7 +54,7 @@ def _prompts(tokenizer) -> list[list[int]]:
     facts = " ".join(f"Item {i}: the {c} box holds {i * 3} marbles." for i, c in
                      zip(range(90), ["red", "blue", "green", "yellow", "white", "black"] * 15, strict=True))
     texts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-             story * 8 + "One night the lamp would not light, so he", facts + " Question: what does the red box hold?"]
+             story * 16 + "One night the lamp would not light, so he", facts + " Question: what does the red box hold?"]
     ids = [tokenizer(t).input_ids for t in texts]
     assert len(ids[2]) > 512 and len(ids[3]) > 1000  # NOTE: past the window, so window layers drop keys
     return ids
