@@ -102,8 +102,28 @@ def test_packed_gguf_generates_like_float(gguf_path):
 
 @pytest.mark.long
 def test_cli_generate(gguf_path):
-    cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "generate", "--model-path", str(gguf_path),
-           "--max-new-tokens", "8", "--temperature", "0", "The capital of France is"]
+    """`radixserve generate` on the file (--raw: it is the base model, not the instruction-tuned one)."""
+    cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "generate", "--model-path", str(gguf_path), "--raw",
+           "--max-new-tokens", "12", "--temperature", "0", "The capital of France is"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip(), done.stderr[-2000:]
+    assert "France" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.long  # NOTE: ~20 s: reading the 262,144-token vocabulary out of the metadata
+def test_gguf_config_and_names(gguf_path):
+    """The file's metadata as radixserve reads it (no weights): windows, ropes, stop ids, tensor names."""
+    from radixserve.models.config import ModelConfig
+    from radixserve.models.gguf_loader import hf_config_from_gguf, hf_tensor_name, open_gguf
+
+    reader = open_gguf(gguf_path)
+    hf = hf_config_from_gguf(reader, gguf_path)
+    config = ModelConfig.from_hf_dict(hf)
+    assert config.architecture == "Gemma3ForCausalLM" and config.num_layers == 18
+    assert config.layer_windows == tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    assert (config.rope.theta, config.local_rope.theta) == (1_000_000.0, 10_000.0)
+    assert config.query_pre_attn_scalar == 256 and config.tie_word_embeddings
+    assert config.eos_token_ids == (1, 106)  # <eos>, <end_of_turn>
+    names = {hf_tensor_name(t.name, "gemma3") for t in reader.tensors}
+    assert {"model.layers.0.pre_feedforward_layernorm.weight", "model.layers.0.post_feedforward_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight", "model.layers.0.self_attn.q_norm.weight"} <= names

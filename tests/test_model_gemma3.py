@@ -155,3 +155,35 @@ def test_cascade_batches_keep_windows(setup, driver):
         backend.cascade = policy
     assert backend.cascade_forwards["extend"] > before["extend"]
     assert backend.cascade_forwards["decode"] > before["decode"]
+
+
+def test_gemma_chat_template_renders_turns():
+    from transformers import PreTrainedTokenizerFast
+
+    from radixserve.models.model_folder import GEMMA_CHAT_TEMPLATE
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(), bos_token="<bos>")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello! "}, {"role": "user", "content": "Bye"}]
+    text = tokenizer.apply_chat_template(messages, chat_template=GEMMA_CHAT_TEMPLATE, tokenize=False,
+                                         add_generation_prompt=True)
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!"
+                    "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<bos>": 1}, unk_token="<unk>"))
+
+
+def test_unsupported_gemma_variants_are_refused():
+    from radixserve.models.config import ModelConfig, ModelLoadError
+
+    hf = tiny_gemma3_config().to_dict()
+    hf["architectures"] = ["Gemma3ForCausalLM"]
+    assert ModelConfig.from_hf_dict(hf).layer_windows == (WINDOW, WINDOW, None, WINDOW)
+    with pytest.raises(ModelLoadError, match="soft-capping"):
+        ModelConfig.from_hf_dict({**hf, "attn_logit_softcapping": 50.0})
+    with pytest.raises(ModelLoadError, match="layer_types"):
+        ModelConfig.from_hf_dict({**hf, "layer_types": ["sliding_attention"]})
