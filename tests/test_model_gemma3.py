@@ -187,3 +187,28 @@ def test_unsupported_gemma_variants_are_refused():
         ModelConfig.from_hf_dict({**hf, "attn_logit_softcapping": 50.0})
     with pytest.raises(ModelLoadError, match="layer_types"):
         ModelConfig.from_hf_dict({**hf, "layer_types": ["sliding_attention"]})
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+def test_engine_chunked_prefill_and_prefix_reuse_past_the_window(overlap, tmp_path):
+    """Through the scheduler: prompts 5x the window, prefilled in chunks of 6 (chunks start inside a window),
+    then reused from the radix cache by a longer prompt; greedy tokens equal transformers' generate, and the
+    pool is conserved."""
+    from radixserve import Engine
+
+    hf_model = make_tiny_gemma3(tmp_path)
+    base, other = _prompts([40, 23], seed=6)
+    prompts = [base, other, base + [7, 9, 11]]
+    with torch.inference_mode():
+        expected = [hf_model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10,
+                                      pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    params = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+    with Engine(model_path=str(tmp_path), dtype="float32", device="cpu", max_total_tokens=1024,
+                chunked_prefill_size=6, disable_overlap_schedule=not overlap, log_level="warning") as engine:
+        first = engine.generate(input_ids=prompts[:2], sampling_params=params)
+        again = engine.generate(input_ids=prompts[2], sampling_params=params)
+        state = engine.get_internal_state()
+    assert [r["output_ids"] for r in first] + [again["output_ids"]] == expected
+    assert again["meta_info"]["cached_tokens"] >= 40
+    assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
+    assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
