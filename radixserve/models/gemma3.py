@@ -115,6 +115,8 @@ class Gemma3ForCausalLM(nn.Module):
     _shard_range = LlamaForCausalLM._shard_range
     _check_complete = LlamaForCausalLM._check_complete
     tie_weights = LlamaForCausalLM.tie_weights
+    # NOTE: the layer structure is not the fused ops' or the C decode step's (execution_plan reads this).
+    uses_fused_ops = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -125,9 +127,6 @@ class Gemma3ForCausalLM(nn.Module):
         self.local_rotary = RotaryEmbedding(config.head_dim, config.local_rope or config.rope, config.context_len + 1)
         self.embed_scale = config.hidden_size**0.5
         self.tie_weights()
-
-    # NOTE: the layer structure is not the fused ops' or the C decode step's (execution_plan reads this).
-    uses_fused_ops = False
 
     def set_fused_ops(self, ops: Any, silu_and_mul_op: Any = None) -> None:
         """Gemma 3 layers run eager torch; the plan never hands them fused ops (`uses_fused_ops`)."""
