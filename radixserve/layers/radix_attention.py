@@ -12,10 +12,17 @@ if TYPE_CHECKING:
 
 
 class RadixAttention(nn.Module):
-    """Writes this layer's new K/V into the KV pool and attends over each request's context."""
+    """Writes this layer's new K/V into the KV pool and attends over each request's context.
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+    `sliding_window` W: a query at position p sees keys p - W + 1 .. p only (W tokens, itself included), as in
+    transformers; None: every earlier key. The backend reads it per layer (docs/sliding_window.md)."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -41,3 +41,32 @@ def longest_cached_bigram_prefix(query_tokens: Sequence[int], query_namespace: H
     """
     paths = [(convert_to_bigram_key(tokens), namespace) for tokens, namespace in cached_paths]
     return longest_cached_prefix(convert_to_bigram_key(query_tokens), query_namespace, paths, page_size)
+
+
+def longest_hybrid_prefix(query_tokens: Sequence[int], query_namespace: Hashable,
+                          cached_paths: Iterable[tuple[Sequence[int], Hashable, Sequence[bool]]], page_size: int,
+                          window: int) -> int:
+    """The match a hybrid (sliding-window) model can reuse: the longest whole-page prefix m of `query_tokens`
+    that is cached (full-attention KV) and whose window KV is there for every position the next token's window
+    layers read, max(0, m - window + 1) .. m - 1.
+
+    Each cached path carries, per token, whether its window KV is still present (False: freed, a tombstone).
+    Paths that share a prefix are the same tree nodes, so a position's window KV counts as present if any path
+    through it has it. With every flag True this is `longest_cached_prefix`. The design it specifies is in
+    docs/radix_cache.md ("Hybrid models"); the tree that answers it is not built yet."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    paths = [(tokens, namespace, flags) for tokens, namespace, flags in cached_paths]
+    full = longest_cached_prefix(query_tokens, query_namespace, [(t, n) for t, n, _ in paths], page_size)
+    present = [False] * full
+    for tokens, namespace, flags in paths:
+        if namespace != query_namespace:
+            continue
+        for i in range(min(full, len(tokens))):
+            if tokens[i] != query_tokens[i]:
+                break
+            present[i] = present[i] or bool(flags[i])
+    for m in range(full, 0, -page_size):
+        if all(present[max(0, m - window + 1) : m]):
+            return m
+    return 0

@@ -86,13 +86,17 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
         # NOTE: after the timed choices above (a compiler beside them would skew them): on a first start the
         # attention kernels build while the fused ops compile, instead of after them
         build_in_background()
-    ops = None if args.disable_fused_ops else load_fused_ops(model.config, dtype, device)
+    fused = not args.disable_fused_ops and getattr(model, "uses_fused_ops", True)
+    ops = load_fused_ops(model.config, dtype, device) if fused else None
     refusal = _decoder_refusal(model, device, dtype, ops, methods)
-    attention = plan_attention(args.attention_backend, device, cascade=not args.disable_cascade_attention)
+    windows = getattr(model.config, "windows", ())
+    attention = plan_attention(args.attention_backend, device, cascade=not args.disable_cascade_attention,
+                               windows=windows)
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
                *_attention_entries(attention, dtype, args),
-               PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops)),
+               *_window_entries(windows),
+               PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
                          refusal or _c_decoder_reason(dtype, methods))]
     return ExecutionPlan(dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
@@ -178,9 +182,19 @@ def _extend_entry(plan: AttentionPlan, dtype: torch.dtype, level: str, why_torch
     return PlanEntry("attention extend", "C extend", f"measured faster than SDPA here{level}")
 
 
-def _fused_reason(args: ServerArgs, device: torch.device, ops: FusedOps | None) -> str:
+def _window_entries(windows: tuple[int, ...]) -> list[PlanEntry]:
+    if not windows:
+        return []
+    return [PlanEntry("attention window", ", ".join(map(str, windows)),
+                      "window layers: decode over the window's slots (C decode or torch), extend banded in torch "
+                      "SDPA, no cascade; only in batches where a request is longer than the window")]
+
+
+def _fused_reason(args: ServerArgs, device: torch.device, ops: FusedOps | None, model: Any = None) -> str:
     if args.disable_fused_ops:
         return "--disable-fused-ops"
+    if not getattr(model, "uses_fused_ops", True):
+        return "this model's layers are not the fused ops' structure (eager torch)"
     if device.type != "cpu":
         return "the fused ops are compiled for the CPU only"
     return "compiled ahead of time for this CPU (cached)" if ops else "they did not compile here"

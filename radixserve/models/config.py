@@ -1,4 +1,4 @@
-"""ModelConfig: the shape of a Llama-family model, read from a Hugging Face `config.json` dict."""
+"""ModelConfig: the shape of a Llama-family or Gemma 3 model, read from a Hugging Face `config.json` dict."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ class ModelLoadError(ValueError):
     """Bad model input: a missing path, an unsupported architecture, a broken or unsupported file."""
 
 
-# NOTE: every architecture here runs through the one Llama-family definition in models/llama.py;
-# the flags below (QKV bias, per-head q/k RMSNorm) are what tells them apart.
+# NOTE: every architecture here but Gemma 3 runs through the one Llama-family definition in models/llama.py;
+# the flags below (QKV bias, per-head q/k RMSNorm) are what tells them apart. Gemma 3 has its own (models/gemma3.py).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"attention_bias": False, "qk_norm": False},
     "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "Gemma3ForCausalLM": {"attention_bias": False, "qk_norm": True},
 }
+GEMMA3 = "Gemma3ForCausalLM"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -50,6 +52,22 @@ class ModelConfig:
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Gemma 3 (models/gemma3.py); the Llama family leaves these at their defaults.
+    # NOTE: the one per-layer statement of sliding-window attention: layer i attends to the last
+    # layer_windows[i] tokens (itself included), None: to all; empty: every layer full.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope: RopeConfig | None = None  # the window layers' rotary (Gemma 3: base 10,000); None: `rope`
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def window_of(self, layer_id: int) -> int | None:
+        """The sliding window of layer `layer_id`: the number of latest tokens it attends to; None: all."""
+        return self.layer_windows[layer_id] if self.layer_windows else None
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The distinct sliding windows of the model's layers (empty: no window layer)."""
+        return tuple(sorted({w for w in self.layer_windows if w is not None}))
 
     @property
     def q_size(self) -> int:
@@ -65,6 +83,9 @@ class ModelConfig:
         flags = SUPPORTED_ARCHITECTURES[arch]
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
+        fields: dict[str, Any] = dict(
+            rope=_rope_config(hf), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        fields.update(_gemma3_fields(hf) if arch == GEMMA3 else {})
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -74,14 +95,13 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            context_len=_context_len(hf),
+            context_len=int(hf.get("max_position_embeddings") or 2048) if arch == GEMMA3 else _context_len(hf),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(hf),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", flags["attention_bias"])) or flags["attention_bias"],
             qk_norm=flags["qk_norm"],
             eos_token_ids=_unique(_as_ids(hf.get("eos_token_id")) + tuple(extra_eos_ids)),
             bos_token_id=hf.get("bos_token_id") if isinstance(hf.get("bos_token_id"), int) else None,
+            **fields,
         )
 
 
@@ -97,7 +117,7 @@ def _architecture(hf: dict[str, Any]) -> str:
 
 
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": GEMMA3}
 
 
 def _context_len(hf: dict[str, Any]) -> int:
@@ -110,10 +130,12 @@ def _context_len(hf: dict[str, Any]) -> int:
     return context
 
 
-def _rope_config(hf: dict[str, Any]) -> RopeConfig:
-    params = dict(hf.get("rope_scaling") or {})
-    params.update(hf.get("rope_parameters") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _rope_config(hf: dict[str, Any], params: dict[str, Any] | None = None, default_theta: float = 10000.0
+                 ) -> RopeConfig:
+    if params is None:
+        params = dict(hf.get("rope_scaling") or {})
+        params.update(hf.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -126,6 +148,39 @@ def _rope_config(hf: dict[str, Any]) -> RopeConfig:
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
         freq_factors=tuple(hf["rope_freq_factors"]) if hf.get("rope_freq_factors") else None,
     )
+
+
+GEMMA3_WINDOW_PATTERN = 6  # transformers' default: every sixth layer is full, the others slide
+
+
+def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 3 part of a config: per-layer windows, the two rotaries, the query scale, soft-capping."""
+    if hf.get("attn_logit_softcapping"):
+        raise ModelLoadError("attention logit soft-capping (Gemma 2) is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError("bidirectional attention (EmbeddingGemma) is not supported")
+    layers = int(hf["num_hidden_layers"])
+    pattern = int(hf.get("sliding_window_pattern") or GEMMA3_WINDOW_PATTERN)
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                      for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"layer_types must name {layers} layers as sliding_attention or full_attention")
+    window = int(hf.get("sliding_window") or 4096)
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers 5: one rope per layer type
+        rope = _rope_config(hf, dict(params["full_attention"]), 1_000_000.0)
+        local = _rope_config(hf, dict(params.get("sliding_attention") or {}), 10_000.0)
+    else:  # the older form: rope_theta (+ rope_scaling) global, rope_local_base_freq local
+        rope = _rope_config(hf, {**(hf.get("rope_scaling") or {}), **params}, 1_000_000.0)
+        local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"Gemma 3 with activation {hf.get('hidden_activation')!r} is not supported")
+    cap = hf.get("final_logit_softcapping")
+    return {"rope": rope, "local_rope": local,
+            "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
+            "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 256),
+            "final_logit_softcapping": float(cap) if cap else None,
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True))}
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

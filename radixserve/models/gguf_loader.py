@@ -1,7 +1,8 @@
 """GGUF -> a cached Hugging Face-style folder (config.json, *.safetensors, tokenizer files).
 
 The conversion reads the file with the `gguf` package, dequantises every tensor, undoes the Q/K
-row permutation that llama.cpp's converter applies to Llama models, and builds the tokenizer and
+row permutation that llama.cpp's converter applies to Llama models (and Gemma's 1 + w in its norm
+weights, `gguf_tensor`), and builds the tokenizer and
 chat template from the GGUF metadata. The folder lands in the cache (RADIXSERVE_CACHE_DIR, default
 ~/.cache/radixserve), keyed by the file's path, size, mtime and the compute dtype, so later starts
 load safetensors directly.
@@ -28,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 2
 SHARD_BYTES = 2 << 30
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma3": "Gemma3ForCausalLM"}
 # NOTE: llama.cpp permutes Q/K rows only for architectures it runs with "normal" (interleaved) rope.
 _PERMUTED_ARCHITECTURES = ("llama",)
 _LAYER_TENSORS = {
@@ -37,6 +39,10 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 normalises both sublayers' inputs and outputs: llama.cpp's ffn_norm is its pre-feedforward norm.
+_GEMMA3_LAYER_TENSORS = {**_LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm",
+                         "post_attention_norm": "post_attention_layernorm",
+                         "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -60,7 +66,7 @@ def gguf_to_hf_folder(path: Path, dtype: torch.dtype | None) -> Path:
         logger.info("converting %s to %s (first start only)", path, folder)
         if dtype is not None:
             _write_weights(reader, config, tmp, dtype)
-        _write_tokenizer(path, tmp)
+        _write_tokenizer(path, tmp, gguf_architecture_of(config))
         # NOTE: config.json is written last and the folder renamed into place whole, so a folder
         # with a config.json is always complete, even when two processes convert at once.
         (tmp / "config.json").write_text(json.dumps(config, indent=1))
@@ -131,6 +137,8 @@ def hf_config_from_gguf(reader, path: Path) -> dict[str, Any]:
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "radixserve_source": str(path),
     }
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, get, head_dim))
     if "rope_freqs.weight" in names:
         tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         factors = dequantize(tensor.data, tensor.tensor_type, (int(tensor.n_elements),), tensor.name)
@@ -138,7 +146,36 @@ def hf_config_from_gguf(reader, path: Path) -> dict[str, Any]:
     return config
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def _gemma3_config(reader, get, head_dim: int) -> dict[str, Any]:
+    """What a Gemma 3 config says beyond the Llama keys. llama.cpp's file omits the layer pattern (one full layer
+    in six), the window layers' rotary base (10,000) and the query scale (head_dim ** -0.5 for every size but
+    27B, whose query_pre_attn_scalar is hidden / heads): it fixes them in code, and so do we."""
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens", [])
+    eos = [i for i in (gguf_field(reader, "tokenizer.ggml.eos_token_id"),) if i is not None]
+    if GEMMA3_END_OF_TURN in tokens:  # NOTE: a chat turn ends with it; transformers' generation config lists it
+        eos.append(tokens.index(GEMMA3_END_OF_TURN))
+    return {"model_type": "gemma3_text", "sliding_window": int(get("attention.sliding_window", 4096)),
+            "sliding_window_pattern": int(get("attention.sliding_window_pattern", 6)),
+            "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": head_dim,
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": get("final_logit_softcapping"),
+            "attn_logit_softcapping": get("attn_logit_softcapping"), "eos_token_id": eos,
+            "tie_word_embeddings": True}
+
+
+GEMMA3_END_OF_TURN = "<end_of_turn>"
+
+
+def gguf_tensor(arch: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A dequantized GGUF tensor as the Hugging Face checkpoint holds it, under its HF `name`.
+
+    NOTE: llama.cpp stores Gemma's RMSNorm weights as 1 + w; Hugging Face checkpoints (and our GemmaRMSNorm)
+    hold w."""
+    if arch == "gemma3" and name.endswith("norm.weight"):
+        return tensor - 1.0
+    return tensor
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp tensor name -> Hugging Face name; None for tensors that are not weights (rope_freqs)."""
     base, _, suffix = gguf_name.rpartition(".")
     if base == "rope_freqs":
@@ -146,15 +183,22 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{suffix}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
-    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}; radixserve knows Llama/Qwen2/Qwen3 tensor names")
+    layer_tensors = _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{suffix}"
+    raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}; radixserve knows Llama/Qwen2/Qwen3/Gemma 3 "
+                         "tensor names")
 
 
 def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head interleave of rotary halves (its `permute`), for Q or K weights/biases."""
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_architecture_of(config: dict[str, Any]) -> str:
+    """The GGUF architecture name of a config this module wrote."""
+    return next(k for k, v in GGUF_ARCHITECTURES.items() if v == config["architectures"][0])
 
 
 def _gguf_architecture(reader, path: Path) -> str:
@@ -177,16 +221,17 @@ def _write_weights(reader, config: dict[str, Any], folder: Path, dtype: torch.dt
     from safetensors.torch import save_file
 
     permuted = config["model_type"] in _PERMUTED_ARCHITECTURES
+    arch = gguf_architecture_of(config)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     shards: list[list[str]] = []
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = 0
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
-        tensor = dequantize(t.data, t.tensor_type, shape, t.name)
+        tensor = gguf_tensor(arch, name, dequantize(t.data, t.tensor_type, shape, t.name))
         if permuted and (".q_proj." in name or ".k_proj." in name):
             tensor = unpermute_rows(tensor, heads if ".q_proj." in name else kv_heads)
         shard[name] = tensor.to(dtype).contiguous()
@@ -214,7 +259,7 @@ def _name_shards_like_transformers(folder: Path, shards: list[list[str]]) -> Non
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _write_tokenizer(path: Path, folder: Path) -> None:
+def _write_tokenizer(path: Path, folder: Path, arch: str = "llama") -> None:
     from transformers import AutoTokenizer
 
     # NOTE: read through a link in an empty folder: transformers would otherwise merge in any
@@ -228,6 +273,10 @@ def _write_tokenizer(path: Path, folder: Path) -> None:
         raise ModelLoadError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e}") from e
     finally:
         shutil.rmtree(source)
+    if arch == "gemma3" and not tokenizer.chat_template:
+        from radixserve.models.model_folder import GEMMA_CHAT_TEMPLATE
+
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE  # NOTE: llama.cpp's Gemma 3 files may carry none
     tokenizer.save_pretrained(str(folder))
 
 

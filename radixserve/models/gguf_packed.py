@@ -22,7 +22,13 @@ from radixserve.layers.quantization.formats import QK, PackedWeight, pack_nibble
 from radixserve.layers.quantization.model_quant import EMBEDDING, LM_HEAD, PackSpec, default_plan
 from radixserve.models.config import ModelLoadError
 from radixserve.models.gguf_dequant import _q4_k_scales, dequantize
-from radixserve.models.gguf_loader import _PERMUTED_ARCHITECTURES, hf_tensor_name, unpermute_rows
+from radixserve.models.gguf_loader import (
+    _PERMUTED_ARCHITECTURES,
+    gguf_architecture_of,
+    gguf_tensor,
+    hf_tensor_name,
+    unpermute_rows,
+)
 
 EXACT_INT8 = ("Q8_0",)
 EXACT_INT4 = ("Q4_0", "Q4_1", "Q4_K")
@@ -39,12 +45,12 @@ def nearest_spec(type_name: str) -> PackSpec | None:
     return PackSpec(4)
 
 
-def gguf_plan(reader, model: nn.Module, method: str) -> dict[str, PackSpec]:
+def gguf_plan(reader, model: nn.Module, method: str, arch: str = "llama") -> dict[str, PackSpec]:
     """Module name -> format: the widest nearest format over the module's GGUF tensors, else the method's."""
     plan = default_plan(model, method)
     found: dict[str, list[PackSpec | None]] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None or not name.endswith(".weight"):
             continue
         target, _ = model._target_of(name)
@@ -68,9 +74,10 @@ def iter_gguf_weights(reader, config: dict, plan: dict[str, PackSpec], dtype: to
                       ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """(Hugging Face name, float tensor or PackedWeight) per GGUF tensor, in file order."""
     permuted = config["model_type"] in _PERMUTED_ARCHITECTURES
+    arch = gguf_architecture_of(config)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -79,7 +86,7 @@ def iter_gguf_weights(reader, config: dict, plan: dict[str, PackSpec], dtype: to
         rows = heads if ".q_proj." in name else kv_heads
         unpermute = permuted and (".q_proj." in name or ".k_proj." in name)
         if spec is None:
-            tensor = dequantize(t.data, t.tensor_type, shape, t.name)
+            tensor = gguf_tensor(arch, name, dequantize(t.data, t.tensor_type, shape, t.name))
             yield name, (unpermute_rows(tensor, rows) if unpermute else tensor).to(dtype)
             continue
         packed = to_packed(t.data, t.tensor_type, shape, spec, t.name)
@@ -160,7 +167,7 @@ def load_gguf_packed(path: Path, dtype: torch.dtype, device: torch.device, metho
 
     from radixserve.layers.quantization.model_quant import quantize_model
     from radixserve.models.gguf_loader import gguf_to_hf_folder, open_gguf
-    from radixserve.models.llama import LlamaForCausalLM
+    from radixserve.models.loader import model_class
     from radixserve.models.model_folder import read_config_and_tokenizer
 
     if device.type != "cpu":
@@ -169,11 +176,11 @@ def load_gguf_packed(path: Path, dtype: torch.dtype, device: torch.device, metho
     config, tokenizer = read_config_and_tokenizer(folder)
     reader = open_gguf(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype)
-    plan = gguf_plan(reader, model, method)
+        model = model_class(config)(config).to(dtype)
+    hf_config = json.loads((folder / "config.json").read_text())
+    plan = gguf_plan(reader, model, method, gguf_architecture_of(hf_config))
     quantize_model(model, plan, dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
-    hf_config = json.loads((folder / "config.json").read_text())
     model.load_weights(iter_gguf_weights(reader, hf_config, plan, dtype, model))
     return model.eval(), config, tokenizer

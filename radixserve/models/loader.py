@@ -34,7 +34,7 @@ class LoadedModel:
 
 def load_model(model_path: str | None, dtype: torch.dtype = torch.bfloat16,
                device: torch.device | str = "cpu", quantization: str = "none") -> LoadedModel:
-    """Loads a Llama-family model. None means the embedded SmolLM2-135M-Instruct GGUF.
+    """Loads a Llama-family or Gemma 3 model. None means the embedded SmolLM2-135M-Instruct GGUF.
 
     quantization int8/int4: linear layers keep packed weights (layers/quantization/); a GGUF file's
     quantized tensors keep their nearest packed format, float weights are quantized at load."""
@@ -81,16 +81,28 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                 quantization: str = "none") -> nn.Module:
     """An uninitialised model on `device` (built on the meta device, so nothing is initialised twice)."""
     from radixserve.layers.quantization.model_quant import default_plan, quantize_model
-    from radixserve.models.llama import LlamaForCausalLM
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = model_class(config)(config).to(dtype)
     if quantization != "none":
         # NOTE: swapped before any weight exists: packed layers never hold a float copy.
         quantize_model(model, default_plan(model, quantization), dtype)
     model = model.to_empty(device=device)
     model.tie_weights()
     return model.eval()
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    """The model definition of `config.architecture`: Gemma 3's own, else the one Llama-family definition."""
+    from radixserve.models.config import GEMMA3
+
+    if config.architecture == GEMMA3:
+        from radixserve.models.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    from radixserve.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str, quantization: str) -> LoadedModel:

@@ -19,6 +19,21 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
+# Gemma's turn format, for a Gemma 3 file that carries no template of its own (llama.cpp's GGUF files may not):
+# turns open with <start_of_turn> and a role (the assistant's is "model"), close with <end_of_turn>; a system
+# message is folded into the first user turn. Written for radixserve from the format's description.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+    "{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' }}{% if role == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
 def read_config_and_tokenizer(folder: Path) -> tuple[ModelConfig, object]:
     config = read_config(folder)
     tokenizer = load_tokenizer(folder)

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """What a backend is told when it is built: its name, whether it may run cascade attention, and per dtype
-    the C kernels it uses ("decode", "extend", "prefix", "extend_amx"); every other part runs in torch.
+    """What a backend is told when it is built: its name, whether it may run cascade attention, the model's
+    sliding windows, and per dtype the C kernels it uses ("decode", "extend", "prefix", "extend_amx"); every other part runs in torch.
     Decided once by `registry.plan_attention` (from the kernels' measured table, the CPU and the switches)."""
 
     backend: str
@@ -25,6 +25,7 @@ class AttentionPlan:
     kernels: Mapping[torch.dtype, frozenset[str]] = field(default_factory=dict)
     level: str | None = None  # the C kernels' ISA level
     kernel_class: str | None = None  # the class the measured table is keyed by (the level, or amx)
+    windows: tuple[int, ...] = ()  # the model's distinct sliding windows (window.py builds their tables)
 
     def uses(self, kernel: str, dtype: torch.dtype) -> bool:
         return kernel in self.kernels.get(dtype, frozenset())

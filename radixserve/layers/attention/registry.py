@@ -36,23 +36,25 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def plan_attention(name: str, device: torch.device, cascade: bool = True) -> AttentionPlan:
+def plan_attention(name: str, device: torch.device, cascade: bool = True, windows: tuple[int, ...] = ()
+                   ) -> AttentionPlan:
     """The backend `name` resolves to (auto: the C kernels on a CPU, torch elsewhere) and, for the CPU backend,
     the C kernels it uses per dtype: those the measured table (kernels.attention.SELECTED) chose for this CPU's kernel
     class, less the extend kernels where RADIXSERVE_CPU_PREFILL_KERNEL=0, plus bf16 extend on AMX tiles where
-    the CPU has them. `cascade`: may split attention over a prefix the whole batch shares."""
+    the CPU has them. `cascade`: may split attention over a prefix the whole batch shares. `windows`: the
+    model's distinct sliding windows (ModelConfig.windows)."""
     name = resolve_backend(name, device)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(attention_backend_names())}")
     if name != "cpu":
-        return AttentionPlan(name, cascade)
+        return AttentionPlan(name, cascade, windows=windows)
     from radixserve import envs
     from radixserve.kernels.attention import SELECTED, load_decode_kernel
     from radixserve.kernels.attention_amx import load_amx_extend_kernel
 
     kernel = load_decode_kernel()
     if kernel is None:
-        return AttentionPlan(name, cascade)
+        return AttentionPlan(name, cascade, windows=windows)
     prefill = envs.CPU_PREFILL_KERNEL.get()
     amx = prefill and load_amx_extend_kernel() is not None
     kernels = {}
@@ -63,13 +65,13 @@ def plan_attention(name: str, device: torch.device, cascade: bool = True) -> Att
         if amx and dtype == torch.bfloat16:
             chosen.add("extend_amx")
         kernels[dtype] = frozenset(chosen)
-    return AttentionPlan(name, cascade, kernels, kernel.isa, kernel.kernel_class)
+    return AttentionPlan(name, cascade, kernels, kernel.isa, kernel.kernel_class, windows)
 
 
 def create_attention_backend(name: str, device: torch.device, cascade: bool = True,
-                             plan: AttentionPlan | None = None) -> AttentionBackend:
-    """Builds a backend from `plan`, or from `plan_attention(name, device, cascade)` without one."""
-    plan = plan or plan_attention(name, device, cascade)
+                             plan: AttentionPlan | None = None, windows: tuple[int, ...] = ()) -> AttentionBackend:
+    """Builds a backend from `plan`, or from `plan_attention(name, device, cascade, windows)` without one."""
+    plan = plan or plan_attention(name, device, cascade, windows)
     module_name, class_name = _BACKENDS[plan.backend].split(":")
     backend_cls = getattr(importlib.import_module(module_name), class_name)
     return backend_cls(plan=plan)

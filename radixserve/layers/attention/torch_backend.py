@@ -15,6 +15,8 @@ extend_amx.c on the tiles, kernels/attention_amx.py; off with RADIXSERVE_CPU_PRE
 (kernels.attention.SELECTED, measured against the torch paths here), as the backend's plan says (registry.plan_attention).
 Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
 `cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
+Sliding window (window.py): a layer with a window, in a batch where the window hides keys, decodes over its
+window's slots (the C decode kernel or torch, as planned) and extends with a banded mask in SDPA.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve import envs
-from radixserve.layers.attention import cascade
+from radixserve.layers.attention import cascade, window
 from radixserve.layers.attention.base import AttentionBackend, AttentionPlan
 
 if TYPE_CHECKING:
@@ -95,6 +97,9 @@ class TorchAttnBackend(AttentionBackend):
         self.cascade: cascade.CascadePolicy | None = cascade.CascadePolicy() if self.plan.cascade else None
         self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention
         self.extend_kernel_fits = False  # this extend batch is short enough for the C kernel
+        # per window size of the model (plan.windows), this forward's tables; absent: the window hides nothing
+        self.window_decode_meta: dict[int, window.WindowDecodeMetadata] = {}
+        self.window_extend_meta: dict[int, window.WindowExtendMetadata] = {}
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode():
@@ -108,6 +113,13 @@ class TorchAttnBackend(AttentionBackend):
             if self.cascade_extend_meta is None:
                 with_kernel = self.extend_kernel_fits or self.amx_extend is not None
                 self.extend_meta = _extend_metadata(fb, with_kernel=with_kernel)
+        self._plan_windows(fb)
+
+    def _plan_windows(self, fb: ForwardBatch) -> None:
+        applies = [w for w in self.plan.windows if window.window_applies(fb, w)]
+        decode = fb.forward_mode.is_decode()
+        self.window_decode_meta = {w: window.decode_metadata(fb, w) for w in applies} if decode else {}
+        self.window_extend_meta = {} if decode else {w: window.extend_metadata(fb, w) for w in applies}
 
     def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy], Plan | None], fb: ForwardBatch,
               mode: str) -> Plan | None:
@@ -151,6 +163,9 @@ class TorchAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         kernel = self._kernel_for(q, layer)
+        windowed = self._window_meta(layer, self.window_decode_meta)
+        if windowed is not None:
+            return self._decode_window(q, k_all, v_all, layer, windowed, kernel)
         if self.cascade_decode_meta is not None:
             out = cascade.cascade_decode(q, k_all, v_all, self.cascade_decode_meta, layer.scaling, kernel,
                                          self._prefix_kernel_for(q, layer))
@@ -169,6 +184,10 @@ class TorchAttnBackend(AttentionBackend):
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
+        windowed = self._window_meta(layer, self.window_extend_meta)
+        if windowed is not None:
+            out = window.extend_attention(q, k_all, v_all, windowed, layer.scaling)
+            return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         if self.cascade_extend_meta is not None:
             out = cascade.cascade_extend(q, k_all, v_all, self.cascade_extend_meta, layer.scaling,
                                          self._prefix_kernel_for(q, layer), self._extend_kernel_for(q, k_all))
@@ -186,6 +205,28 @@ class TorchAttnBackend(AttentionBackend):
                 q[s.q_start : s.q_start + s.q_len], k[s.kv_start : s.kv_start + s.kv_len],
                 v[s.kv_start : s.kv_start + s.kv_len], s.mask(q.device), layer.scaling)
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+
+
+    def _window_meta(self, layer: RadixAttention, metas: dict[int, Plan]) -> Plan | None:
+        """This forward's tables for the layer's window; None: a full layer, or a window that hides nothing."""
+        if layer.sliding_window is None:
+            return None
+        if layer.sliding_window not in self.plan.windows:
+            # NOTE: without its tables a window layer would silently attend to everything
+            raise ValueError(f"layer {layer.layer_id} has sliding window {layer.sliding_window}, which the "
+                             f"attention plan does not list ({self.plan.windows})")
+        return metas.get(layer.sliding_window)
+
+    def _decode_window(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, layer: RadixAttention,
+                       meta: window.WindowDecodeMetadata, kernel: DecodeKernel | None) -> torch.Tensor:
+        """Decode over each request's window: its slots and lengths stand in for the whole context."""
+        if kernel is not None:
+            out = kernel(q, k_all, v_all, meta.kv_indices, meta.lens, meta.max_len, layer.scaling)
+            return out.view(q.shape[0], layer.num_heads * layer.head_dim)
+        plain = DecodeMetadata(meta.kv_indices, meta.max_len, meta.mask)
+        if layer.num_kv_heads <= BLOCK_DIAGONAL_MAX_KV_HEADS:
+            return decode_block_diagonal(q, k_all, v_all, plain, layer.scaling)
+        return decode_head_major(q, k_all, v_all, plain, layer.scaling)
 
 
 PREFILL_KERNEL_ENV = envs.CPU_PREFILL_KERNEL.name  # "0": extend attention stays on torch's SDPA

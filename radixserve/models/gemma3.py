@@ -1,0 +1,152 @@
+"""Gemma 3 (text) on the paged KV pool: sliding-window and full layers, q/k RMSNorm, GeGLU, four norms per layer.
+
+What differs from the Llama family (models/llama.py), each where it happens:
+- RMSNorm scales by (1 + w) and rounds once, in float32 (`GemmaRMSNorm`); checkpoints store w, and llama.cpp's
+  GGUF stores 1 + w (the converter subtracts the 1 back, gguf_loader.gemma3_tensor);
+- embeddings are multiplied by sqrt(hidden_size), rounded to the model dtype first, as transformers does;
+- each decoder layer normalises the attention and MLP outputs as well as their inputs (pre and post norms);
+- the MLP is GeGLU, gelu (tanh approximation) of the gate times up;
+- the attention scale is query_pre_attn_scalar ** -0.5; window layers attend to the last W tokens only
+  (`ModelConfig.layer_windows`, handed to each layer's `RadixAttention`) and use their own rotary base;
+- logits may be soft-capped (cap * tanh(logits / cap)).
+Weights load under Hugging Face names with q/k/v and gate/up fused, by the same code as the Llama family.
+The layers run eager torch: no fused ops and no C decode step (their layer structure is Llama's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.linear import LinearBase
+from radixserve.layers.radix_attention import RadixAttention
+from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.models.config import ModelConfig
+from radixserve.models.llama import LlamaForCausalLM, _last_token_index
+
+
+class GemmaRMSNorm(nn.Module):
+    """norm(x) * (1 + w) in float32, then rounded to x's dtype (transformers' Gemma3RMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = LinearBase(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = LinearBase(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        scalar = config.query_pre_attn_scalar or config.head_dim
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, scalar**-0.5,
+                                   sliding_window=config.window_of(layer_id))
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim))
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v.contiguous(), fb))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = LinearBase(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = LinearBase(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, layer_id)
+        self.mlp = Gemma3MLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.is_sliding = config.window_of(layer_id) is not None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, fb)
+        hidden = hidden + self.post_attention_layernorm(attended)
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # NOTE: an empty weight, not the default init (see LlamaModel)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """forward(input_ids, positions, forward_batch) -> float32 logits of each request's last token."""
+
+    # NOTE: checkpoint loading is the Llama family's, unchanged (same HF names, same q/k/v and gate/up fusion).
+    stacked_params = LlamaForCausalLM.stacked_params
+    load_weights = LlamaForCausalLM.load_weights
+    _target_of = LlamaForCausalLM._target_of
+    _shard_range = LlamaForCausalLM._shard_range
+    _check_complete = LlamaForCausalLM._check_complete
+    tie_weights = LlamaForCausalLM.tie_weights
+    # NOTE: the layer structure is not the fused ops' or the C decode step's (execution_plan reads this).
+    uses_fused_ops = False
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        self.lm_head = LinearBase(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.context_len + 1)
+        self.local_rotary = RotaryEmbedding(config.head_dim, config.local_rope or config.rope, config.context_len + 1)
+        self.embed_scale = config.hidden_size**0.5
+        self.tie_weights()
+
+    def set_fused_ops(self, ops: Any, silu_and_mul_op: Any = None) -> None:
+        """Gemma 3 layers run eager torch; the plan never hands them fused ops (`uses_fused_ops`)."""
+        if ops is not None:
+            raise ValueError("Gemma 3 layers take no fused ops")
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        # NOTE: the scale is rounded to the model dtype before the product, as transformers does
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        global_rope = self.rotary.cos_sin(positions, hidden.dtype)
+        local_rope = self.local_rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, *(local_rope if layer.is_sliding else global_rope), fb)
+        if fb.forward_mode.is_extend():
+            rows = _last_token_index(fb, hidden.device)
+            if fb.extra_logits_indices is not None:
+                rows = torch.cat([rows, fb.extra_logits_indices])  # NOTE: after the bs sampling rows
+            hidden = hidden[rows]
+        logits = self.lm_head(self.model.norm(hidden)).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
