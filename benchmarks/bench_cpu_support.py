@@ -75,7 +75,9 @@ def forward_command(args: argparse.Namespace, dtype: str = "auto") -> list[str]:
 
 
 def bench_command(args: argparse.Namespace, dtype: str = "auto") -> list[str]:
-    return ["radixserve", "bench", "--workloads", "w1,w2,w3", "--modes", "on", "--torch-threads", str(args.threads),
+    # NOTE: the CLI of this Python's environment, whether or not that environment is on PATH
+    cli = Path(sys.executable).with_name("radixserve")
+    return [str(cli) if cli.exists() else "radixserve", "bench", "--workloads", "w1,w2,w3", "--modes", "on", "--torch-threads", str(args.threads),
             "--dtype", dtype, "--output", "", "--plot", ""]
 
 
