@@ -1,0 +1,204 @@
+"""Multi-LoRA through the Engine on a tiny random Llama with PEFT-made adapters: greedy tokens equal PEFT's merged
+models for a batch mixing four adapters and the base model (both loops, chunked prefill); cache namespaces per
+adapter (reuse within one, none across; a reloaded adapter with new weights misses the old KV); run-time load
+and unload (refused while in use, frees the adapter's KV); unknown adapters; --max-loras-per-batch; the LRU
+slots. The conservation identity is checked after every test."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from lora_support import SPECS, AdapterSpec, hf_greedy, make_peft_adapter
+from test_model_support import make_tiny_model, one_torch_thread
+
+from radixserve import Engine
+
+_single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model(root / "base", "llama")
+    merged = {spec.name: make_peft_adapter(base, root / spec.name, spec) for spec in SPECS}
+    return root, base, merged
+
+
+def _engine(root, **kwargs) -> Engine:
+    paths = [f"{spec.name}={root / spec.name}" for spec in SPECS]
+    args = dict(dtype="float32", device="cpu", max_total_tokens=1024, lora_paths=paths, max_loras_per_batch=4,
+                log_level="warning")
+    return Engine(str(root / "base"), **{**args, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    """(overlap loop with 8-token prefill chunks, normal loop)."""
+    root, _, _ = models
+    made = [_engine(root, chunked_prefill_size=8), _engine(root, disable_overlap_schedule=True)]
+    yield made
+    for engine in made:
+        engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _conserved(request):
+    yield
+    for name in ("engines", "engine"):
+        if name in request.fixturenames:
+            value = request.getfixturevalue(name)
+            for engine in value if isinstance(value, list) else [value]:
+                _assert_conserved(engine)
+
+
+def _assert_conserved(engine: Engine) -> None:
+    state = engine.get_internal_state()
+    assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
+    assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+GREEDY = {"max_new_tokens": STEPS, "temperature": 0.0, "ignore_eos": True}
+
+
+def test_mixed_batch_greedy_tokens_equal_peft(engines, models):
+    _, base, merged = models
+    names = ["sql", None, "chat", "code", "math", "sql", None, "chat"]
+    prompts = _prompts([13, 5, 21, 9, 17, 4, 11, 8], seed=5)
+    for engine in engines:
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names)
+        for name, ids, out in zip(names, prompts, outs, strict=True):
+            assert out["output_ids"] == hf_greedy(base if name is None else merged[name], ids, STEPS), name
+
+
+def test_same_prompt_reuses_within_an_adapter_and_never_across(engines):
+    prompt = _prompts([24], seed=6)[0]
+    for engine in engines:
+        engine.flush_cache()
+        first = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="sql")
+        again = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="sql")
+        other = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="chat")
+        plain = engine.generate(input_ids=prompt, sampling_params=GREEDY)
+        assert first["meta_info"]["cached_tokens"] == 0
+        assert again["meta_info"]["cached_tokens"] == len(prompt) - 1  # NOTE: the last token is recomputed
+        assert other["meta_info"]["cached_tokens"] == 0
+        assert plain["meta_info"]["cached_tokens"] == 0
+        assert again["output_ids"] == first["output_ids"]
+        assert other["output_ids"] != first["output_ids"]
+
+
+def test_tenant_namespace_and_adapter_compose(engines):
+    prompt = _prompts([16], seed=7)[0]
+    engine = engines[1]
+    engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="code", extra_key="tenant-a")
+    same = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="code", extra_key="tenant-a")
+    other_tenant = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="code", extra_key="tenant-b")
+    no_tenant = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="code")
+    assert same["meta_info"]["cached_tokens"] == len(prompt) - 1
+    assert other_tenant["meta_info"]["cached_tokens"] == 0
+    assert no_tenant["meta_info"]["cached_tokens"] == 0
+
+
+def test_unknown_adapter_is_refused_naming_it(engines):
+    engine = engines[0]
+    with pytest.raises(ValueError, match="'nope' is not loaded"):
+        engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY, lora_path="nope")
+
+
+def test_the_scheduler_refuses_an_unknown_adapter_with_404(engines, monkeypatch):
+    """Past the Engine's own check (as a request racing an unload would be): the scheduler ends it, 404."""
+    engine = engines[1]
+    monkeypatch.setattr(engine, "_check_adapter", lambda name: None)
+    out = engine.submit([5, 6, 7], GREEDY, lora_path="gone").result()
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 404 and "'gone'" in reason["message"]
+
+
+def test_reloaded_adapter_with_new_weights_misses_the_old_kv(engines, models, tmp_path):
+    _, base, _ = models
+    engine = engines[0]
+    prompt = _prompts([20], seed=8)[0]
+    old = make_peft_adapter(base, tmp_path / "v1", AdapterSpec("swap", 4, ("q_proj", "up_proj"), seed=21))
+    new = make_peft_adapter(base, tmp_path / "v2", AdapterSpec("swap", 4, ("q_proj", "up_proj"), seed=22))
+    engine.load_lora_adapter("swap", str(tmp_path / "v1"))
+    try:
+        first = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="swap")
+        assert first["output_ids"] == hf_greedy(old, prompt, STEPS)
+        assert engine.unload_lora_adapter("swap")["freed_tokens"] >= len(prompt)
+        engine.load_lora_adapter("swap", str(tmp_path / "v2"))
+        second = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="swap")
+        assert second["meta_info"]["cached_tokens"] == 0
+        assert second["output_ids"] == hf_greedy(new, prompt, STEPS)
+    finally:
+        engine.unload_lora_adapter("swap")
+
+
+def test_unload_is_refused_while_a_request_runs_and_never_breaks_it(engines, models, tmp_path):
+    _, base, _ = models
+    engine = engines[0]
+    merged = make_peft_adapter(base, tmp_path / "busy", AdapterSpec("busy", 8, ("v_proj", "down_proj"), seed=23))
+    engine.load_lora_adapter("busy", str(tmp_path / "busy"))
+    prompt = _prompts([10], seed=9)[0]
+    stream = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 200}, lora_path="busy",
+                             stream=True)
+    first = next(stream)  # NOTE: the request is running now
+    with pytest.raises(ValueError, match="in flight.*status 409"):
+        engine.unload_lora_adapter("busy")
+    chunks = [first, *stream]
+    assert chunks[-1]["finished"] and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert [t for c in chunks for t in c["output_ids"]] == hf_greedy(merged, prompt, 200)
+    names = [a["name"] for a in engine.list_lora_adapters()]
+    assert "busy" in names
+    out = engine.unload_lora_adapter("busy")
+    assert out["freed_tokens"] > 0
+    assert "busy" not in [a["name"] for a in out["adapters"]]
+
+
+def test_bad_adapters_are_refused_and_change_nothing(engines, tmp_path):
+    engine = engines[1]
+    before = engine.list_lora_adapters()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no adapter_config.json.*status 400"):
+        engine.load_lora_adapter("bad", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora_adapter("sql", str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="status 404"):
+        engine.unload_lora_adapter("never-loaded")
+    assert engine.list_lora_adapters() == before
+
+
+def test_max_loras_per_batch_is_kept_and_every_request_is_right(models):
+    """Three adapters, at most two per batch: every forward holds at most two, all requests finish correctly."""
+    root, base, merged = models
+    engine = _engine(root, max_loras_per_batch=2, max_loaded_loras=2, disable_overlap_schedule=True)
+    seen: list[int] = []
+    manager = engine.model_runner.lora
+    prepare = manager.prepare
+    lock = threading.Lock()
+
+    def recording_prepare(fb):
+        with lock:
+            seen.append(len({a.name for a in fb.lora_adapters or [] if a is not None}))
+        prepare(fb)
+
+    manager.prepare = recording_prepare
+    try:
+        names = ["sql", "chat", "code", "sql", "code", "chat", None]
+        prompts = _prompts([6, 7, 8, 9, 10, 11, 12], seed=10)
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=names)
+        for name, ids, out in zip(names, prompts, outs, strict=True):
+            assert out["output_ids"] == hf_greedy(base if name is None else merged[name], ids, STEPS), name
+        assert max(seen) == 2
+        assert len(manager.loaded_slots()) <= 2
+        assert manager.packs >= 3  # NOTE: three adapters through two slots: at least one was packed again
+        _assert_conserved(engine)
+    finally:
+        engine.shutdown()
