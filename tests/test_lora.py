@@ -202,3 +202,40 @@ def test_max_loras_per_batch_is_kept_and_every_request_is_right(models):
         _assert_conserved(engine)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_speculative_verify_rows_and_retraction_keep_each_adapter(models, overlap):
+    """n-gram drafts verified under each row's adapter, on a pool small enough to retract: greedy tokens still
+    equal PEFT's, and both mechanisms ran."""
+    root, base, merged = models
+    engine = _engine(root, disable_overlap_schedule=not overlap, speculative_algorithm="ngram",
+                     max_total_tokens=160, chunked_prefill_size=16, schedule_conservativeness=0.05)
+    try:
+        names = ["sql", "chat", None, "code", "math", "sql", "chat", None]
+        loop = [7, 8, 9, 10, 11, 12]
+        prompts = [loop * 3 + p for p in _prompts([3] * len(names), seed=11)]  # NOTE: repeats: drafts to verify
+        params = {**GREEDY, "max_new_tokens": 12}
+        outs = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+        for name, ids, out in zip(names, prompts, outs, strict=True):
+            assert out["output_ids"] == hf_greedy(base if name is None else merged[name], ids, 12), name
+        state = engine.get_internal_state()
+        assert state["spec_draft_tokens"] > 0 and state["num_retractions"] > 0, state
+        _assert_conserved(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_logprobs_are_the_adapters_own(engines, models):
+    _, _, merged = models
+    prompt = _prompts([12], seed=12)[0]
+    out = engines[1].generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 1}, lora_path="math",
+                              return_logprob=True, logprob_start_len=0)
+    with torch.inference_mode():
+        logits = merged["math"](input_ids=torch.tensor([prompt])).logits[0].float()
+    want = torch.log_softmax(logits, -1)
+    got_out = out["meta_info"]["output_token_logprobs"][0][0]
+    assert abs(got_out - float(want[-1].max())) < 1e-4
+    got_in = [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]
+    ref_in = [float(want[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert max(abs(a - b) for a, b in zip(got_in, ref_in, strict=True)) < 1e-4

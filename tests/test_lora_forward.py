@@ -102,3 +102,55 @@ def test_base_rows_alone_take_no_lora_path(runner, driver, models):
     assert runner.lora.batch.segments == []  # NOTE: cleared after every forward
     for row, ids in enumerate(prompts):
         assert rel_err(logits[row], hf_last_logits(base, ids)) < TOL
+
+
+@pytest.mark.long
+def test_the_c_decode_step_is_bypassed_by_lora_rows_only(tmp_path, monkeypatch):
+    """bf16 with the C decode step on: a decode batch with an adapter row runs the Python layers (and matches
+    PEFT within bf16 rounding); a base-only decode batch still runs in C. Long: a bf16 start times and builds
+    the kernels for its shapes."""
+    from test_model_support import save_tiny_tokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from radixserve.layers.gemv import load_gemv_kernel
+
+    if load_gemv_kernel() is None:
+        pytest.skip("needs AVX512-BF16 (the GEMV kernel): no C decode step to bypass here")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, rms_norm_eps=1e-6, eos_token_id=1, bos_token_id=2)
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    base.save_pretrained(str(tmp_path / "base"))
+    save_tiny_tokenizer(tmp_path / "base")
+    merged = make_peft_adapter(base, tmp_path / "a", SPECS[1])
+    monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1")
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path / "base"), dtype="bfloat16", device="cpu",
+                                    max_total_tokens=512, attention_backend="cpu", linear_method="onednn_gemv",
+                                    lora_paths=(f"chat={tmp_path / 'a'}",)))
+    step = runner.model.decode_step
+    assert step is not None
+    calls: list[int] = []
+
+    class Recorder:
+        def takes(self, fb):
+            return step.takes(fb)
+
+        def __call__(self, hidden, fb):
+            calls.append(fb.batch_size)
+            return step(hidden, fb)
+
+    runner.model.set_decoder(Recorder())
+    driver = DirectDriver(runner)
+    adapter = runner.lora.get("chat")
+    prompts = _prompts([6, 9], seed=5)
+    reqs = [driver.new_request() for _ in prompts]
+    logits = driver.extend(reqs, prompts, [adapter, None])
+    token = [int(row.argmax()) for row in logits]
+    logits = driver.decode(reqs, token, [adapter, None])
+    assert calls == []  # NOTE: the adapter row sent the whole batch through the Python layers
+    for row, (model, ids) in enumerate(zip([merged, base], prompts, strict=True)):
+        assert rel_err(logits[row], hf_last_logits(model, [*ids, token[row]])) < 0.05
+    driver.decode(reqs, [int(row.argmax()) for row in logits], None)
+    assert calls == [2]  # NOTE: a base-only batch runs in C
+    driver.release_all()
