@@ -29,15 +29,21 @@ SPECS = (
 )
 
 
-def make_peft_adapter(base, folder: Path, spec: AdapterSpec) -> torch.nn.Module:
+def make_peft_adapter(base, folder: Path, spec: AdapterSpec, b_scale: float = 1.0) -> torch.nn.Module:
     """Saves a LoRA adapter of `spec` for HF model `base` (left unchanged) to `folder`; returns the merged
-    float32 model it stands for. B is random too (PEFT's default init leaves B zero: no effect to test)."""
+    float32 model it stands for. B is random too (PEFT's default init leaves B zero: no effect to test);
+    `b_scale` shrinks it (a real model's adapter moves its logits, it does not drown them)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(spec.seed)
     config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
                         use_rslora=spec.rslora, init_lora_weights=False, lora_dropout=0.0)
     peft_model = get_peft_model(copy.deepcopy(base), config)
+    if b_scale != 1.0:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(b_scale)
     peft_model.save_pretrained(str(folder))
     return peft_model.merge_and_unload().eval()
 
