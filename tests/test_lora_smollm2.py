@@ -68,3 +68,18 @@ def test_each_adapter_and_a_mixed_batch_match_peft(setup):
         driver.release_all()
     assert check_conservation(runner.token_to_kv_pool_allocator, None, runner.req_to_token_pool, []) is not None
     assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
+
+
+def test_the_lora_benchmark_runs_on_tiny_settings(capsys):
+    """benchmarks/bench_lora.py end to end on a tiny model (a smoke run: the figures mean nothing here)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_lora.py"
+    spec = importlib.util.spec_from_file_location("bench_lora", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--tiny", "--dtype", "float32", "--requests", "4", "--prompt-len", "16", "--new-tokens", "4",
+                "--adapters", "1,4", "--ranks", "8", "--rounds", "1", "--no-docs"])
+    out = capsys.readouterr().out
+    assert "| none (base model, LoRA off) |" in out and "| 4 | 8 |" in out
