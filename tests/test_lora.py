@@ -239,3 +239,35 @@ def test_logprobs_are_the_adapters_own(engines, models):
     got_in = [entry[0] for entry in out["meta_info"]["input_token_logprobs"][1:]]
     ref_in = [float(want[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
     assert max(abs(a - b) for a, b in zip(got_in, ref_in, strict=True)) < 1e-4
+
+
+def test_cascade_shares_a_prefix_only_within_one_adapter(engines, models, monkeypatch):
+    """16 requests over one long prefix: under one adapter the decode attends the shared prefix once (cascade);
+    split over two adapters nothing is shared across them, so no cascade; the tokens equal PEFT's either way."""
+    from radixserve.layers.attention import cascade
+
+    _, _, merged = models
+    engine = engines[1]
+    plans: list[int] = []
+    plan_decode = cascade.plan_decode
+
+    def recording(fb, policy):
+        plan = plan_decode(fb, policy)
+        plans.append(0 if plan is None else int(plan.prefix_slots.numel()))
+        return plan
+
+    monkeypatch.setattr(cascade, "plan_decode", recording)
+    prefix = _prompts([280], seed=13)[0]
+    tails = _prompts([3] * 16, seed=14)
+    for names in (["sql"] * 16, ["sql", "chat"] * 8):
+        for name in set(names):  # NOTE: the prefix cached first under each adapter, so all 16 start together
+            engine.generate(input_ids=prefix, sampling_params={**GREEDY, "max_new_tokens": 1}, lora_path=name)
+        plans.clear()
+        prompts = [prefix + t for t in tails]
+        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 4}, lora_path=names)
+        for name, ids, out in zip(names, prompts, outs, strict=True):
+            assert out["output_ids"] == hf_greedy(merged[name], ids, 4), name
+        if len(set(names)) == 1:
+            assert max(plans) >= 256, plans
+        else:
+            assert plans and max(plans) == 0, plans
