@@ -31,7 +31,7 @@ def setup(tmp_path_factory, loaded):
     paths = tuple(f"{spec.name}={root / spec.name}" for spec in SPECS)
     runner = ModelRunner(ServerArgs(dtype="float32", device="cpu", max_total_tokens=2048, lora_paths=paths,
                                     max_loras_per_batch=4), loaded)
-    return base, merged, runner
+    return base, merged, runner, root
 
 
 def _chat(runner, text: str) -> list[int]:
@@ -41,7 +41,7 @@ def _chat(runner, text: str) -> list[int]:
 
 
 def test_each_adapter_and_a_mixed_batch_match_peft(setup):
-    base, merged, runner = setup
+    base, merged, runner, _ = setup
     driver = DirectDriver(runner)
     names = ["sql", None, "chat", "code", "math"]
     texts = ["Write a SQL query.", "What is the capital of France?", "Say hello.", "Sort a list in Python.",
@@ -83,3 +83,26 @@ def test_the_lora_benchmark_runs_on_tiny_settings(capsys):
                 "--adapters", "1,4", "--ranks", "8", "--rounds", "1", "--no-docs"])
     out = capsys.readouterr().out
     assert "| none (base model, LoRA off) |" in out and "| 4 | 8 |" in out
+
+
+def test_structured_output_under_an_adapter(setup, loaded):
+    """A JSON schema constrains a LoRA request like any other (the grammar masks the adapter's logits)."""
+    import json
+
+    from radixserve import Engine
+
+    root = setup[3]
+    engine = Engine(dtype="float32", max_total_tokens=2048, loaded_model=loaded, log_level="warning",
+                    lora_paths=[f"chat={root / 'chat'}"])
+    try:
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                  "required": ["city"], "additionalProperties": False}
+        out = engine.chat([{"role": "user", "content": "Name a city as JSON."}],
+                          {"max_new_tokens": 32, "temperature": 0, "json_schema": json.dumps(schema)},
+                          lora_path="chat")
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert set(json.loads(out["text"])) == {"city"}
+        state = engine.get_internal_state()
+        assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
+    finally:
+        engine.shutdown()
