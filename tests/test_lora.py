@@ -271,3 +271,35 @@ def test_cascade_shares_a_prefix_only_within_one_adapter(engines, models, monkey
             assert max(plans) >= 256, plans
         else:
             assert plans and max(plans) == 0, plans
+
+
+def test_an_adapter_blocked_by_the_limit_is_not_starved(models):
+    """--max-loras-per-batch 1: a request for adapter B that arrives while A's requests run is admitted before
+    A's requests that arrived after it (they would otherwise keep A's batch busy and B waiting)."""
+    root, _, merged = models
+    engine = _engine(root, max_loras_per_batch=1, disable_overlap_schedule=True)
+    extends: list[tuple[str, ...]] = []
+    manager = engine.model_runner.lora
+    prepare = manager.prepare
+
+    def recording_prepare(fb):
+        if fb.forward_mode.is_extend():
+            extends.append(tuple(a.name for a in fb.lora_adapters))
+        prepare(fb)
+
+    manager.prepare = recording_prepare
+    try:
+        early, late = _prompts([5] * 4, seed=15), _prompts([5] * 4, seed=16)
+        params = {**GREEDY, "max_new_tokens": 8}
+        handles = [engine.submit(p, params, lora_path="sql") for p in early]
+        handles.append(engine.submit(_prompts([6], seed=17)[0], params, lora_path="chat"))
+        handles += [engine.submit(p, params, lora_path="sql") for p in late]
+        outs = [h.result() for h in handles]
+        assert outs[4]["output_ids"] == hf_greedy(merged["chat"], _prompts([6], seed=17)[0], 8)
+        assert all(len(set(names)) == 1 for names in extends), extends  # NOTE: one adapter per batch
+        chat_at = next(i for i, names in enumerate(extends) if names[0] == "chat")
+        sql_total = sum(len(names) for names in extends[:chat_at] if names[0] == "sql")
+        assert sql_total <= len(early), extends  # NOTE: no late request ran before the blocked adapter
+        _assert_conserved(engine)
+    finally:
+        engine.shutdown()
