@@ -142,7 +142,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     generate_ok = {"anyOf": [docs.ref(GenerateResponse), {"type": "array", "items": docs.ref(GenerateResponse)}]}
 
     @app.post("/generate", openapi_extra=docs.json_body(GenerateRequest),
-              responses=docs.responses(generate_ok, *_GENERATE_ERRORS, stream=True))
+              responses=docs.responses(generate_ok, *_GENERATE_ERRORS, 404, stream=True))  # 404: a LoRA adapter
     async def generate(request: Request) -> Response:
         principal = auth.principal(request)
         req, key = await parse(request, GenerateRequest, principal)
