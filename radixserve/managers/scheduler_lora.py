@@ -108,7 +108,7 @@ class LoraControl:
 
     def users(self, adapter: LoraAdapter) -> list[Req]:
         """Live requests (queued, running, or waiting for their grammar) that run `adapter`."""
-        live = [*self.queue.live.values(), *(entry[0] for entry in self.grammars.compiling.values())]
+        live = [*self.queue.live.values(), *self.grammars.waiting()]
         return [r for r in live if r.lora is adapter and not r.finished()]
 
     def _out(self, success: bool, status: int, message: str) -> LoraAdapterOut:
