@@ -63,6 +63,13 @@ class ServerArgs:
     speculative_ngram_max_match: int = _opt(8, "longest suffix (tokens) an n-gram draft tries first")
     speculative_max_verify_rows: int = _opt(32, "most rows (requests + draft tokens) a verify step runs; drafts "
                                                 "are cut to fit, the best-accepted requests first")
+    enable_lora: bool = _opt(False, "serve LoRA adapters (implied by --lora-paths); adapters may then be loaded "
+                                    "at run time too (docs/lora.md)")
+    lora_paths: tuple[str, ...] = _opt((), "LoRA adapters to load at start, each name=path of a PEFT folder")
+    max_loras_per_batch: int = _opt(8, "most distinct LoRA adapters in one running batch")
+    max_lora_rank: int = _opt(64, "highest LoRA rank an adapter may have")
+    max_loaded_loras: int | None = _opt(None, "most adapters packed for the forward at once (least recently used "
+                                              "out); default: --max-loras-per-batch")
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
     attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
@@ -125,9 +132,25 @@ class ServerArgs:
                      "max_frontend_queue", *REQUEST_BOUNDS):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        self._check_lora()
         if self.max_request_fanout > self.max_queued_requests:
             raise ValueError(f"max_request_fanout={self.max_request_fanout} is over max_queued_requests="
                              f"{self.max_queued_requests}: such a request could never be queued")
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_paths, (str, list)):  # NOTE: a list from Engine(...) kwargs, a str for one adapter
+            object.__setattr__(self, "lora_paths", (self.lora_paths,) if isinstance(self.lora_paths, str)
+                               else tuple(self.lora_paths))
+        for name in ("max_loras_per_batch", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"max_loaded_loras={self.max_loaded_loras} is below max_loras_per_batch="
+                             f"{self.max_loras_per_batch}: one batch's adapters must fit at once")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_paths)
 
     @property
     def api_keys(self) -> list[str]:
@@ -154,13 +177,16 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
+            if str(f.type).startswith("tuple"):
+                parser.add_argument(flag, nargs="*", default=f.default, help=help_text)
+                continue
             kind = _cli_type(f.type)
             parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata["choices"], help=help_text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k in names})
 
 
 def _choices(name: str) -> tuple:

@@ -40,8 +40,10 @@ class DirectDriver:
             req.token_ids = list(share_prefix_of.token_ids[:prefix_len])
         return req
 
-    def extend(self, reqs: list[DirectRequest], new_tokens: list[list[int]]) -> torch.Tensor:
-        """Computes the new tokens of each request over its cached prefix; logits [bs, vocab]."""
+    def extend(self, reqs: list[DirectRequest], new_tokens: list[list[int]], lora_adapters: list | None = None,
+               ) -> torch.Tensor:
+        """Computes the new tokens of each request over its cached prefix; logits [bs, vocab]. `lora_adapters`:
+        each request's LoRA adapter (lora/adapter.LoraAdapter or None), or None for the base model alone."""
         prefix_lens = [len(r.token_ids) for r in reqs]
         extend_lens = [len(t) for t in new_tokens]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
@@ -53,15 +55,17 @@ class DirectDriver:
             offset += len(tokens)
         input_ids = [t for tokens in new_tokens for t in tokens]
         fb = ForwardBatch.for_extend(input_ids, [r.row for r in reqs], prefix_lens, extend_lens, slots, self.device)
+        fb.lora_adapters = lora_adapters
         return self.runner.forward(fb)
 
-    def decode(self, reqs: list[DirectRequest], tokens: list[int]) -> torch.Tensor:
+    def decode(self, reqs: list[DirectRequest], tokens: list[int], lora_adapters: list | None = None) -> torch.Tensor:
         """One new token per request; logits [bs, vocab]."""
         seq_lens = [len(r.token_ids) + 1 for r in reqs]
         slots = self._alloc(self.runner.token_to_kv_pool_allocator.alloc_decode(seq_lens, self._last_locs(reqs)))
         for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
             self._assign(req, seq_lens[i] - 1, [token], slots[i : i + 1])
         fb = ForwardBatch.for_decode(tokens, [r.row for r in reqs], seq_lens, slots, self.device)
+        fb.lora_adapters = lora_adapters
         return self.runner.forward(fb)
 
     def release(self, reqs: list[DirectRequest]) -> None:

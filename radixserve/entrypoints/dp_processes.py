@@ -52,6 +52,8 @@ def worker_flags(server_args: ServerArgs, port: int, torch_threads: int) -> list
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags += [flag] if value else []
+        elif isinstance(value, tuple):
+            flags += [flag, *map(str, value)]
         else:
             flags += [flag, str(value)]
     return flags

@@ -32,7 +32,11 @@ from radixserve.managers.io_struct import (
     FlushCacheReq,
     GetInternalStateOut,
     GetInternalStateReq,
+    ListLoraAdaptersReq,
+    LoadLoraAdapterReq,
     LogprobSpec,
+    LoraAdapterOut,
+    UnloadLoraAdapterReq,
 )
 from radixserve.sampling_params import SamplingParams, check_input_ids
 from radixserve.server_args import ServerArgs
@@ -71,30 +75,38 @@ class Engine:
     def generate(self, prompt: Prompt = None, sampling_params: SamplingArg = None,
                  input_ids: list[int] | list[list[int]] | None = None, extra_key: Any = None,
                  stream: bool = False, return_logprob: bool = False, top_logprobs_num: int = 0,
-                 logprob_start_len: int = -1) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+                 logprob_start_len: int = -1, lora_path: str | list[str | None] | None = None,
+                 ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generate for one prompt (a dict back) or a list (a list back); `stream=True` yields increments.
 
         With `return_logprob`, `meta_info` holds `output_token_logprobs`, one (logprob, token id, text)
         per output token, and `output_top_logprobs`, the `top_logprobs_num` most likely per position;
         with `logprob_start_len` >= 0 also `input_token_logprobs` / `input_top_logprobs` of the prompt
-        from that position on (None at position 0), computed, never read from the radix cache."""
+        from that position on (None at position 0), computed, never read from the radix cache.
+        `lora_path`: the name of a loaded LoRA adapter (SGLang's name for it), or one per prompt (None: the
+        base model)."""
         batch, single = self._normalize_inputs(prompt, input_ids)
         params = self._normalize_params(sampling_params, len(batch))
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(batch)
+        if len(loras) != len(batch):
+            raise ValueError(f"{len(loras)} lora_path entries for {len(batch)} prompts")
         logprob = LogprobSpec(return_logprob, top_logprobs_num, logprob_start_len)
         if stream:
             if not single or params[0].n != 1:
                 raise ValueError("stream=True takes one prompt with n=1")
-            return self.submit(batch[0], params[0], extra_key, stream=True, logprob=logprob).stream()
-        handles = [h for ids, p in zip(batch, params, strict=True)
-                   for h in self._submit_n(ids, p, extra_key, logprob)]
+            return self.submit(batch[0], params[0], extra_key, stream=True, logprob=logprob,
+                               lora_path=loras[0]).stream()
+        handles = [h for ids, p, lora in zip(batch, params, loras, strict=True)
+                   for h in self._submit_n(ids, p, extra_key, logprob, lora)]
         results = [h.result() for h in handles]
         return results[0] if single and len(results) == 1 else results
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingArg = None, extra_key: Any = None,
-             stream: bool = False, **logprobs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
+             stream: bool = False, lora_path: str | None = None,
+             **logprobs: Any) -> dict[str, Any] | Iterator[dict[str, Any]]:
         """Apply the model's chat template to `messages` and generate the assistant's answer."""
         return self.generate(input_ids=self.apply_chat_template(messages), sampling_params=sampling_params,
-                             extra_key=extra_key, stream=stream, **logprobs)
+                             extra_key=extra_key, stream=stream, lora_path=lora_path, **logprobs)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -102,7 +114,7 @@ class Engine:
 
     def submit(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
                extra_key: Any = None, stream: bool = False, rid: str | None = None,
-               logprob: LogprobSpec = NO_LOGPROBS) -> RequestHandle:
+               logprob: LogprobSpec = NO_LOGPROBS, lora_path: str | None = None) -> RequestHandle:
         """Queue one request and return at once; the handle waits for, streams or aborts it."""
         self._raise_if_dead()
         params = SamplingParams.from_any(sampling_params)
@@ -112,10 +124,11 @@ class Engine:
         error = check_request(input_ids, logprob, extra_key, self.limits)
         if error is not None:
             raise ValueError(error)
+        self._check_adapter(lora_path)
         rid = rid or uuid.uuid4().hex
         state = RequestState(rid, list(input_ids), params, self.tokenizer, stream, logprob)
         self._tracker.add(rid, state)
-        self._send(generate_message(rid, input_ids, params, extra_key, logprob))
+        self._send(generate_message(rid, input_ids, params, extra_key, logprob, lora_path))
         return RequestHandle(state, self)
 
     def abort(self, rid: str) -> None:
@@ -127,6 +140,35 @@ class Engine:
         out: FlushCacheOut = self._control(FlushCacheReq(), FlushCacheOut)
         return {"success": out.success, "tokens_freed": out.tokens_freed, "message": out.message,
                 "cache_epoch": out.cache_epoch}
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Registers a PEFT LoRA folder under `lora_name`; raises ValueError (nothing changed) when it cannot."""
+        return self._lora_control(LoadLoraAdapterReq(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Forgets an adapter and frees its cached KV; raises ValueError (404: unknown; 409: in use)."""
+        return self._lora_control(UnloadLoraAdapterReq(lora_name))
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        """The registered adapters: name, path, rank, alpha, targets, content hash, whether packed now."""
+        out: LoraAdapterOut = self._control(ListLoraAdaptersReq(), LoraAdapterOut)
+        return out.adapters
+
+    def _lora_control(self, msg: Any) -> dict[str, Any]:
+        out: LoraAdapterOut = self._control(msg, LoraAdapterOut)
+        if not out.success:
+            raise ValueError(f"{out.message} (status {out.status_code})")
+        return {"message": out.message, "adapters": out.adapters, "freed_tokens": out.freed_tokens}
+
+    def _check_adapter(self, name: str | None) -> None:
+        """An unknown adapter is refused here, naming it (the scheduler checks again on arrival)."""
+        if name is None:
+            return
+        manager = self.model_runner.lora
+        if manager is None:
+            raise ValueError("LoRA is off on this engine; create it with enable_lora=True or lora_paths=[...]")
+        if manager.get(name) is None:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(manager.registry) or 'none'})")
 
     def get_internal_state(self) -> dict[str, Any]:
         """Scheduler counters and pool sizes (prompt/cached/generated/evicted tokens, retractions...)."""
@@ -168,8 +210,8 @@ class Engine:
         return [SamplingParams.from_any(sampling_params)] * n
 
     def _submit_n(self, ids: list[int], params: SamplingParams, extra_key: Any,
-                  logprob: LogprobSpec) -> list[RequestHandle]:
-        return [self.submit(ids, p, extra_key, logprob=logprob) for p in per_choice_params(params)]
+                  logprob: LogprobSpec, lora_path: str | None = None) -> list[RequestHandle]:
+        return [self.submit(ids, p, extra_key, logprob=logprob, lora_path=lora_path) for p in per_choice_params(params)]
 
     def _control(self, msg: Any, reply_type: type) -> Any:
         with self._control_lock:  # NOTE: one at a time, so a reply cannot outrun the shutdown check

@@ -35,6 +35,7 @@ from radixserve.entrypoints.http_errors import (
     unavailable,
 )
 from radixserve.entrypoints.logprobs import TokenTexts
+from radixserve.entrypoints.lora_api import LORA_SCHEMAS, install_lora_routes, model_cards
 from radixserve.entrypoints.openai_protocol import (
     AbortRequest,
     AbortResponse,
@@ -48,11 +49,9 @@ from radixserve.entrypoints.openai_protocol import (
     GenerateRequest,
     GenerateResponse,
     HealthResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    now,
 )
 from radixserve.entrypoints.serving_common import guarded
 from radixserve.entrypoints.serving_openai import OpenAIServing
@@ -77,7 +76,7 @@ _GENERATE_ERRORS = (400, 401, 413, 500, 503)
 _KEYLESS_ERRORS = (429, 503)
 _SCHEMA_MODELS = [CompletionRequest, ChatCompletionRequest, GenerateRequest, AbortRequest, TokenizeRequest,
                   DetokenizeRequest, CompletionResponse, ChatCompletionResponse, GenerateResponse, ModelList,
-                  TokenizeResponse, DetokenizeResponse, AbortResponse, FlushCacheResponse, HealthResponse]
+                  TokenizeResponse, DetokenizeResponse, AbortResponse, FlushCacheResponse, HealthResponse, *LORA_SCHEMAS]
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
@@ -143,7 +142,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     generate_ok = {"anyOf": [docs.ref(GenerateResponse), {"type": "array", "items": docs.ref(GenerateResponse)}]}
 
     @app.post("/generate", openapi_extra=docs.json_body(GenerateRequest),
-              responses=docs.responses(generate_ok, *_GENERATE_ERRORS, stream=True))
+              responses=docs.responses(generate_ok, *_GENERATE_ERRORS, 404, stream=True))  # 404: a LoRA adapter
     async def generate(request: Request) -> Response:
         principal = auth.principal(request)
         req, key = await parse(request, GenerateRequest, principal)
@@ -176,8 +175,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.get("/v1/models", responses=docs.responses(docs.ref(ModelList), 401))
     async def models(request: Request) -> JSONResponse:
         auth.principal(request)
-        card = ModelCard(id=tm.info.model_name, created=now(), max_model_len=tm.info.effective_max_context)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        return JSONResponse(ModelList(data=await model_cards(tm)).model_dump())  # the base, then its LoRA adapters
 
     @app.get("/health", responses=docs.responses(docs.ref(HealthResponse), 503))
     async def health() -> JSONResponse:
@@ -228,6 +226,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             pass
         return Response(tm.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
+    install_lora_routes(app, tm, auth, parse)  # /load_lora_adapter, /unload_lora_adapter (docs/lora.md)
     install_gateway_routes(app, tm, server_args, auth, keyless_gate)  # what SGLang's model gateway calls (docs/scale_out.md)
     register_cache_explorer(app, tm, server_args)  # /cache/tree, /cache/view (docs/server.md)
     return app

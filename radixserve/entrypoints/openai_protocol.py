@@ -218,6 +218,7 @@ class GenerateRequest(_Request):
     return_text_in_logprobs: bool = False  # accepted for SGLang clients; the text is always included
     cache_salt: str | None = None
     extra_key: str | None = None
+    lora_path: str | None = None  # SGLang's name: the LoRA adapter to run (docs/lora.md); None: the base model
 
 
 class AbortRequest(_Request):
@@ -400,6 +401,8 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "radixserve"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's folder (vLLM's field)
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
 
 
 class ModelList(_Response):
@@ -438,6 +441,24 @@ class FlushCacheResponse(_Response):
     tokens_freed: int
     message: str
     cache_epoch: int
+
+
+class LoadLoraAdapterRequest(_Request):
+    """SGLang's /load_lora_adapter: a PEFT LoRA folder, registered under `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Request):
+    lora_name: str
+
+
+class LoraAdapterResponse(_Response):
+    success: bool
+    message: str
+    adapters: list[dict[str, Any]]
+    freed_tokens: int = 0
 
 
 class HealthResponse(_Response):

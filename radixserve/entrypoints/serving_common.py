@@ -181,7 +181,8 @@ _INLINE_EVENT_TOKENS = 256  # a stream event with more tokens is rendered off th
 def raise_if_aborted(result: ChoiceResult | GenerateOutput) -> None:
     # NOTE: an abort the client asked for is a normal end: finish_reason "abort" and the partial output.
     if result.finish_reason == "abort" and result.finish_status != CLIENT_ABORT:
-        status = result.finish_status if result.finish_status in (400, 500, 503) else 500
+        # NOTE: 404: a LoRA adapter unloaded between the front end's check and the request's arrival
+        status = result.finish_status if result.finish_status in (400, 404, 500, 503) else 500
         raise ApiError(status, f"request aborted by the scheduler: {result.finish_message or 'no reason given'}",
                        code="request_aborted")
 
@@ -275,12 +276,13 @@ def check_prompt_chars(tm: TokenizerManager, chars: int, param: str) -> None:
 
 def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: list[list[SamplingParams]],
                  extra_key: Any, top_logprobs: int | None = None, client_rids: list[str | None] | None = None,
-                 logprob_start_len: int = -1) -> AsyncIterator[tuple[int, GenerateOutput]]:
+                 logprob_start_len: int = -1, lora_name: str | None = None) -> AsyncIterator[tuple[int, GenerateOutput]]:
     """One request per (prompt, choice); choice index = prompt index * n + choice.
 
     `top_logprobs`: None for no logprobs, else the alternatives to return per token (0 for none).
     `client_rids`: the client's rid of each prompt (its choices share it), for /abort_request.
-    `logprob_start_len`: with logprobs, also score every prompt from this position (-1: not)."""
+    `logprob_start_len`: with logprobs, also score every prompt from this position (-1: not).
+    `lora_name`: the LoRA adapter every sequence runs (None: the base model)."""
     rids = client_rids or [None] * len(prompts)
     logprobs = top_logprobs is not None
     try:
@@ -290,7 +292,8 @@ def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: 
     group = object()  # NOTE: its sequences share one turn in fair admission
     scored = logprobs and logprob_start_len >= 0
     gens = [tm.generate(GenerateReq(ids, params, extra_key, logprobs, top_logprobs or 0,
-                                    logprob_start_len if scored and choice == 0 else -1, client_rid=rid, group=group))
+                                    logprob_start_len if scored and choice == 0 else -1, client_rid=rid, group=group,
+                                    lora_name=lora_name))
             for ids, per_prompt, rid in zip(prompts, choice_params, rids, strict=True)
             for choice, params in enumerate(per_prompt)]
     n = len(choice_params[0]) if choice_params else 1

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from radixserve.client.requests import per_choice_params
 from radixserve.entrypoints.http_errors import bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, check_top_logprobs, native_logprobs
+from radixserve.entrypoints.lora_api import check_adapter
 from radixserve.entrypoints.openai_protocol import GenerateRequest, NativeSamplingParams
 from radixserve.entrypoints.serving_common import (
     CLIENT_CLOSED,
@@ -112,6 +113,7 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
     given = req.sampling_params
     check_request_items(tm, sequences=_num_prompts(req) * given.n, stop=given.stop,
                         stop_token_ids=given.stop_token_ids, logit_bias=given.logit_bias, prefix="sampling_params.")
+    lora = await check_adapter(tm, req.lora_path, "lora_path")
     prompts, batch, param = await tm.run_tokenizer(key, _prompts, tm, req)
     start = _logprob_start(req, prompts)
     # NOTE: max_new_tokens 0 computes the prompt and generates nothing: it scores the prompt (with
@@ -120,7 +122,7 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
     n = params[0].n
     choice_params = [per_choice_params(p, n) for p in params]
     outputs = generate_all(tm, prompts, choice_params, extra_key, top_logprobs, _client_rids(req, len(prompts), batch),
-                           logprob_start_len=start)
+                           logprob_start_len=start, lora_name=lora)
     logprob_texts = texts if req.return_logprob else None  # None: no logprobs
     scored = [ids[start:] if start >= 0 else None for ids in prompts]  # the prompt tokens that get logprobs
     if req.stream:

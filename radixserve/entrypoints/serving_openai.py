@@ -15,6 +15,7 @@ from radixserve.client.text_stream import decode_all
 from radixserve.entrypoints.gateway_api import GATEWAY_UNSET_MODEL
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, chat_logprobs, check_top_logprobs, completion_logprobs
+from radixserve.entrypoints.lora_api import adapter_of_model, check_adapter
 from radixserve.entrypoints.openai_protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -106,9 +107,16 @@ class OpenAIServing:
         self.special_trigger = trigger_is_special(self.tool_format, tm.tokenizer)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name, GATEWAY_UNSET_MODEL):
+        # NOTE: with LoRA on, another name may be an adapter's: `adapter_of` asks the scheduler
+        if model is not None and model not in (self.model_name, GATEWAY_UNSET_MODEL) and not self.tm.info.lora_enabled:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
+
+    async def adapter_of(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names ("<base>:<adapter>" or "<adapter>"), None for the base; 404 if unknown."""
+        if model == GATEWAY_UNSET_MODEL:
+            return None
+        return await check_adapter(self.tm, adapter_of_model(model, self.model_name), "model")
 
     def _check_common(self, req: Any) -> None:
         self.check_model(req.model)
@@ -153,6 +161,7 @@ class OpenAIServing:
                               code="unsupported_parameter")
         if req.logprobs is not None:
             check_top_logprobs(req.logprobs, "logprobs")
+        lora = await self.adapter_of(req.model)
         if req.max_tokens == 0 and not req.echo:
             raise bad_request("'max_tokens' 0 (score the prompt, generate nothing) needs 'echo': true",
                               param="max_tokens", code="invalid_value")
@@ -165,7 +174,7 @@ class OpenAIServing:
         if req.echo:
             echo = _Echo(await self.tm.run_tokenizer(key, self._prompt_texts, req.prompt, prompts), prompts, req.n)
         return await self._serve(req, request, prompts, params, extra_key, key, chat=False, top_logprobs=req.logprobs,
-                                 echo=echo)
+                                 echo=echo, lora=lora)
 
     def _completion_prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -199,6 +208,7 @@ class OpenAIServing:
         if req.echo:
             raise bad_request("'echo' is supported by /v1/completions only", param="echo",
                               code="unsupported_parameter")
+        lora = await self.adapter_of(req.model)
         if req.top_logprobs is not None:
             if not req.logprobs:
                 raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs",
@@ -213,7 +223,7 @@ class OpenAIServing:
                                  tools)]
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         return await self._serve(req, request, [ids], params, extra_key, key, chat=True, top_logprobs=top_logprobs,
-                                 tools=tools if tools is not None and tools.parses_calls else None)
+                                 tools=tools if tools is not None and tools.parses_calls else None, lora=lora)
 
     def chat_prompt(self, chat: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
         """The prompt's ids: the chat (its earlier tool calls and results, and `tools`) through the template."""
@@ -238,6 +248,7 @@ class OpenAIServing:
 
     async def tokenize(self, req: TokenizeRequest, key: Any = None) -> dict[str, Any]:
         self.check_model(req.model)
+        await self.adapter_of(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
         if req.messages is not None:
@@ -248,6 +259,7 @@ class OpenAIServing:
 
     async def detokenize(self, req: DetokenizeRequest, key: Any = None) -> dict[str, Any]:
         self.check_model(req.model)
+        await self.adapter_of(req.model)
         return {"prompt": await self.tm.run_tokenizer(key, self._decode, req.tokens)}
 
     def _decode(self, tokens: list[int]) -> str:
@@ -259,14 +271,15 @@ class OpenAIServing:
 
     async def _serve(self, req: Any, request: Request, prompts: list[list[int]], params: list[Any],
                      extra_key: Any, key: Any, chat: bool, top_logprobs: int | None, echo: _Echo | None = None,
-                     tools: ToolPlan | None = None) -> Response:
-        """`top_logprobs`: None without logprobs, else the alternatives per token; `tools`: parse calls."""
+                     tools: ToolPlan | None = None, lora: str | None = None) -> Response:
+        """`top_logprobs`: None without logprobs, else the alternatives per token; `tools`: parse calls; `lora`:
+        the LoRA adapter (None: the base model)."""
         choice_params = [per_choice_params(p, req.n) for p in params]
         if req.rid is not None:
             check_text(req.rid, "rid")
         # NOTE: echo with logprobs scores every prompt from position 0 (recomputed, never a cache hit).
         outputs = generate_all(self.tm, prompts, choice_params, extra_key, top_logprobs, [req.rid] * len(prompts),
-                               logprob_start_len=0 if echo is not None else -1)
+                               logprob_start_len=0 if echo is not None else -1, lora_name=lora)
         usage = _Usage([len(p) for p in prompts], req.n)
         rid = new_id("chatcmpl" if chat else "cmpl")
         logprobs = top_logprobs is not None

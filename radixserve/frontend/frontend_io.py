@@ -52,6 +52,7 @@ class GenerateReq:
     logprob_start_len: int = -1  # with return_logprob: also score the prompt from this position (-1: no)
     client_rid: str | None = None  # the client's name for it (SGLang's rid), for /abort_request
     group: Any = None  # the HTTP request it belongs to (fair admission); None: its own
+    lora_name: str | None = None  # a LoRA adapter the scheduler holds; None: the base model
 
 
 class FinishView:

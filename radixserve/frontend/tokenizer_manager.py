@@ -229,7 +229,7 @@ class TokenizerManager:
             state.link = self._link
             self._link.send_request(generate_message(
                 rid, req.input_ids, req.sampling_params, req.extra_key,
-                LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len)))
+                LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len), req.lora_name))
             state.sent = True
             while True:
                 item = await state.queue.get()

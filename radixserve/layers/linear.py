@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -159,13 +159,16 @@ class LinearBase(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.method: LinearMethod = DenseLinearMethod()
+        self.lora: Any = None  # the LoRA products of a mixed batch (lora/layers.LoraLinear), once LoRA is on
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.out_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        # NOTE: the base product once for every row; each adapter's rows then add their own delta
+        return y if self.lora is None else self.lora.add_to(x, y)
 
     def set_method(self, method: LinearMethod) -> None:
         """Gives the layer a method chosen by its weight format (quantization) before weights are loaded."""

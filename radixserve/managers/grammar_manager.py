@@ -63,6 +63,10 @@ class GrammarManager:
         entry = self.compiling.get(rid)
         return None if entry is None else entry[0]
 
+    def waiting(self) -> list[Req]:
+        """The requests whose grammar is still compiling (not queued yet)."""
+        return [req for req, _, _ in self.compiling.values()]
+
     def move_ready(self) -> None:
         """Queues requests whose grammar compiled; ends those whose grammar failed or took too long (400)."""
         from radixserve.constrained.grammar_backend import GrammarError

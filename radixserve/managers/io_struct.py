@@ -41,6 +41,7 @@ class TokenizedGenerateReqInput:
     extra_key: Any = None  # hashable namespace; different values never share KV
     stream: bool = False
     logprob: LogprobSpec = NO_LOGPROBS
+    lora_name: str | None = None  # a registered LoRA adapter; None: the base model
 
 
 @dataclass
@@ -87,6 +88,38 @@ class CacheTreeReq:
 @dataclass
 class CacheTreeOut:
     snapshot: dict[str, Any]
+
+
+@dataclass
+class LoadLoraAdapterReq:
+    """Register a PEFT LoRA folder under `lora_name` (SGLang's /load_lora_adapter)."""
+
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class UnloadLoraAdapterReq:
+    """Forget an adapter and drop its cached KV; refused while a request uses it."""
+
+    lora_name: str
+
+
+@dataclass
+class LoraAdapterOut:
+    """The answer to a load or unload: `status_code` 200, 400 (bad adapter, LoRA off), 404 (unknown name) or
+    409 (in use); `adapters`, the registered adapters afterwards."""
+
+    success: bool
+    status_code: int
+    message: str
+    adapters: list[dict[str, Any]] = field(default_factory=list)
+    freed_tokens: int = 0
+
+
+@dataclass
+class ListLoraAdaptersReq:
+    pass
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from radixserve.managers.req import Req
 from radixserve.managers.request_queue import RequestQueue
@@ -42,6 +43,7 @@ class PrefillPlanner:
         self.chunked_req: Req | None = None
         self.in_flight_prefill: list[Req] = []  # the last prefill's requests, for in-batch prefix dedup
         self.batch_is_full = False
+        self.lora: Any = None  # the scheduler's LoraControl (--max-loras-per-batch), once composed
 
     def room_freed(self) -> None:
         """A request finished or was retracted: admission may succeed again."""
@@ -105,6 +107,7 @@ class PrefillPlanner:
         `matched`: the policy has just matched every waiting request against the tree (one match a step)."""
         adder = PrefillAdder(self.kv_manager, running, self.new_token_ratio.value,
                              self.limits.max_prefill_tokens, self.limits.chunked_prefill_size)
+        adapters = {r.lora.name for r in [*running, *([self.chunked_req] if self.chunked_req else [])] if r.lora}
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
@@ -114,10 +117,16 @@ class PrefillPlanner:
                 break
             if req.rid in self.policy.deprioritized:
                 continue  # NOTE: an earlier request is computing its prefix; next round it hits the cache
+            if self.lora is not None and not self.lora.admits(adapters, req):
+                # NOTE: stop here rather than skip: later requests of the running adapters would keep them
+                # busy forever; the batch drains and this adapter comes in next (no adapter starves)
+                break
             if not matched:
                 req.init_next_round_input()
                 self.kv_manager.match_prefix(req)
             result = adder.add_one_req(req)
+            if req.lora is not None and req in adder.can_run_list:
+                adapters.add(req.lora.name)
             if result != AddReqResult.CONTINUE:
                 self.batch_is_full = result == AddReqResult.NO_TOKEN
                 break

@@ -87,6 +87,7 @@ class Req:
         self.penalty_reset = False  # a new row: its penalty history must be rebuilt in the next forward
         self.kv = ReqKV()
         self.grammar: Any = None  # constrained decoding: its matcher (constrained/grammar_backend.Grammar), once compiled
+        self.lora: Any = None  # its LoRA adapter (lora/adapter.LoraAdapter), set on arrival; None: the base model
         self.spec: Any = None  # speculative decoding's state (speculative/ngram.SpecState), once it drafted
         self.forced_pending = 0  # jump-forward tokens appended since its last round: the decode planner decides
         # Lifecycle.

@@ -61,6 +61,7 @@ class ScheduleBatch:
         rows = [r.kv.req_pool_idx for r in reqs]
         self.forward_batch = ForwardBatch.for_extend(input_ids, rows, prefix_lens, extend_lens,
                                                      out_cache_loc, self.device)
+        self.forward_batch.lora_adapters = lora_adapters(reqs)
         self._plan_input_logprobs(prefix_lens, extend_lens)
         return self.forward_batch
 
@@ -104,6 +105,7 @@ class ScheduleBatch:
         seq_lens = [r.kv.kv_allocated_len for r in reqs]
         fb = ForwardBatch.for_decode(None, [r.kv.req_pool_idx for r in reqs], seq_lens, out_cache_loc, self.device)
         fb.host_input_ids = self._forced_inputs(seq_lens)
+        fb.lora_adapters = lora_adapters(reqs)
         self.forward_batch = fb
         return fb
 
@@ -126,6 +128,7 @@ class ScheduleBatch:
             seq_lens.extend(range(b + 1, b + 2 + len(draft)))
         fb = ForwardBatch.for_decode(inputs, rows, seq_lens, slots, self.device)
         fb.verify = VerifyInput(drafts, base)
+        fb.lora_adapters = lora_adapters(reqs)
         self.forward_batch = fb
         return fb
 
@@ -188,6 +191,12 @@ class ScheduleBatch:
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         self.reqs.extend(r for r in other.reqs if r not in self.reqs)
+
+
+def lora_adapters(reqs: list[Req]) -> list | None:
+    """Each request's LoRA adapter for the forward, or None when every request runs the base model."""
+    adapters = [r.lora for r in reqs]
+    return adapters if any(a is not None for a in adapters) else None
 
 
 def penalty_info(reqs: list[Req], output_lens: list[int], device: torch.device,

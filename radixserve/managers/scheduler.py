@@ -52,6 +52,7 @@ from radixserve.managers.schedule_batch import ScheduleBatch, penalty_info
 from radixserve.managers.schedule_policy import NewTokenRatio, SchedulePolicy
 from radixserve.managers.scheduler_failures import FailureContainment
 from radixserve.managers.scheduler_input_processor import InputProcessor
+from radixserve.managers.scheduler_lora import LORA_MESSAGES, LoraControl
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor, logprob_top_k
 from radixserve.managers.scheduler_runner import SchedulerRunner
@@ -126,8 +127,11 @@ class Scheduler:
                                     drafter)
         self.grammars = GrammarManager(self.model_runner, self.queue, self.output, self.eos_token_ids,
                                        args.grammar_compile_timeout)
+        self.lora = LoraControl(getattr(self.model_runner, "lora", None), self.queue, self.grammars, self.kv_manager,
+                                args.max_loras_per_batch)
+        self.prefill.lora = self.lora
         self.inputs = InputProcessor(self.queue, self.output, self.stats, RequestLimits.of_runner(self.model_runner),
-                                     self.grammars)
+                                     self.grammars, self.lora)
         self.pipelines = Pipelines(self.model_runner, self.device, release=self.grammars.release)
         self.failures = FailureContainment(self, self.pipelines, self.queue, self.prefill, self.output)
         self.state_report = StateReport(self)
@@ -278,6 +282,8 @@ class Scheduler:
                 self.output_sink(GetInternalStateOut(self.get_internal_state()))
             elif isinstance(msg, CacheTreeReq):
                 self.output_sink(cache_tree_snapshot(self, msg))
+            elif isinstance(msg, LORA_MESSAGES):
+                self.output_sink(self.lora.handle(msg))
             else:
                 logger.error("unknown message %r ignored", type(msg).__name__)
 

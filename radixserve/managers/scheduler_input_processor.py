@@ -13,6 +13,7 @@ from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.managers.req import FinishReason, Req
 from radixserve.managers.request_queue import RequestQueue
+from radixserve.managers.scheduler_lora import LoraControl
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor
 
@@ -21,28 +22,36 @@ logger = logging.getLogger(__name__)
 
 class InputProcessor:
     def __init__(self, queue: RequestQueue, output: OutputProcessor, stats: SchedulerStats,
-                 limits: RequestLimits, grammars: GrammarManager) -> None:
+                 limits: RequestLimits, grammars: GrammarManager, lora: LoraControl | None = None) -> None:
         self.queue = queue
         self.output = output
         self.stats = stats
         self.limits = limits
         self.grammars = grammars
+        self.lora = lora
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.limits.eos_token_ids,
                   msg.logprob)
-        error = self.validate_request(req)
+        error, status = self.validate_request(req), 400
         if self.queue.get(msg.rid) is not None or self.grammars.get(msg.rid) is not None:
             error = f"request id {msg.rid!r} is already in use"
+        if error is None and msg.lora_name is not None:
+            error, status = self._attach_adapter(req, msg.lora_name) or (None, 400)
         if error is not None:
             self.stats.num_rejected += 1
             logger.warning("Reject %s: %s", msg.rid, error)
-            self.output.finish_now(req, FinishReason.abort(error, status_code=400))
+            self.output.finish_now(req, FinishReason.abort(error, status_code=status))
             return
         req.admit(self.limits.context_len)
         self.stats.num_requests += 1
         if not self.grammars.submit(req):  # NOTE: a request with a grammar is queued once it has compiled
             self.queue.add(req)
+
+    def _attach_adapter(self, req: Req, name: str) -> tuple[str, int] | None:
+        if self.lora is None:
+            return "LoRA is off on this scheduler", 400
+        return self.lora.attach(req, name)
 
     def validate_request(self, req: Req) -> str | None:
         """Why `req` can never run (with the numbers), or None. Checked on arrival, so it never blocks the queue;

@@ -63,6 +63,7 @@ class SchedulerInfo:
     device: str
     pid: int
     platform: dict[str, Any] = field(default_factory=dict)  # ModelRunner.platform_info(): dtype reason, CPU
+    lora_enabled: bool = False  # requests may name LoRA adapters (the scheduler holds the registry)
 
     @property
     def effective_max_context(self) -> int:
@@ -164,6 +165,7 @@ def _info_from_runner(server_args: ServerArgs, runner: ModelRunner) -> Scheduler
         device=str(runner.device),
         pid=os.getpid(),
         platform=runner.platform_info(),
+        lora_enabled=getattr(runner, "lora", None) is not None,
     )
 
 

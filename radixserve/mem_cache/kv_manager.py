@@ -19,7 +19,7 @@ here, where the request's row is. What the manager reads of a request is `KVRequ
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -333,6 +333,12 @@ class KVManager:
             elif kv.locked:
                 self.tree_cache.dec_lock_ref(kv.last_node)
         req.kv = ReqKV()
+
+    def drop_namespaces(self, match: Callable[[Any], bool]) -> int:
+        """Frees the cached KV of every namespace `match` selects (no request may hold any of it: the caller
+        checks); returns the tokens freed."""
+        with self.timing():
+            return self.tree_cache.drop_namespaces(match)
 
     def flush(self) -> int:
         """Empty the tree (only when no request holds KV: the caller checks); returns the tokens freed."""

@@ -16,6 +16,7 @@ import math
 import struct
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -370,6 +371,33 @@ class RadixCache:
         if self.events is not None and victims:
             self.events.record("evict", None, None, evicted, (num_tokens, victims))
         return evicted
+
+    def drop_namespaces(self, match: Callable[[Any], bool]) -> int:
+        """Frees the whole subtree of every namespace whose `extra_key` satisfies `match` (an unloaded LoRA
+        adapter's KV); returns the tokens freed. Raises, changing nothing, if one of those nodes is locked.
+
+        NOTE: namespaces partition the tree below the root, so each is a set of the root's subtrees."""
+        tops = [c for c in self.root_node.children.values() if match(c.key.extra_key)]
+        nodes, stack = [], list(tops)
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        if any(node.lock_ref for node in nodes):
+            raise RuntimeError("a namespace to drop is locked by a running request")
+        for top in tops:
+            del self.root_node.children[top.key.child_key(self.page_size)]
+        freed = sum(len(node.key) for node in nodes)
+        victims = [(n.id, len(n.key), n.key.extra_key, n.parent.id) for n in nodes]
+        for node in nodes:
+            self.evictable_leaves.discard(node)
+            node.parent = None
+        self.evictable_size_ -= freed
+        if nodes and self.token_to_kv_pool_allocator is not None:
+            self.token_to_kv_pool_allocator.free(torch.cat([node.value for node in nodes]))
+        if self.events is not None and nodes:
+            self.events.record("evict", None, None, freed, (freed, victims))
+        return freed
 
     def _delete_leaf(self, node: TreeNode) -> None:
         parent = node.parent

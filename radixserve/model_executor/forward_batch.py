@@ -55,6 +55,9 @@ class ForwardBatch:
     # Speculative decoding: a decode-shaped forward whose requests run one row per draft token too
     # (speculative/verify.py); rows, positions and seq_lens are per row, input ids all known on the host.
     verify: object | None = None
+    # Multi-LoRA: each request's adapter (lora/adapter.LoraAdapter, None: the base model), or None when no request
+    # of the batch has one; the runner groups the rows by adapter (lora/manager.py).
+    lora_adapters: list | None = None
     # Set by the model runner before the forward: the pools and backend the layers use.
     req_to_token_pool: object | None = None
     token_to_kv_pool: object | None = None

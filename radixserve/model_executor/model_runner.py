@@ -88,6 +88,7 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device,
                                                      plan=self.execution_plan.attention)
         self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
+        self.lora = self._init_lora() if server_args.lora_enabled else None  # lora/manager.LoraManager
         self._log_startup()
 
     def forward(self, forward_batch: ForwardBatch, read_done: Any = None) -> torch.Tensor:
@@ -108,13 +109,35 @@ class ModelRunner:
             finally:
                 if read_done is not None:
                     read_done.record()
-            logits = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            logits = self._run_model(forward_batch)
             if forward_batch.extra_logits_indices is None:
                 return logits
             bs = forward_batch.batch_size
             forward_batch.input_logprobs = compute_input_logprobs(
                 logits[bs:], forward_batch.extra_target_ids, forward_batch.extra_top_k)
             return logits[:bs]
+
+    def _run_model(self, fb: ForwardBatch) -> torch.Tensor:
+        if self.lora is None:
+            if fb.lora_adapters is not None:
+                raise RuntimeError("a batch with LoRA adapters on a runner without LoRA")
+            return self.model(fb.input_ids, fb.positions, fb)
+        self.lora.prepare(fb)
+        try:
+            return self.model(fb.input_ids, fb.positions, fb)
+        finally:
+            self.lora.finish()
+
+    def _init_lora(self) -> Any:
+        from radixserve.lora.manager import LoraLimits, LoraManager, parse_lora_paths
+
+        args = self.server_args
+        limits = LoraLimits(args.max_lora_rank, args.max_loaded_loras or args.max_loras_per_batch,
+                            args.max_loras_per_batch)
+        manager = LoraManager(self.model, self.model_config, self.dtype, self.device, limits)
+        for name, path in parse_lora_paths(args.lora_paths):
+            manager.register(name, path)
+        return manager
 
     def sample(self, logits: torch.Tensor, sampling_info: SamplingBatchInfo) -> torch.Tensor:
         """Next token per row, int64 [bs]."""

@@ -1,0 +1,57 @@
+"""Helpers for the LoRA tests (no tests here): PEFT adapters with seeded random A and B on a Hugging Face
+model, saved as PEFT folders, and the merged model each stands for (PEFT's `merge_and_unload`)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    name: str
+    rank: int
+    targets: tuple[str, ...]
+    seed: int
+    alpha: float = 16.0
+    rslora: bool = False
+
+
+# Several ranks and target sets; together they cover all seven target modules and rslora.
+SPECS = (
+    AdapterSpec("sql", 4, ("q_proj", "v_proj", "down_proj"), seed=11),
+    AdapterSpec("chat", 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), seed=12),
+    AdapterSpec("code", 2, ("o_proj", "gate_proj", "up_proj"), seed=13, alpha=4.0),
+    AdapterSpec("math", 16, ("k_proj", "up_proj"), seed=14, alpha=8.0, rslora=True),
+)
+
+
+def make_peft_adapter(base, folder: Path, spec: AdapterSpec, b_scale: float = 1.0) -> torch.nn.Module:
+    """Saves a LoRA adapter of `spec` for HF model `base` (left unchanged) to `folder`; returns the merged
+    float32 model it stands for. B is random too (PEFT's default init leaves B zero: no effect to test);
+    `b_scale` shrinks it (a real model's adapter moves its logits, it does not drown them)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(spec.seed)
+    config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+                        use_rslora=spec.rslora, init_lora_weights=False, lora_dropout=0.0)
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    if b_scale != 1.0:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.mul_(b_scale)
+    peft_model.save_pretrained(str(folder))
+    return peft_model.merge_and_unload().eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, token_ids: list[int], steps: int) -> list[int]:
+    """Greedy continuation by plain forwards (no EOS stop, no cache): the reference tokens."""
+    ids = list(token_ids)
+    for _ in range(steps):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(token_ids):]
