@@ -167,8 +167,8 @@ def load_gguf_packed(path: Path, dtype: torch.dtype, device: torch.device, metho
 
     from radixserve.layers.quantization.model_quant import quantize_model
     from radixserve.models.gguf_loader import gguf_to_hf_folder, open_gguf
-    from radixserve.models.loader import model_class
     from radixserve.models.model_folder import read_config_and_tokenizer
+    from radixserve.models.registry import model_class
 
     if device.type != "cpu":
         raise ModelLoadError(f"packed (quantized) weights run on the CPU only, not on {device.type}")

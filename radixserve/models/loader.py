@@ -14,6 +14,7 @@ from torch import nn
 
 from radixserve.models.config import ModelConfig, ModelLoadError
 from radixserve.models.model_folder import read_config_and_tokenizer
+from radixserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -90,19 +91,6 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     model = model.to_empty(device=device)
     model.tie_weights()
     return model.eval()
-
-
-def model_class(config: ModelConfig) -> type[nn.Module]:
-    """The model definition of `config.architecture`: Gemma 3's own, else the one Llama-family definition."""
-    from radixserve.models.config import GEMMA3
-
-    if config.architecture == GEMMA3:
-        from radixserve.models.gemma3 import Gemma3ForCausalLM
-
-        return Gemma3ForCausalLM
-    from radixserve.models.llama import LlamaForCausalLM
-
-    return LlamaForCausalLM
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str, quantization: str) -> LoadedModel:
