@@ -15,18 +15,16 @@ alternate between the kernels; medians of --rounds. The kernel level is this pro
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_decode_linear import DOC, SHAPES, measure  # the same shapes and timing loop
 
 from radixserve import platform as rs_platform
 from radixserve.bench.docs import cpu_header, write_doc_section
 from radixserve.kernels import gemv as gemv_kernels
 from radixserve.layers.linear import pack_onednn_weight
 
-SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 START, END = "<!-- bench_f32_linear:start -->", "<!-- bench_f32_linear:end -->"
 
 
@@ -57,8 +55,6 @@ def kernels_for(shape: tuple[int, int], copies: int) -> dict[str, object]:
 
 
 def main() -> None:
-    from bench_decode_linear import measure  # noqa: PLC0415 (the same timing loop)
-
     args = parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
