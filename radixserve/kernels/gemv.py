@@ -20,9 +20,10 @@ AMX_SOURCE = CSRC / "bf16_amx.c"
 AMX_HEADERS = (CSRC / "amx_tiles.h",)
 
 
-class Bf16Gemv:
-    """ctypes binding of a kernel over the packed layout: `bf16_gemv`, or `bf16_amx_gemm` (same arguments;
-    ctypes releases the GIL; the kernel runs on torch's OpenMP pool)."""
+class LinearKernel:
+    """ctypes binding of a C product with the linear signature (weight, x, bias, y, m, n, k, threads), the one
+    the C decode step calls through its layer table. ctypes releases the GIL; the kernel runs on torch's OpenMP
+    pool."""
 
     def __init__(self, fn: ctypes._CFuncPtr, name: str) -> None:
         self._fn, self.name = fn, name
@@ -35,16 +36,25 @@ class Bf16Gemv:
         """The C function's address (for C code that calls the kernel itself: models/decode_step.py)."""
         return ctypes.cast(self._fn, ctypes.c_void_p).value
 
-    def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        """x [M, K] bfloat16 contiguous, packed from `pack_gemv_weight` -> y [M, N] bfloat16."""
+    def _product(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+        """y [M, n] of `dtype` for x [M, K] contiguous, `weight` in the kernel's own form."""
         m, k = x.shape
-        y = torch.empty(m, n, dtype=torch.bfloat16)
-        args = (packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                torch.get_num_threads())
-        status = call_profiled(self.profile_name, self._fn, *args)
+        y = torch.empty(m, n, dtype=dtype)
+        status = call_profiled(self.profile_name, self._fn, weight.data_ptr(), x.data_ptr(),
+                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                               torch.get_num_threads())
         if status != 0:
             raise ValueError(f"{self.name} rejected x {tuple(x.shape)} for a weight with {n} rows (status {status})")
         return y
+
+
+class Bf16Gemv(LinearKernel):
+    """A kernel over the packed layout: `bf16_gemv`, or `bf16_amx_gemm` (same arguments)."""
+
+    def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """x [M, K] bfloat16 contiguous, packed from `pack_gemv_weight` -> y [M, N] bfloat16."""
+        return self._product(packed, x, bias, n, torch.bfloat16)
 
 
 def pack_gemv_weight(weight: torch.Tensor, tile: int = TILE) -> torch.Tensor:
@@ -103,31 +113,19 @@ BF16W_SOURCE = CSRC / "bf16w_gemv.c"
 BF16W_TILE = 16  # output rows per tile of its layout (csrc/bf16w_gemv.c)
 
 
-class Bf16WeightGemv:
+class Bf16WeightGemv(LinearKernel):
     """ctypes binding of `bf16w_gemv` (csrc/bf16w_gemv.c): bf16 weights, float32 x, bias and y; built at the
     kernel level this process runs (`level`)."""
 
     def __init__(self, lib: ctypes.CDLL, level: str) -> None:
-        self._fn, self._unpack, self.level = lib.bf16w_gemv, lib.bf16w_unpack, level
-        self._fn.restype = self._unpack.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        super().__init__(lib.bf16w_gemv, "bf16w_gemv")
+        self._unpack, self.level = lib.bf16w_unpack, level
+        self._unpack.restype = ctypes.c_int
         self._unpack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-
-    @property
-    def address(self) -> int:
-        """The product's C function address (for C code that calls it itself: models/decode_step.py)."""
-        return ctypes.cast(self._fn, ctypes.c_void_p).value
 
     def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """x [M, K] float32 contiguous, packed from `pack_gemv_weight(w, BF16W_TILE)` -> y [M, N] float32."""
-        m, k = x.shape
-        y = torch.empty(m, n, dtype=torch.float32)
-        status = call_profiled("radixserve::linear::bf16w_gemv", self._fn, packed.data_ptr(), x.data_ptr(),
-                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                               torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f"bf16w_gemv rejected x {tuple(x.shape)} for a weight with {n} rows (status {status})")
-        return y
+        return self._product(packed, x, bias, n, torch.float32)
 
     def widen(self, packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
         """The packed weight's first n rows as float32 [n, K], written into `out` (at least n * K floats)."""
@@ -157,31 +155,17 @@ F32_SOURCE = CSRC / "f32_gemv.c"
 F32_HEADERS = (CSRC / "simd.h", CSRC / "attention_common.h")
 
 
-class F32Gemv:
+class F32Gemv(LinearKernel):
     """ctypes binding of `f32_gemv` (csrc/f32_gemv.c): float32 weights in their own [N, K] layout, float32 x, bias
     and y; built at the kernel level this process runs (`level`)."""
 
     def __init__(self, lib: ctypes.CDLL, level: str) -> None:
-        self._fn, self.level = lib.f32_gemv, level
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-
-    @property
-    def address(self) -> int:
-        """The product's C function address (for C code that calls it itself: models/decode_step.py)."""
-        return ctypes.cast(self._fn, ctypes.c_void_p).value
+        super().__init__(lib.f32_gemv, "f32_gemv")
+        self.level = level
 
     def __call__(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] float32 contiguous, weight [N, K] float32 contiguous -> y [M, N] float32."""
-        m, k = x.shape
-        n = weight.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        status = call_profiled("radixserve::linear::f32_gemv", self._fn, weight.data_ptr(), x.data_ptr(),
-                               None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                               torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f"f32_gemv rejected x {tuple(x.shape)} for a weight of {n} rows (status {status})")
-        return y
+        return self._product(weight, x, bias, weight.shape[0], torch.float32)
 
 
 def load_f32_kernel() -> F32Gemv | None:
