@@ -47,6 +47,10 @@ class ServerArgs:
     schedule_conservativeness: float = _opt(1.0, "scales the decode-token reserve; higher retracts less")
     radix_eviction_policy: str = _opt("lru", "which unlocked leaf the radix cache evicts first", EVICTION_POLICIES)
     disable_radix_cache: bool = _opt(False, "no prefix reuse; every request computes its whole prompt")
+    swa_full_tokens_ratio: float = _opt(0.5, "sliding-window models: tokens of the window layers' KV pool per token "
+                                             "of the full layers' pool (docs/sliding_window.md)")
+    disable_hybrid_swa_memory: bool = _opt(False, "sliding-window models keep every layer's KV for every token in "
+                                                  "one pool (the window is then only a mask)")
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
     grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf, "
                                                 "structural_tag) may take to compile; then it ends with 400")
@@ -112,6 +116,8 @@ class ServerArgs:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size * 2:
             raise ValueError(f"max_total_tokens={self.max_total_tokens} is too small")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:

@@ -24,24 +24,25 @@ WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
-def tiny_gemma3_config():
+def tiny_gemma3_config(layer_types: list[str] = LAYER_TYPES):
     from transformers import Gemma3TextConfig
 
     return Gemma3TextConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6,
-        eos_token_id=1, bos_token_id=2, pad_token_id=0, sliding_window=WINDOW, layer_types=LAYER_TYPES,
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        initializer_range=0.2, rms_norm_eps=1e-6,
+        eos_token_id=1, bos_token_id=2, pad_token_id=0, sliding_window=WINDOW, layer_types=layer_types,
         query_pre_attn_scalar=24, final_logit_softcapping=30.0,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
 
 
-def make_tiny_gemma3(folder: Path, seed: int = 0):
+def make_tiny_gemma3(folder: Path, seed: int = 0, layer_types: list[str] = LAYER_TYPES):
     """A random tiny Gemma 3 saved to `folder` (norm weights random too: they start at zero); the HF model."""
     from transformers import Gemma3ForCausalLM
 
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(tiny_gemma3_config()).to(torch.float32).eval()
+    model = Gemma3ForCausalLM(tiny_gemma3_config(layer_types)).to(torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -16,7 +16,7 @@ from typing import Any
 
 from radixserve import envs
 from radixserve.managers.schedule_batch import Req
-from radixserve.mem_cache.kv_manager import KVManager
+from radixserve.mem_cache.kv_manager import WINDOW_SLIDE_TOKENS, KVManager
 from radixserve.mem_cache.radix_cache import RadixCache, RadixKey
 
 # SGLang's constants.
@@ -154,6 +154,12 @@ class PrefillAdder:
             min(max(r.max_new_tokens - len(r.output_ids), 0), CLIP_MAX_NEW_TOKENS) * new_token_ratio
             for r in running_reqs)
         self.cur_rem_token_offset = 0
+        # NOTE: a hybrid model's window pool has its own budget: a request takes a window slot per new token,
+        # and while it decodes at most W + WINDOW_SLIDE_TOKENS of its own (older ones are freed as it goes).
+        self.window = kv_manager.sliding_window
+        self.window_reserve = (self.window or 0) + WINDOW_SLIDE_TOKENS
+        self.rem_window_offset = sum(self._window_growth(r) for r in running_reqs) if self.window is not None else 0
+        self.cur_window_offset = 0
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
         self.log_hit_tokens = 0
@@ -167,11 +173,34 @@ class PrefillAdder:
     def cur_rem_tokens(self) -> int:
         return self.kv_manager.free_and_evictable() - self.cur_rem_token_offset
 
+    def _window_growth(self, req: Req) -> int:
+        """Window slots a running request may still take: up to W + WINDOW_SLIDE_TOKENS of its own."""
+        kv = req.kv
+        own = kv.kv_allocated_len - max(kv.cache_protected_len, kv.window_freed_len)
+        return min(max(req.max_new_tokens - len(req.output_ids), 0), max(0, self.window_reserve - own))
+
+    @property
+    def rem_window_tokens(self) -> int:
+        return self.kv_manager.window_free_and_evictable() - self.rem_window_offset
+
+    @property
+    def cur_window_tokens(self) -> int:
+        return self.kv_manager.window_free_and_evictable() - self.cur_window_offset
+
+    def _chunk_room(self) -> int | None:
+        """New tokens one request may prefill now: the chunk budget, and on a hybrid model the window room."""
+        if self.window is None:
+            return self.rem_chunk_tokens
+        room = max(self.cur_window_tokens, 0)
+        return room if self.rem_chunk_tokens is None else min(self.rem_chunk_tokens, room)
+
     def ceil_paged(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
     def budget_state(self) -> AddReqResult:
         if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+            return AddReqResult.NO_TOKEN
+        if self.window is not None and self.cur_window_tokens <= 0:
             return AddReqResult.NO_TOKEN
         if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
             return AddReqResult.OTHER
@@ -181,6 +210,9 @@ class PrefillAdder:
         extend_len = self.ceil_paged(extend_len)
         self.rem_total_token_offset += extend_len + max_new + self.page_size
         self.cur_rem_token_offset += extend_len + self.page_size
+        if self.window is not None:
+            self.rem_window_offset += extend_len + min(max_new, self.window_reserve)
+            self.cur_window_offset += extend_len
         self.rem_input_tokens -= extend_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend_len
@@ -190,6 +222,8 @@ class PrefillAdder:
     def add_chunked_req(self, req: Req) -> Req | None:
         """Admit the next chunk of the in-flight chunked request, first; returns it if still truncated."""
         rem = min(self.rem_chunk_tokens or req.extend_input_len, self.rem_total_tokens)
+        if self.window is not None:
+            rem = min(rem, self.cur_window_tokens)
         if rem <= 0:
             rem = self.rem_chunk_tokens or req.extend_input_len  # NOTE: it must progress, or it holds its KV forever
         prefix_len = req.kv.prefix_len
@@ -219,12 +253,15 @@ class PrefillAdder:
             input_tokens = self.ceil_paged(req.extend_input_len)
             if self.rem_chunk_tokens is None and self.can_run_list and input_tokens >= self.rem_input_tokens:
                 return AddReqResult.OTHER
-            if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+            if self.window is not None and not lone and not self._window_fits(input_tokens, req):
+                return AddReqResult.NO_TOKEN
+            chunk_room = self._chunk_room()
+            if chunk_room is None or input_tokens <= chunk_room:
                 self.can_run_list.append(req)
                 self.kv_manager.lock(req)
                 self._update_prefill_budget(prefix_len, input_tokens, min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS))
             else:
-                trunc_len = self.rem_chunk_tokens // self.page_size * self.page_size
+                trunc_len = chunk_room // self.page_size * self.page_size
                 if trunc_len <= 0:
                     return AddReqResult.OTHER
                 req.cut_round(prefix_len + trunc_len)
@@ -233,6 +270,12 @@ class PrefillAdder:
                 self.kv_manager.lock(req)
                 self._update_prefill_budget(prefix_len, trunc_len, 0)
         return self.budget_state()
+
+    def _window_fits(self, input_tokens: int, req: Req) -> bool:
+        """Hybrid: the window pool has room for this prefill now and for its decode window later."""
+        later = min(max(req.max_new_tokens - len(req.output_ids), 0), self.window_reserve)
+        now = input_tokens if self.rem_chunk_tokens is None else min(input_tokens, self.rem_chunk_tokens)
+        return now <= self.cur_window_tokens and now + later <= self.rem_window_tokens
 
     def _fits_now(self, req: Req) -> bool:
         """The lone-request rule: with nothing running, admit what fits now even without a decode reserve.

@@ -59,7 +59,7 @@ from radixserve.managers.scheduler_runner import SchedulerRunner
 from radixserve.managers.scheduler_state import StateReport
 from radixserve.managers.step_pipelines import Pipelines
 from radixserve.mem_cache.kv_manager import KVManager
-from radixserve.mem_cache.radix_cache import RadixCache
+from radixserve.mem_cache.swa_radix_cache import make_tree_cache
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.ngram import NgramDrafter
@@ -89,9 +89,8 @@ class Scheduler:
         self.eos_token_ids = tuple(model_runner.model_config.eos_token_ids)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
-        self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size,
-                                     disable=server_args.disable_radix_cache,
-                                     eviction_policy=server_args.radix_eviction_policy)
+        self.tree_cache = make_tree_cache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size,
+                                          server_args, getattr(model_runner, "swa_window", None))
         self.stats = SchedulerStats()
         self.kv_manager = KVManager(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
                                     self.stats)
@@ -230,7 +229,10 @@ class Scheduler:
         return self.prefill.get_new_batch_prefill(self.running_batch.reqs)
 
     def update_running_batch(self) -> ScheduleBatch | None:
-        return self.decode.update_running_batch(self.running_batch)
+        batch = self.decode.update_running_batch(self.running_batch)
+        if batch is not None:
+            self.stats.peak_running_reqs = max(self.stats.peak_running_reqs, batch.batch_size())
+        return batch
 
     def process_batch_result(self, launched: LaunchedBatch) -> None:
         self.output.process_batch_result(launched, self.pipelines.counters)

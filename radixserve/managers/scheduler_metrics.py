@@ -19,6 +19,7 @@ class SchedulerStats:
     num_rejected: int = 0  # of the aborts: refused at admission
     num_queue_timeouts: int = 0  # of the aborts: waited longer than --queue-timeout
     num_retractions: int = 0
+    peak_running_reqs: int = 0  # the largest decode batch so far
     jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a decode step
     num_jump_forwards: int = 0
     grammar_rows_masked: int = 0  # grammar rows whose token mask was filled before sampling

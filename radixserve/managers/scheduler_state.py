@@ -52,7 +52,18 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "disable_radix_cache": s.tree_cache.disable,
         "schedule_policy": s.policy.policy,
         "cache_epoch": s.cache_epoch,
+        **_window_pool(s),
     }
+
+
+def _window_pool(s: Scheduler) -> dict[str, int]:
+    """A hybrid (sliding-window) model's window pool: free, cached evictable, locked; nothing for other models."""
+    tree, alloc = s.tree_cache, s.token_to_kv_pool_allocator
+    if not hasattr(tree, "window_evictable_size"):
+        return {}
+    return {"window_pool_tokens": alloc.window_size, "window_available_tokens": alloc.window_available_size(),
+            "window_evictable_tokens": tree.window_evictable_size(),
+            "window_protected_tokens": tree.window_protected_size(), "sliding_window": tree.sliding_window}
 
 
 def _pool_fingerprint(s: Scheduler) -> tuple:

@@ -127,6 +127,8 @@ def _walk(cache: Any, ns_of: Any, now: float, max_nodes: int | None,
             "hits": node.hit_count, "age_s": round(now - node.last_access_time, 3),
             "evictable": node.lock_ref == 0, "leaf": not node.children, "priority": node.priority,
         })
+        if hasattr(cache, "sliding_window"):  # a hybrid tree: tokens with window KV, window locks
+            nodes[-1].update({"window": node.window_len, "window_locks": node.window_lock_ref})
         queue.extend((child, node.id, depth + 1) for child in node.children.values())
     return nodes, bool(queue)
 
@@ -174,8 +176,9 @@ def format_tree(snapshot: dict[str, Any], texts: dict[int, str] | None = None) -
         state = "evictable" if node["evictable"] else "protected"
         more = f", ... +{node['elided']}" if node["elided"] else ""
         tokens = ", ".join(map(str, node["tokens"]))
+        window = f" window={node['window']}/{node['len']}" if "window" in node else ""
         line = (f"{indent}#{node['id']} [{label_text(namespaces[node['ns']])}] {node['len']} {unit} "
-                f"lock_ref={node['lock_ref']} {state} hits={node['hits']} age={node['age_s']:.2f}s "
+                f"lock_ref={node['lock_ref']} {state}{window} hits={node['hits']} age={node['age_s']:.2f}s "
                 f"[{tokens}{more}]")
         text = (texts or {}).get(node["id"], node.get("text"))
         if text is not None:

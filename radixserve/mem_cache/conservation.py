@@ -7,6 +7,15 @@ and every page 1..num_pages is owned exactly once: by the free list, by the tree
 value), or by one active request (its private row positions [cache_protected_len,
 kv_allocated_len)). Slots collected by an open free group count as free. Requests are anything with
 a KV handle `kv` (a `ReqKV`): `Req`, or a `ReqKV` itself.
+
+A hybrid model's window pool (swa_memory.py) has the same identity and single ownership (`check_window_pool`):
+
+    window available + window evictable + window protected + sum over active requests of
+        (their own positions with window KV)  ==  window pool size
+
+every window slot owned once, by the window free list or through `full_to_window` by the owner of a full
+slot (a window slot named by a free full slot, or by two, fails); and each active request still has the window
+KV its next token reads: positions max(0, kv_committed_len - W + 1) .. kv_allocated_len - 1.
 """
 
 from __future__ import annotations
@@ -88,6 +97,8 @@ def check_conservation(allocator: Any, tree_cache: Any, req_to_token_pool: Any,
             leaked, doubly_owned, report,
         )
     _check_rows_reference_owned(allocator, nodes, req_to_token_pool, reqs)
+    if hasattr(allocator, "full_to_window"):
+        report.update(check_window_pool(allocator, tree_cache, nodes, req_to_token_pool, reqs))
     if not reqs:
         _check_idle(tree_cache, req_to_token_pool, report)
     return report
@@ -144,3 +155,66 @@ def _check_idle(tree_cache: Any, pool: Any, report: dict) -> None:
     if report["protected"] != 0:
         raise ConservationError(f"no active request, yet {report['protected']} tree tokens are locked",
                                 report=report)
+
+
+# ---------------------------------------------------------------------------------------------- window pool
+def check_window_pool(allocator: Any, tree_cache: Any, nodes: list[Any], pool: Any, reqs: list[Any]) -> dict[str, int]:
+    """Raises ConservationError if the window pool's identity, ownership or a running window fails; returns terms."""
+    table, size = allocator.full_to_window, allocator.window.size
+    hybrid_tree = tree_cache is not None and hasattr(tree_cache, "window_evictable_size")
+    if hybrid_tree and not tree_cache.disable:
+        _recount(nodes, tree_cache, allocator)
+    private = [pool.req_to_token[r.req_pool_idx, r.cache_protected_len:r.kv_allocated_len].long() for r in reqs]
+    report = {
+        "window_available": allocator.window_available_size(),
+        "window_evictable": tree_cache.window_evictable_size() if hybrid_tree else 0,
+        "window_protected": tree_cache.window_protected_size() if hybrid_tree else 0,
+        "window_request_private": sum(allocator.window_count(p) for p in private),
+        "window_size": size,
+    }
+    total = sum(v for k, v in report.items() if k != "window_size")
+    owners = [allocator.window.free_pages.cpu().long()]
+    owners += [table[n.value.long()].cpu().long() for n in nodes]
+    owners += [table[p].cpu().long() for p in private]
+    counts = torch.bincount(torch.cat(owners), minlength=size + 1)
+    counts[0] = 0  # NOTE: 0 in the table means "no window KV"
+    leaked = (torch.nonzero(counts[1:] == 0).flatten() + 1).tolist()
+    doubly = torch.nonzero(counts > 1).flatten().tolist()
+    if total != size or leaked or doubly:
+        raise ConservationError(
+            f"window pool conservation failed: {report} sums to {total}, not {size}; leaked window slots "
+            f"{leaked[:50]}, doubly-owned window slots {doubly[:50]}", leaked, doubly, report)
+    _check_running_windows(allocator, tree_cache, pool, reqs)
+    if not reqs and report["window_protected"]:
+        raise ConservationError(f"no active request, yet {report['window_protected']} window slots are locked",
+                                report=report)
+    return report
+
+
+def _recount(nodes: list[Any], tree_cache: Any, allocator: Any) -> None:
+    evictable = protected = 0
+    for node in nodes:
+        actual = allocator.window_count(node.value)
+        if actual != node.window_len:
+            raise ConservationError(f"{node!r} counts {node.window_len} tokens with window KV; the table says {actual}")
+        if node.window_lock_ref:
+            protected += actual
+        else:
+            evictable += actual
+    counters = (tree_cache.window_evictable_size(), tree_cache.window_protected_size())
+    if (evictable, protected) != counters:
+        raise ConservationError(f"tree window counters evictable, protected = {counters} disagree with a recount "
+                                f"{(evictable, protected)}")
+
+
+def _check_running_windows(allocator: Any, tree_cache: Any, pool: Any, reqs: list[Any]) -> None:
+    window = getattr(tree_cache, "sliding_window", None)
+    if window is None:
+        return
+    for req in reqs:
+        lo = max(0, req.kv_committed_len - window + 1)
+        slots = pool.req_to_token[req.req_pool_idx, lo:req.kv_allocated_len]
+        missing = (~allocator.window_present(slots)).nonzero().flatten()
+        if len(missing):
+            raise ConservationError(f"request row {req.req_pool_idx} lost window KV it still reads: positions "
+                                    f"{(missing + lo).tolist()[:20]}")

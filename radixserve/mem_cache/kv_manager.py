@@ -12,6 +12,11 @@ result was processed) → `cache_unfinished` (computed tokens published, still l
 verify step allocates its draft tokens' slots with `alloc_extend` and gives back the rejected ones with
 `release_tail`.
 
+A hybrid model (sliding-window layers, `SWARadixCache` over a `SWATokenToKVPoolAllocator`) adds a second
+pool behind the same slots: each allocation takes a window slot per token, `_slide_windows` frees the window KV of
+a request's own tokens that left its window, and each lock also takes a window lock (`ReqKV.window_lock`)
+over the last W - 1 tokens of the locked path (docs/radix_cache.md, "Hybrid models").
+
 Every change of who owns a request's slots is in this file: the tree (`RadixCache`) takes keys and
 slots only, and `cache_unfinished_req` / `cache_finished_req` (SGLang's names, on its RadixCache) are
 here, where the request's row is. What the manager reads of a request is `KVRequest`.
@@ -52,6 +57,8 @@ class ReqKV:
     kv_committed_len: int = 0
     kv_allocated_len: int = 0
     prefix_indices: torch.Tensor | None = None
+    window_lock: int | None = None  # a hybrid tree's window-lock mark (SWARadixCache.inc_window_lock)
+    window_freed_len: int = 0  # hybrid: own positions below this have had their window KV freed
 
     @property
     def prefix_len(self) -> int:
@@ -89,6 +96,8 @@ class KVManager:
         self.tree_cache = tree_cache
         self.page_size = allocator.page_size
         self.stats = stats
+        # NOTE: a hybrid model's window W (the tree's), None for a plain one: the one switch for the window pool
+        self.sliding_window: int | None = getattr(tree_cache, "sliding_window", None)
 
     # ---- sizes ----------------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -99,6 +108,10 @@ class KVManager:
 
     def free_and_evictable(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def window_free_and_evictable(self) -> int:
+        """Window slots free or held evictable by the tree (hybrid models only)."""
+        return self.allocator.window_available_size() + self.tree_cache.window_evictable_size()
 
     def timing(self):
         return self.stats.timing("cache_ops_s") if self.stats is not None else nullcontext()
@@ -125,30 +138,71 @@ class KVManager:
         """Keep the matched prefix from eviction until the request releases its KV."""
         kv = req.kv
         assert not kv.locked
-        self.tree_cache.inc_lock_ref(kv.last_node)
+        kv.window_lock = self._inc_lock(kv.last_node)
         kv.locked = True
+        if self.sliding_window is not None and kv.cache_protected_len:
+            self._check_window_of_match(kv)
 
     @contextmanager
     def locked_while(self, req: KVRequest) -> Iterator[None]:
         """Lock the match only for the block: its evictable tokens count as protected meanwhile."""
         node = req.kv.last_node
-        self.tree_cache.inc_lock_ref(node)
+        mark = self._inc_lock(node)
         try:
             yield
         finally:
-            self.tree_cache.dec_lock_ref(node)
+            self._dec_lock(node, mark)
+
+    def _inc_lock(self, node: TreeNode) -> int | None:
+        """Lock the path to `node` (and, hybrid, the window KV of its last W - 1 tokens); returns the window mark."""
+        self.tree_cache.inc_lock_ref(node)
+        return self.tree_cache.inc_window_lock(node) if self.sliding_window is not None else None
+
+    def _dec_lock(self, node: TreeNode, window_mark: int | None) -> None:
+        self.tree_cache.dec_lock_ref(node)
+        if self.sliding_window is not None:
+            self.tree_cache.dec_window_lock(node, window_mark)
+
+    def _check_window_of_match(self, kv: ReqKV) -> None:
+        """A locked match must still have the window KV its next token reads (nothing evicts between match and lock)."""
+        cpl = kv.cache_protected_len
+        needed = kv.prefix_indices[max(0, cpl - self.sliding_window + 1): cpl]
+        if not bool(self.allocator.window_present(needed).all()):
+            raise RuntimeError(f"a locked match of {cpl} tokens lost window KV it needs between match and lock")
 
     # ---- allocation -----------------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> int:
-        """Evict only the shortfall between `num_tokens` and what the allocator has free."""
+    def evict(self, num_tokens: int, window_tokens: int = 0) -> int:
+        """Evict only the shortfall between `num_tokens` and what the allocator has free (hybrid: and tombstone
+        the shortfall of `window_tokens` window slots); returns the full tokens evicted."""
         shortfall = num_tokens - self.allocator.available_size()
-        if shortfall <= 0 or self.tree_cache.disable:
-            return 0
-        with self.timing():
-            evicted = self.tree_cache.evict(shortfall)
-        if self.stats is not None:
-            self.stats.evicted_tokens += evicted
+        evicted = 0
+        if shortfall > 0 and not self.tree_cache.disable:
+            with self.timing():
+                evicted = self.tree_cache.evict(shortfall)
+            if self.stats is not None:
+                self.stats.evicted_tokens += evicted
+        window_short = window_tokens - (self.allocator.window_available_size() if window_tokens else 0)
+        if window_short > 0 and not self.tree_cache.disable:
+            with self.timing():
+                self.tree_cache.evict_window(window_short)
         return evicted
+
+    def _slide_windows(self, kvs: Sequence[ReqKV]) -> None:
+        """Hybrid: free the window KV of each request's own tokens that left its window for good.
+
+        NOTE: only positions below kv_committed_len - W + 1: every forward launched or to come queries a position
+        at or past kv_committed_len, so none reads them; the tree's positions are the tree's (window locks)."""
+        window, table, pieces = self.sliding_window, self.req_to_token_pool.req_to_token, []
+        for kv in kvs:
+            if kv.req_pool_idx is None:
+                continue
+            lo = max(kv.window_freed_len, kv.cache_protected_len)
+            hi = kv.kv_committed_len - window + 1
+            if hi - lo >= WINDOW_SLIDE_TOKENS:
+                pieces.append(table[kv.req_pool_idx, lo:hi])
+                kv.window_freed_len = hi
+        if pieces:
+            self.allocator.free_window(torch.cat(pieces))
 
     def alloc_extend(self, reqs: Sequence[KVRequest], seq_lens: Sequence[int]) -> torch.Tensor:
         """Give each request a row (if it has none) and slots for positions [prefix_len, seq_len).
@@ -159,6 +213,8 @@ class KVManager:
         kvs = [r.kv for r in reqs]
         prefix_lens = [kv.prefix_len for kv in kvs]
         extend_num = sum(seq_lens) - sum(prefix_lens)
+        if self.sliding_window is not None:
+            self._slide_windows(kvs)
         new = [kv for kv in kvs if kv.req_pool_idx is None]
         rows = self.req_to_token_pool.alloc(len(new)) if new else []
         if rows is None:
@@ -184,12 +240,13 @@ class KVManager:
 
     def _alloc_extend_slots(self, kvs: list[ReqKV], prefix_lens: list[int], seq_lens: Sequence[int],
                             extend_num: int) -> torch.Tensor:
+        window = extend_num if self.sliding_window is not None else 0
         if self.page_size == 1:
-            self.evict(extend_num)
+            self.evict(extend_num, window)
             out = self.allocator.alloc(extend_num)
         else:
             # NOTE: one extra page per request over-estimates a partial page's needs (as SGLang does).
-            self.evict(extend_num + len(kvs) * self.page_size)
+            self.evict(extend_num + len(kvs) * self.page_size, window)
             last_loc = [self._slot_at(kv, pre - 1) for kv, pre in zip(kvs, prefix_lens, strict=True)]
             out = self.allocator.alloc_extend(prefix_lens, seq_lens, last_loc, extend_num)
         if out is None:
@@ -208,11 +265,14 @@ class KVManager:
         """One slot per request, for the token it feeds next, at row position `kv_allocated_len`."""
         kvs = [r.kv for r in reqs]
         positions = [kv.kv_allocated_len for kv in kvs]
+        window = len(kvs) if self.sliding_window is not None else 0
+        if window:
+            self._slide_windows(kvs)
         if self.page_size == 1:
-            self.evict(len(kvs))
+            self.evict(len(kvs), window)
             out = self.allocator.alloc(len(kvs))
         else:
-            self.evict(len(kvs) * self.page_size)
+            self.evict(len(kvs) * self.page_size, window)
             last_loc = [self._slot_at(kv, pos - 1) for kv, pos in zip(kvs, positions, strict=True)]
             out = self.allocator.alloc_decode([pos + 1 for pos in positions], last_loc)
         if out is None:
@@ -237,8 +297,13 @@ class KVManager:
     def can_allocate(self, reqs: Sequence[KVRequest], counts: Sequence[int]) -> bool:
         """Evict the shortfall, then say whether `counts[i]` more tokens for each request fit."""
         needed = self.slots_needed(reqs, counts)
-        self.evict(needed)
-        return self.allocator.available_size() >= needed
+        if self.sliding_window is None:
+            self.evict(needed)
+            return self.allocator.available_size() >= needed
+        window = sum(counts)  # NOTE: one window slot per token, whatever the page size
+        self._slide_windows([r.kv for r in reqs])
+        self.evict(needed, window)
+        return self.allocator.available_size() >= needed and self.allocator.window_available_size() >= window
 
     def can_decode(self, reqs: Sequence[KVRequest]) -> bool:
         """Evict the shortfall, then say whether the next decode step of `reqs` (one token each) fits: one slot per
@@ -286,10 +351,10 @@ class KVManager:
             # NOTE: the row must name the tree's slots before anything is allocated again, or a live row
             # would reference the duplicates just freed.
             row[kv.cache_protected_len: len(key)] = match.device_indices[kv.cache_protected_len:]
-            tree.inc_lock_ref(match.last_node)
+            mark = self._inc_lock(match.last_node)
             if kv.locked:
-                tree.dec_lock_ref(kv.last_node)
-            kv.cache_protected_len, kv.last_node, kv.locked = len(key), match.last_node, True
+                self._dec_lock(kv.last_node, kv.window_lock)
+            kv.cache_protected_len, kv.last_node, kv.locked, kv.window_lock = len(key), match.last_node, True, mark
 
     def _rematch(self, key: RadixKey) -> MatchResult:
         match = self.tree_cache.match_prefix(key)
@@ -315,7 +380,7 @@ class KVManager:
             to_free = [(cpl, prefix_len), (len(key), allocated)]  # [prefix_len, len(key)) went to the tree
         self._free_row(row, to_free)
         if kv.locked:
-            tree.dec_lock_ref(kv.last_node)
+            self._dec_lock(kv.last_node, kv.window_lock)
         self.req_to_token_pool.free(kv.req_pool_idx)
 
     def _free_row(self, row: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
@@ -331,7 +396,7 @@ class KVManager:
             if kv.req_pool_idx is not None:
                 self.cache_finished_req(req, is_insert=insert)
             elif kv.locked:
-                self.tree_cache.dec_lock_ref(kv.last_node)
+                self._dec_lock(kv.last_node, kv.window_lock)
         req.kv = ReqKV()
 
     def drop_namespaces(self, match: Callable[[Any], bool]) -> int:
@@ -345,6 +410,11 @@ class KVManager:
         freed = self.tree_cache.evict(self.tree_cache.evictable_size())
         self.tree_cache.reset()
         return freed
+
+
+# NOTE: a request's out-of-window KV is freed in runs of at least this many tokens (one free call per run, not
+# per step), so it holds at most W + WINDOW_SLIDE_TOKENS window slots of its own while it decodes.
+WINDOW_SLIDE_TOKENS = 16
 
 
 def _check_protected_prefix(kv: ReqKV, prefix_len: int) -> None:

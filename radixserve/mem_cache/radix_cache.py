@@ -35,7 +35,8 @@ class TreeNode:
     """One edge of the tree: `key` (tokens from the parent) and `value` (one KV slot per token)."""
 
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access_time",
-                 "creation_time", "hit_count", "priority", "id", "in_heap")
+                 "creation_time", "hit_count", "priority", "id", "in_heap", "window_len", "window_lock_ref",
+                 "window_mark")
 
     def __init__(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -50,6 +51,10 @@ class TreeNode:
         self.priority = 0
         self.id = next(_node_ids)
         self.in_heap = False  # NOTE: at most one eviction-heap entry per node
+        # a hybrid tree's (swa_radix_cache.py): tokens with window KV, window locks, the lock-boundary mark
+        self.window_len = 0
+        self.window_lock_ref = 0
+        self.window_mark: int | None = None
 
     def __repr__(self) -> str:
         size = 0 if self.key is None else len(self.key)

@@ -17,7 +17,9 @@ from radixserve.layers.sampler import (
     compute_input_logprobs,
     compute_logprobs,
 )
+from radixserve.mem_cache.kv_manager import WINDOW_SLIDE_TOKENS
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from radixserve.mem_cache.swa_memory import SWAKVPool, SWATokenToKVPoolAllocator
 from radixserve.model_executor.cpu_memory import keep_freed_memory
 from radixserve.model_executor.execution_plan import plan_execution
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -81,6 +83,7 @@ class ModelRunner:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.context_len = self._context_len()
+        self.swa_window = self._hybrid_window()  # hybrid KV pool: the window W it keeps; None: one pool
         self.max_total_num_tokens = self._pool_size()
         self.max_running_requests = server_args.max_running_requests or min(
             MAX_RUNNING_REQUESTS_CAP, max(1, self.max_total_num_tokens // TOKENS_PER_RUNNING_REQUEST))
@@ -159,15 +162,21 @@ class ModelRunner:
             raise ValueError(f"context_length={wanted} is longer than the model's {model_len} positions")
         return wanted
 
+    def _hybrid_window(self) -> int | None:
+        """The window a hybrid pool keeps for window layers (the largest of the model's), or None: one pool."""
+        windows = getattr(self.model_config, "windows", ())
+        if not windows or self.server_args.disable_hybrid_swa_memory:
+            return None
+        return max(windows)
+
     def _pool_size(self) -> int:
         args = self.server_args
-        bytes_per_token = MHATokenToKVPool.bytes_per_token(
-            self.model_config.num_kv_heads, self.model_config.head_dim, self.model_config.num_layers, self.dtype)
+        bytes_per_token = self._bytes_per_token()
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         else:
             fraction = args.mem_fraction_static or DEFAULT_MEM_FRACTION[self.device.type]
-            tokens = int(_available_memory(self.device) * fraction) // bytes_per_token
+            tokens = int(_available_memory(self.device) * fraction // bytes_per_token)
             if self.device.type == "cpu" and args.mem_fraction_static is None:
                 tokens = min(tokens, DEFAULT_CPU_POOL_CAP)
         tokens = tokens // self.page_size * self.page_size
@@ -176,12 +185,40 @@ class ModelRunner:
                              "or --mem-fraction-static")
         return tokens
 
+    def _bytes_per_token(self) -> float:
+        """KV bytes one full-pool token costs, with its share of the window pool on a hybrid model."""
+        cfg = self.model_config
+        if self.swa_window is None:
+            return MHATokenToKVPool.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.dtype)
+        full, windowed = SWAKVPool.split_bytes_per_token(cfg.num_kv_heads, cfg.head_dim, cfg.layer_windows,
+                                                         self.dtype)
+        return full + self.server_args.swa_full_tokens_ratio * windowed
+
+    def window_pool_size(self) -> int:
+        """Window-pool tokens of a hybrid model: the ratio's share of the full pool, but at least a prefill chunk
+        plus a window (so one request always progresses), and never more than the full pool."""
+        args, window, page = self.server_args, self.swa_window, self.page_size
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size > 0 else self.context_len
+        drafts = args.speculative_num_draft_tokens if args.speculative_algorithm != "none" else 0
+        # NOTE: a request holds the window lock's W - 1 tokens (whole pages) and either a prefill chunk or, while
+        # it decodes, up to W + WINDOW_SLIDE_TOKENS of its own, a draft and the overlap loop's step ahead
+        least = max(chunk, window + WINDOW_SLIDE_TOKENS + drafts + 2) + window + 2 * page
+        wanted = int(self.max_total_num_tokens * self.server_args.swa_full_tokens_ratio)
+        return min(self.max_total_num_tokens, max(wanted, least))
+
     def _init_pools(self) -> None:
         from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 
         cfg = self.model_config
         self.req_to_token_pool = ReqToTokenPool(
             self.max_running_requests, self.context_len + REQ_TO_TOKEN_MARGIN, self.device)
+        if self.swa_window is not None:
+            self.token_to_kv_pool_allocator = SWATokenToKVPoolAllocator(
+                self.max_total_num_tokens, self.page_size, self.window_pool_size(), self.device)
+            self.token_to_kv_pool = SWAKVPool(
+                self.max_total_num_tokens, self.window_pool_size(), self.page_size, self.dtype, cfg.num_kv_heads,
+                cfg.head_dim, cfg.layer_windows, self.token_to_kv_pool_allocator.full_to_window, self.device)
+            return
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens, self.page_size, self.dtype, cfg.num_kv_heads, cfg.head_dim,
             cfg.num_layers, self.device)
@@ -201,9 +238,11 @@ class ModelRunner:
                 "execution_plan": self.execution_plan.as_dict()}
 
     def _log_startup(self) -> None:
-        gib = self.max_total_num_tokens * MHATokenToKVPool.bytes_per_token(
-            self.model_config.num_kv_heads, self.model_config.head_dim, self.model_config.num_layers,
-            self.dtype) / 2**30
+        gib = sum(b.numel() * b.element_size() for b in self.token_to_kv_pool.k_buffer
+                  + self.token_to_kv_pool.v_buffer) / 2**30
+        if self.swa_window is not None:
+            logger.info("hybrid KV pool: window layers keep %d tokens (window %d), full layers %d",
+                        self.token_to_kv_pool.window_size, self.swa_window, self.max_total_num_tokens)
         from radixserve.layers.quantization.model_quant import weight_summary
 
         kernels = self.platform_info()["attention_kernels"]

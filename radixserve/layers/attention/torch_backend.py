@@ -100,6 +100,7 @@ class TorchAttnBackend(AttentionBackend):
         # per window size of the model (plan.windows), this forward's tables; absent: the window hides nothing
         self.window_decode_meta: dict[int, window.WindowDecodeMetadata] = {}
         self.window_extend_meta: dict[int, window.WindowExtendMetadata] = {}
+        self.window_out_loc: torch.Tensor | None = None  # hybrid KV: this forward's new tokens' window slots
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode.is_decode():
@@ -116,10 +117,19 @@ class TorchAttnBackend(AttentionBackend):
         self._plan_windows(fb)
 
     def _plan_windows(self, fb: ForwardBatch) -> None:
-        applies = [w for w in self.plan.windows if window.window_applies(fb, w)]
+        # NOTE: with a hybrid pool, window layers read their own buffers: always through translated tables
+        table = getattr(fb.token_to_kv_pool, "full_to_window", None)
+        applies = [w for w in self.plan.windows if table is not None or window.window_applies(fb, w)]
         decode = fb.forward_mode.is_decode()
-        self.window_decode_meta = {w: window.decode_metadata(fb, w) for w in applies} if decode else {}
-        self.window_extend_meta = {} if decode else {w: window.extend_metadata(fb, w) for w in applies}
+        self.window_decode_meta = {w: window.decode_metadata(fb, w, table) for w in applies} if decode else {}
+        self.window_extend_meta = {} if decode else {w: window.extend_metadata(fb, w, table) for w in applies}
+        self.window_out_loc = table[fb.out_cache_loc.long()] if table is not None else None
+
+    def _out_loc(self, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+        """Where this layer writes the new tokens' K/V: window slots for a window layer of a hybrid pool."""
+        if self.window_out_loc is not None and layer.sliding_window is not None:
+            return self.window_out_loc
+        return fb.out_cache_loc
 
     def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy], Plan | None], fb: ForwardBatch,
               mode: str) -> Plan | None:
@@ -160,7 +170,7 @@ class TorchAttnBackend(AttentionBackend):
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            pool.set_kv_buffer(layer.layer_id, self._out_loc(layer, fb), k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         kernel = self._kernel_for(q, layer)
         windowed = self._window_meta(layer, self.window_decode_meta)
@@ -182,7 +192,7 @@ class TorchAttnBackend(AttentionBackend):
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            pool.set_kv_buffer(layer.layer_id, self._out_loc(layer, fb), k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         windowed = self._window_meta(layer, self.window_extend_meta)
         if windowed is not None:

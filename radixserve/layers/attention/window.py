@@ -12,6 +12,9 @@ have the window without knowing about it.
 Extend: each request's query i sees the context positions max(0, p_i - W + 1) .. p_i; the keys before the
 first query's window are never gathered, and the rest is a banded mask (causal and within W) given to torch's
 SDPA. The C extend kernel and cascade's shared-prefix split are causal only, so window layers do not take them.
+Hybrid KV (mem_cache/swa_memory.py): window layers keep K/V in their own smaller pool, so every table gathered
+here is translated from full slots to window slots (`full_to_window`), and window layers always take these
+tables, window or not.
 """
 
 from __future__ import annotations
@@ -65,7 +68,8 @@ def window_applies(fb: ForwardBatch, window: int) -> bool:
     return max(fb.seq_lens_cpu) > window
 
 
-def decode_metadata(fb: ForwardBatch, window: int) -> WindowDecodeMetadata:
+def decode_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | None = None) -> WindowDecodeMetadata:
+    """`translate`: the hybrid pool's full_to_window table (the gathered slots are window slots then)."""
     lens_cpu = fb.seq_lens_cpu
     table = fb.req_to_token_pool.req_to_token
     max_len = max(lens_cpu)
@@ -75,6 +79,8 @@ def decode_metadata(fb: ForwardBatch, window: int) -> WindowDecodeMetadata:
     cols = (starts.unsqueeze(1) + torch.arange(width, device=table.device)).clamp(max=max_len - 1)
     # NOTE: gathered here, once per forward: the table may change once init_forward_metadata returns
     kv_indices = table[fb.req_pool_indices, :max_len].gather(1, cols).reshape(-1)
+    if translate is not None:
+        kv_indices = translate[kv_indices.long()]
     mask = None
     if min(min(n, window) for n in lens_cpu) != width:
         beyond = torch.arange(width, device=table.device).unsqueeze(0) >= lens.unsqueeze(1)
@@ -82,7 +88,7 @@ def decode_metadata(fb: ForwardBatch, window: int) -> WindowDecodeMetadata:
     return WindowDecodeMetadata(kv_indices, lens, width, mask)
 
 
-def extend_metadata(fb: ForwardBatch, window: int) -> WindowExtendMetadata:
+def extend_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | None = None) -> WindowExtendMetadata:
     table = fb.req_to_token_pool.req_to_token
     rows = fb.req_pool_indices.tolist()
     slices, parts, q_start, kv_start = [], [], 0, 0
@@ -92,7 +98,8 @@ def extend_metadata(fb: ForwardBatch, window: int) -> WindowExtendMetadata:
         slices.append(WindowSlice(q_start, new, kv_start, kv_len, first, prefix, window))
         parts.append(table[row, first : prefix + new])
         q_start, kv_start = q_start + new, kv_start + kv_len
-    return WindowExtendMetadata(slices, torch.cat(parts))
+    kv_indices = torch.cat(parts)
+    return WindowExtendMetadata(slices, translate[kv_indices.long()] if translate is not None else kv_indices)
 
 
 def extend_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: WindowExtendMetadata,
