@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from test_model_support import make_tiny_model
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,16 @@ def make_peft_adapter(base, folder: Path, spec: AdapterSpec, b_scale: float = 1.
                     param.mul_(b_scale)
     peft_model.save_pretrained(str(folder))
     return peft_model.merge_and_unload().eval()
+
+
+def tiny_peft_models(tmp_path_factory) -> tuple[Path, torch.nn.Module, dict[str, torch.nn.Module]]:
+    """The tests' shared fixture (module scope, `models` in the test files): a tiny random Llama saved under
+    `<root>/base` and one PEFT folder per spec of SPECS under `<root>/<name>`; returns (root, the base HF model,
+    name -> the merged float32 model each adapter stands for)."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model(root / "base", "llama")
+    merged = {spec.name: make_peft_adapter(base, root / spec.name, spec) for spec in SPECS}
+    return root, base, merged
 
 
 @torch.inference_mode()
