@@ -62,7 +62,7 @@ class LoraManager:
         self.dtype = dtype
         self.device = device
         self.limits = limits
-        self.batch = LoraSegments()
+        self.batch = LoraSegments(kernel=_cpu_kernel(device))
         attach_lora(model, self.batch)
         self.registry: dict[str, LoraAdapter] = {}
         self._slots: OrderedDict[str, PackedLora] = OrderedDict()  # by namespace value; oldest use first
@@ -134,6 +134,15 @@ class LoraManager:
                 self._slots[key] = pack_adapter(adapter, self._out_sizes, self.dtype, self.device)
                 self.packs += 1
             return {key: self._slots[key] for key in wanted}
+
+
+def _cpu_kernel(device: torch.device) -> Any:
+    """The C LoRA kernel on the CPU (None elsewhere, or where it does not build: torch matmuls then)."""
+    if device.type != "cpu":
+        return None
+    from radixserve.kernels.lora import load_lora_kernel
+
+    return load_lora_kernel()
 
 
 def load_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> LoraAdapter:
