@@ -1,5 +1,5 @@
 """The C LoRA kernel (csrc/lora_sgmv.c, kernels/lora.py) against the torch path of lora/layers.py and a float64
-product, at every kernel level this CPU runs: ranks 8/16/64, segment layouts from one slice to interleaved index
+product, at every kernel level this CPU runs: ranks 5/8/16/64, segment layouts from one slice to interleaved index
 segments with base-model rows between them, an adapter that skips the layer, float32 and bfloat16."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _case(layout: str, rank: int, dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("isa", LEVELS)
-@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("rank", [5, 8, 16, 64])  # NOTE: 5: sums of ranks that are not multiples of 4
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_kernel_matches_the_torch_path_and_float64(isa, rank, layout, dtype, monkeypatch):

@@ -8,12 +8,14 @@
 // for every position i of the row index whose segment is s. Rows of the base model are in no segment and
 // are left as they are; a segment of rank 0 (its adapter does not target this layer) is skipped.
 //
-// Work is split into groups of up to RG rows of one segment. Shrink: one job per (group, rank row r), a dot
-// product over K of the group's rows with A_s[r] (A_s[r] read once for RG rows). Expand: one job per (group,
+// Work is split into groups of up to RG rows of one segment. Shrink: one job per (group, AR rank rows), dot
+// products over K of the group's rows with those rows of A_s, SR x AR sums in registers (each vector of A
+// read once for SR rows, each of x once for AR rank rows). Expand: one job per (group,
 // block of CB output columns): per vector of columns, the sum over r of t[i, r] * Bt_s[r, cols] for the
 // group's rows, Bt_s read once per group. Both loops are OpenMP-parallel; the expand jobs write disjoint
 // parts of y (a row is in one segment). float32 throughout, or bfloat16 x, A, Bt and y (bf16 != 0) with
-// float32 sums and t, y rounded to nearest even once.
+// float32 sums and t, y rounded to nearest even once; bf16 rows of x are widened to float32 once per call
+// (otherwise every rank row would convert them again).
 //
 // One source for every level: AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or plain C. Returns 0; -1 for
 // shapes it does not take; -2 when its scratch memory cannot be allocated.
@@ -25,6 +27,12 @@
 
 #define RG 4  /* rows per group */
 #define CB 64 /* output columns per expand job */
+#define AR 4  /* rank rows per shrink block */
+#if defined(SIMD_WIDTH) && SIMD_WIDTH == 16
+#define SR 4 /* rows per shrink block: 16 sums + 4 vectors of A + 1 of x, of 32 zmm registers */
+#else
+#define SR 2 /* 8 sums + 4 vectors of A + 1 of x, of 16 ymm registers */
+#endif
 
 typedef struct {
     int64_t seg, start, count; /* positions start .. start + count of the row index, all of segment seg */
@@ -47,26 +55,34 @@ static inline __attribute__((always_inline)) vf loadv(const void *p, int64_t i, 
 }
 #endif
 
-// t[j * ts] = x[rows[j]] . a_row for the n rows of a group. NOTE: always inlined with constant n and bf16.
-static inline __attribute__((always_inline)) void shrink_group(const void *x, const int64_t *rows, int n,
-                                                               const void *a_row, int64_t K, int bf16, float *t,
-                                                               int64_t ts) {
-    float sums[RG] = {0};
+// t[j * ts + i] = x[rows[j]] . a[i] for n <= SR rows and nr <= AR rank rows (a[i] at a + i * K), x float32
+// (the caller widened bf16 rows), a float32 or bf16. NOTE: always inlined with constant n, nr and bf16, so the
+// n x nr sums stay in registers.
+static inline __attribute__((always_inline)) void shrink_block(const float *x, const int64_t *rows, int n,
+                                                               const void *a, int nr, int64_t K, int bf16,
+                                                               float *t, int64_t ts) {
+    float sums[SR][AR] = {{0}};
     int64_t k = 0;
 #ifdef SIMD_WIDTH
-    vf acc[RG];
-    for (int j = 0; j < n; j++) acc[j] = vf_zero();
+    vf acc[SR][AR];
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < nr; i++) acc[j][i] = vf_zero();
     for (; k + SIMD_WIDTH <= K; k += SIMD_WIDTH) {
-        const vf av = loadv(a_row, k, bf16);
-        for (int j = 0; j < n; j++) acc[j] = vf_fmadd(loadv(x, rows[j] * K + k, bf16), av, acc[j]);
+        vf av[AR];
+        for (int i = 0; i < nr; i++) av[i] = loadv(a, i * K + k, bf16);
+        for (int j = 0; j < n; j++) {
+            const vf xv = vf_load(x + rows[j] * K + k);
+            for (int i = 0; i < nr; i++) acc[j][i] = vf_fmadd(xv, av[i], acc[j][i]);
+        }
     }
-    for (int j = 0; j < n; j++) sums[j] = vf_hsum(acc[j]);
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < nr; i++) sums[j][i] = vf_hsum(acc[j][i]);
 #endif
-    for (; k < K; k++) {
-        const float a = load1(a_row, k, bf16);
-        for (int j = 0; j < n; j++) sums[j] += load1(x, rows[j] * K + k, bf16) * a;
-    }
-    for (int j = 0; j < n; j++) t[j * ts] = sums[j];
+    for (; k < K; k++)
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < nr; i++) sums[j][i] += x[rows[j] * K + k] * load1(a, i * K + k, bf16);
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < nr; i++) t[j * ts + i] = sums[j][i];
 }
 
 // y[rows[j], n0:n1] += t[j, :R] @ Bt[:, n0:n1] for the n rows of a group.
@@ -102,21 +118,24 @@ static inline __attribute__((always_inline)) void expand_group(void *y, const in
         }
 }
 
-static void shrink_job(const void *x, const int64_t *index, const group_t *g, const void *a, int64_t r, int64_t K,
-                       int bf16, float *t, int64_t ts) {
-    const int64_t *rows = index + g->start;
-    float *tg = t + g->start * ts + r;
-    const void *a_row = bf16 ? (const void *)((const uint16_t *)a + r * K) : (const void *)((const float *)a + r * K);
-    if (g->count == RG) {
-        if (bf16)
-            shrink_group(x, rows, RG, a_row, K, 1, tg, ts);
-        else
-            shrink_group(x, rows, RG, a_row, K, 0, tg, ts);
-    } else {
-        if (bf16)
-            shrink_group(x, rows, (int)g->count, a_row, K, 1, tg, ts);
-        else
-            shrink_group(x, rows, (int)g->count, a_row, K, 0, tg, ts);
+// Rank rows r0 .. r0 + nr (nr <= AR) of segment A for every row of a group, SR rows at a time.
+static void shrink_job(const float *x, const int64_t *index, const group_t *g, const void *a, int64_t r0, int nr,
+                       int64_t K, int bf16, float *t, int64_t ts) {
+    const void *ar = bf16 ? (const void *)((const uint16_t *)a + r0 * K) : (const void *)((const float *)a + r0 * K);
+    for (int64_t p = 0; p < g->count; p += SR) {
+        const int64_t *rows = index + g->start + p;
+        float *tp = t + (g->start + p) * ts + r0;
+        const int n = g->count - p < SR ? (int)(g->count - p) : SR;
+        if (n == SR && nr == AR) {
+            if (bf16)
+                shrink_block(x, rows, SR, ar, AR, K, 1, tp, ts);
+            else
+                shrink_block(x, rows, SR, ar, AR, K, 0, tp, ts);
+        } else if (bf16) {
+            shrink_block(x, rows, n, ar, nr, K, 1, tp, ts);
+        } else {
+            shrink_block(x, rows, n, ar, nr, K, 0, tp, ts);
+        }
     }
 }
 
@@ -168,14 +187,39 @@ int lora_sgmv(const void *x, void *y, int64_t K, int64_t N, int bf16, const int6
             g++;
         }
     }
+    // bf16: the rows of x widened to float32 once (position i of the index at xf + i * K), so that the shrink
+    // converts only A, not x again for every rank row
+    const int64_t total = offsets[nseg];
+    float *xf = bf16 ? malloc(sizeof(float) * total * K) : NULL;
+    int64_t *pos = bf16 ? malloc(sizeof(int64_t) * total) : NULL;
+    if (bf16 && (xf == NULL || pos == NULL)) {
+        free(groups);
+        free(t);
+        free(xf);
+        free(pos);
+        return -2;
+    }
     const int64_t blocks = (N + CB - 1) / CB;
 #pragma omp parallel num_threads(nthreads)
     {
+        if (bf16) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < total; i++) {
+                const uint16_t *src = (const uint16_t *)x + index[i] * K;
+                for (int64_t k = 0; k < K; k++) xf[i * K + k] = bf16_to_f32(src[k]);
+                pos[i] = i;
+            }
+        }
 #pragma omp for schedule(static) collapse(2)
         for (int64_t gi = 0; gi < ngroups; gi++)
-            for (int64_t r = 0; r < rmax; r++) {
+            for (int64_t r0 = 0; r0 < rmax; r0 += AR) {
                 const int64_t s = groups[gi].seg;
-                if (r < ranks[s]) shrink_job(x, index, &groups[gi], a[s], r, K, bf16, t, rmax);
+                if (r0 >= ranks[s]) continue;
+                const int nr = ranks[s] - r0 < AR ? (int)(ranks[s] - r0) : AR;
+                if (bf16)
+                    shrink_job(xf, pos, &groups[gi], a[s], r0, nr, K, 1, t, rmax);
+                else
+                    shrink_job((const float *)x, index, &groups[gi], a[s], r0, nr, K, 0, t, rmax);
             }
         // NOTE: the implicit barrier of the loop above: every t is written before any is read
 #pragma omp for schedule(static) collapse(2)
@@ -187,5 +231,7 @@ int lora_sgmv(const void *x, void *y, int64_t K, int64_t N, int bf16, const int6
     }
     free(groups);
     free(t);
+    free(xf);
+    free(pos);
     return 0;
 }
