@@ -166,6 +166,8 @@ def test_odd_tensors_and_files_are_refused(models, config, tmp_path):
     writer.close()
     with pytest.raises(LoraLoadError, match="'token_embd.weight.lora_a' is not a LoRA lora_a/lora_b tensor"):
         load_gguf_adapter("bad", str(path), config, 64)
+    with pytest.raises(LoraLoadError, match="missing.gguf': no such file"):
+        load_gguf_adapter("bad", str(tmp_path / "missing.gguf"), config, 64)
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(LoraLoadError, match="is not a GGUF file"):
         load_gguf_adapter("bad", str(tmp_path / "junk.gguf"), config, 64)

@@ -53,6 +53,8 @@ def load_gguf_adapter(name: str, path: str, config: ModelConfig, max_rank: int) 
         return LoraLoadError(f"LoRA adapter {name!r}: {path!r}: {why}")
 
     file = Path(path)
+    if not file.is_file():
+        raise refuse("no such file")
     try:
         reader = open_gguf(file)
     except ModelLoadError as e:
