@@ -1,8 +1,10 @@
 """The LoRA products of one layer, C kernel (csrc/lora_sgmv.c) against the torch path (lora/layers.py), side by
 side in one process on the same inputs: `LoraLinear.add_to` both ways, so each side pays its own Python
-overhead. Shapes are SmolLM2-135M's fused layers (--model small) or a 1B-class Llama's (--model 1b); batches
-are decode steps whose rows alternate over several adapters (index segments) and a prefill of contiguous
-runs (slices). Prints a markdown table: median microseconds per call and torch / C.
+overhead. The C side runs the kernel for every segment (--as-served: as the layer chooses, torch matmuls for
+segments of C_SEGMENT_ROWS rows or more). Shapes are SmolLM2-135M's fused layers (--model small) or a
+1B-class Llama's (--model 1b); batches are decode steps whose rows alternate over several adapters (index
+segments) and prefills of contiguous runs (slices). Prints a markdown table: median microseconds per call
+(the best of 3 alternated medians) and torch / C.
 
     python benchmarks/bench_lora_kernel.py
     python benchmarks/bench_lora_kernel.py --model 1b --dtypes bfloat16 --ranks 16 --threads 2
@@ -17,12 +19,14 @@ import time
 import torch
 
 from radixserve.kernels.lora import load_lora_kernel
+from radixserve.lora import layers as lora_layers
 from radixserve.lora.layers import LoraLinear, LoraSegments, PackedLora, group_rows
 
 # name -> (hidden, q size, kv size, intermediate)
 MODELS = {"small": (576, 576, 192, 1536), "1b": (2048, 2048, 512, 8192)}
 # name -> (rows per request, requests, adapters): request i runs adapter i mod adapters
 BATCHES = {"decode 8 rows / 4 adapters": (1, 8, 4), "decode 32 rows / 8 adapters": (1, 32, 8),
+           "prefill 2 x 32 rows / 2 adapters": (32, 2, 2), "prefill 4 x 32 rows / 4 adapters": (32, 4, 4),
            "prefill 4 x 128 rows / 4 adapters": (128, 4, 4)}
 
 
@@ -33,6 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", default="8,16,64")
     p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--batches", default=",".join(BATCHES), help="which batches, comma-separated")
+    p.add_argument("--as-served", action="store_true",
+                   help="the C side as the layer serves it: segments of C_SEGMENT_ROWS rows or more run torch "
+                        "(default: the kernel takes every segment)")
     return p.parse_args(argv)
 
 
@@ -81,6 +89,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.as_served:
+        lora_layers.C_SEGMENT_ROWS = dict.fromkeys(lora_layers.C_SEGMENT_ROWS, 1 << 62)
     kernel = load_lora_kernel()
     if kernel is None:
         raise SystemExit("the LoRA kernel does not build here (no C compiler)")
@@ -92,7 +102,7 @@ def main(argv=None) -> None:
         dtype = getattr(torch, dtype_name)
         for rank in map(int, args.ranks.split(",")):
             for fused, (k, n, modules) in layers(args.model).items():
-                for batch in BATCHES:
+                for batch in args.batches.split(","):
                     torch_us, c_us = one_case(kernel, fused, k, n, modules, BATCHES[batch], rank, dtype,
                                               args.repeats)
                     ratios.append(torch_us / c_us)

@@ -8,8 +8,8 @@ fused output; B is kept transposed (Bt [sum of ranks, out], contiguous), the for
 batch's rows are grouped by adapter into segments (a contiguous run is a slice, the rest an index),
 Punica's SGMV: per segment, one shrink and one expand, added to the base product that was computed once
 for the whole batch. Rows of the base model belong to no segment. On the CPU, where the kernel loads
-(kernels/lora.py), one C call per layer does every segment (csrc/lora_sgmv.c); elsewhere torch matmuls,
-two per segment.
+(kernels/lora.py), one C call per layer does every segment of fewer than C_SEGMENT_ROWS rows
+(csrc/lora_sgmv.c), torch matmuls the larger ones; elsewhere torch matmuls, two per segment.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ from torch import nn
 from radixserve.layers.linear import LinearBase
 from radixserve.lora.adapter import LoraAdapter
 
+# The C kernel takes a segment of fewer rows than this (decode steps, small prefills); a larger one runs torch
+# matmuls (oneDNN's GEMM), which were as fast or faster there for rank 64 (docs/lora.md, bench_lora_kernel.py).
+C_SEGMENT_ROWS = {torch.float32: 128, torch.bfloat16: 32}
 # fused layer -> its modules in output order (models/llama.py fuses them in this order)
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                  "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -73,16 +76,35 @@ class LoraSegments:
 
     segments: list[tuple[slice | torch.Tensor, PackedLora]] = field(default_factory=list)
     kernel: Any = None
-    _plan: tuple[list, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _plan: tuple[list, torch.dtype, CPlan] | None = field(default=None, repr=False)
 
-    def c_plan(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel's view of `segments`: every segment's rows in one int64 index, segment s at positions
-        offsets[s] .. offsets[s + 1]; made once per forward (the same for every layer)."""
-        if self._plan is None or self._plan[0] is not self.segments:
-            parts = [torch.arange(r.start, r.stop) if isinstance(r, slice) else r.cpu() for r, _ in self.segments]
+    def c_plan(self, dtype: torch.dtype) -> CPlan:
+        """Which segments the kernel takes in `dtype` (fewer rows than C_SEGMENT_ROWS) and its view of them;
+        made once per forward and dtype (the same for every layer)."""
+        if self._plan is None or self._plan[0] is not self.segments or self._plan[1] != dtype:
+            limit = C_SEGMENT_ROWS[dtype]
+            small = [seg for seg in self.segments if _row_count(seg[0]) < limit]
+            large = [seg for seg in self.segments if _row_count(seg[0]) >= limit]
+            parts = [torch.arange(r.start, r.stop) if isinstance(r, slice) else r.cpu() for r, _ in small]
             sizes = torch.tensor([0] + [len(p) for p in parts], dtype=torch.int64)
-            self._plan = (self.segments, torch.cat(parts).to(torch.int64).contiguous(), sizes.cumsum(0))
-        return self._plan[1], self._plan[2]
+            index = torch.cat(parts).to(torch.int64).contiguous() if parts else torch.zeros(0, dtype=torch.int64)
+            self._plan = (self.segments, dtype, CPlan(small, index, sizes.cumsum(0), large))
+        return self._plan[2]
+
+
+@dataclass(frozen=True)
+class CPlan:
+    """`c_segments` for the kernel (their rows in one int64 index, segment s at positions offsets[s] ..
+    offsets[s + 1]); `torch_segments` for torch matmuls."""
+
+    c_segments: list[tuple[slice | torch.Tensor, PackedLora]]
+    index: torch.Tensor
+    offsets: torch.Tensor
+    torch_segments: list[tuple[slice | torch.Tensor, PackedLora]]
+
+
+def _row_count(rows: slice | torch.Tensor) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
 class LoraLinear:
@@ -99,12 +121,12 @@ class LoraLinear:
             return y
         kernel = self.batch.kernel
         if kernel is not None and x.dim() == 2 and x.dtype == y.dtype and y.is_contiguous() \
-                and x.dtype in (torch.float32, torch.bfloat16):
-            pairs = [packed.layers.get(self.key) for _, packed in segments]
+                and x.dtype in C_SEGMENT_ROWS:
+            plan = self.batch.c_plan(x.dtype)
+            pairs = [packed.layers.get(self.key) for _, packed in plan.c_segments]
             if any(pair is not None for pair in pairs):
-                index, offsets = self.batch.c_plan()
-                kernel(x.contiguous(), y, index, offsets, pairs)
-            return y
+                kernel(x.contiguous(), y, plan.index, plan.offsets, pairs)
+            segments = plan.torch_segments
         for rows, packed in segments:
             pair = packed.layers.get(self.key)
             if pair is None:

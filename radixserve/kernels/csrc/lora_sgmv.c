@@ -10,12 +10,12 @@
 //
 // Work is split into groups of up to RG rows of one segment. Shrink: one job per (group, AR rank rows), dot
 // products over K of the group's rows with those rows of A_s, SR x AR sums in registers (each vector of A
-// read once for SR rows, each of x once for AR rank rows). Expand: one job per (group,
-// block of CB output columns): per vector of columns, the sum over r of t[i, r] * Bt_s[r, cols] for the
-// group's rows, Bt_s read once per group. Both loops are OpenMP-parallel; the expand jobs write disjoint
-// parts of y (a row is in one segment). float32 throughout, or bfloat16 x, A, Bt and y (bf16 != 0) with
-// float32 sums and t, y rounded to nearest even once; bf16 rows of x are widened to float32 once per call
-// (otherwise every rank row would convert them again).
+// read once for SR rows, each of x once for AR rank rows). Expand: one job per (group, CB output columns),
+// the sum over r of t[i, r] * Bt_s[r, cols] for the group's rows, RG rows x CV column vectors of sums in
+// registers (each vector of Bt_s read once for the group). Both loops are OpenMP-parallel; the expand jobs
+// write disjoint parts of y (a row is in one segment). float32 throughout, or bfloat16 x, A, Bt and y
+// (bf16 != 0) with float32 sums and t, y rounded to nearest even once; bf16 rows of x are widened to
+// float32 once per call (otherwise every rank row would convert them again).
 //
 // One source for every level: AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or plain C. Returns 0; -1 for
 // shapes it does not take; -2 when its scratch memory cannot be allocated.
@@ -30,8 +30,10 @@
 #define AR 4  /* rank rows per shrink block */
 #if defined(SIMD_WIDTH) && SIMD_WIDTH == 16
 #define SR 4 /* rows per shrink block: 16 sums + 4 vectors of A + 1 of x, of 32 zmm registers */
+#define CV 4 /* column vectors per expand block (one 64-column job): 16 sums + 4 of Bt + 1 of t */
 #else
 #define SR 2 /* 8 sums + 4 vectors of A + 1 of x, of 16 ymm registers */
+#define CV 2 /* 8 sums + 2 of Bt + 1 of t */
 #endif
 
 typedef struct {
@@ -48,6 +50,24 @@ static inline void store1(void *p, int64_t i, float v, int bf16) {
     else
         ((float *)p)[i] = v;
 }
+
+#if defined(SIMD_WIDTH) && SIMD_WIDTH == 16
+// The 16 lanes rounded to bf16 (nearest even, as f32_to_bf16) and stored.
+static inline void store_bf16(uint16_t *p, vf v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+#elif defined(SIMD_WIDTH)
+static inline void store_bf16(uint16_t *p, vf v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    // NOTE: every lane is below 65536, so the saturating pack is exact
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+#endif
 
 #ifdef SIMD_WIDTH
 static inline __attribute__((always_inline)) vf loadv(const void *p, int64_t i, int bf16) {
@@ -85,6 +105,36 @@ static inline __attribute__((always_inline)) void shrink_block(const float *x, c
         for (int i = 0; i < nr; i++) t[j * ts + i] = sums[j][i];
 }
 
+#ifdef SIMD_WIDTH
+// y[rows[j], c : c + nv * SIMD_WIDTH] += t[j, :R] @ Bt[:, those columns] for n <= RG rows, nv <= CV vectors of
+// columns: n x nv sums in registers, each vector of Bt read once for the n rows. NOTE: always inlined with
+// constant n, nv and bf16.
+static inline __attribute__((always_inline)) void expand_block(void *y, const int64_t *rows, int n, int nv,
+                                                               const float *t, int64_t ts, const void *bt,
+                                                               int64_t R, int64_t N, int64_t c, int bf16) {
+    vf acc[RG][CV];
+    for (int j = 0; j < n; j++)
+        for (int v = 0; v < nv; v++) acc[j][v] = loadv(y, rows[j] * N + c + v * SIMD_WIDTH, bf16);
+    for (int64_t r = 0; r < R; r++) {
+        vf bv[CV];
+        for (int v = 0; v < nv; v++) bv[v] = loadv(bt, r * N + c + v * SIMD_WIDTH, bf16);
+        for (int j = 0; j < n; j++) {
+            const vf tv = vf_set1(t[j * ts + r]);
+            for (int v = 0; v < nv; v++) acc[j][v] = vf_fmadd(tv, bv[v], acc[j][v]);
+        }
+    }
+    for (int j = 0; j < n; j++)
+        for (int v = 0; v < nv; v++) {
+            const int64_t at = rows[j] * N + c + v * SIMD_WIDTH;
+            if (bf16) {
+                store_bf16((uint16_t *)y + at, acc[j][v]);
+            } else {
+                vf_store((float *)y + at, acc[j][v]);
+            }
+        }
+}
+#endif
+
 // y[rows[j], n0:n1] += t[j, :R] @ Bt[:, n0:n1] for the n rows of a group.
 static inline __attribute__((always_inline)) void expand_group(void *y, const int64_t *rows, int n,
                                                                const float *t, int64_t ts, const void *bt,
@@ -92,23 +142,13 @@ static inline __attribute__((always_inline)) void expand_group(void *y, const in
                                                                int bf16) {
     int64_t c = n0;
 #ifdef SIMD_WIDTH
-    for (; c + SIMD_WIDTH <= n1; c += SIMD_WIDTH) {
-        vf acc[RG];
-        for (int j = 0; j < n; j++) acc[j] = loadv(y, rows[j] * N + c, bf16);
-        for (int64_t r = 0; r < R; r++) {
-            const vf bv = loadv(bt, r * N + c, bf16);
-            for (int j = 0; j < n; j++) acc[j] = vf_fmadd(vf_set1(t[j * ts + r]), bv, acc[j]);
-        }
-        for (int j = 0; j < n; j++) {
-            if (bf16) {
-                float out[SIMD_WIDTH];
-                vf_store(out, acc[j]);
-                for (int l = 0; l < SIMD_WIDTH; l++) store1(y, rows[j] * N + c + l, out[l], 1);
-            } else {
-                vf_store((float *)y + rows[j] * N + c, acc[j]);
-            }
-        }
+    for (; c + CV * SIMD_WIDTH <= n1; c += CV * SIMD_WIDTH) {
+        if (n == RG)
+            expand_block(y, rows, RG, CV, t, ts, bt, R, N, c, bf16);
+        else
+            expand_block(y, rows, n, CV, t, ts, bt, R, N, c, bf16);
     }
+    for (; c + SIMD_WIDTH <= n1; c += SIMD_WIDTH) expand_block(y, rows, n, 1, t, ts, bt, R, N, c, bf16);
 #endif
     for (; c < n1; c++)
         for (int j = 0; j < n; j++) {
@@ -222,9 +262,10 @@ int lora_sgmv(const void *x, void *y, int64_t K, int64_t N, int bf16, const int6
                     shrink_job((const float *)x, index, &groups[gi], a[s], r0, nr, K, 0, t, rmax);
             }
         // NOTE: the implicit barrier of the loop above: every t is written before any is read
+        // NOTE: column blocks outside: a thread's consecutive jobs reuse one block of Bt (R x CB) from cache
 #pragma omp for schedule(static) collapse(2)
-        for (int64_t gi = 0; gi < ngroups; gi++)
-            for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t gi = 0; gi < ngroups; gi++) {
                 const int64_t s = groups[gi].seg, n0 = b * CB, n1 = n0 + CB < N ? n0 + CB : N;
                 expand_job(y, index, &groups[gi], t, rmax, bt[s], ranks[s], N, n0, n1, bf16);
             }
