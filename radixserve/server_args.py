@@ -69,7 +69,8 @@ class ServerArgs:
                                                 "are cut to fit, the best-accepted requests first")
     enable_lora: bool = _opt(False, "serve LoRA adapters (implied by --lora-paths); adapters may then be loaded "
                                     "at run time too (docs/lora.md)")
-    lora_paths: tuple[str, ...] = _opt((), "LoRA adapters to load at start, each name=path of a PEFT folder")
+    lora_paths: tuple[str, ...] = _opt((), "LoRA adapters to load at start, each name=path of a PEFT folder "
+                                       "or a llama.cpp GGUF adapter file")
     max_loras_per_batch: int = _opt(8, "most distinct LoRA adapters in one running batch")
     max_lora_rank: int = _opt(64, "highest LoRA rank an adapter may have")
     max_loaded_loras: int | None = _opt(None, "most adapters packed for the forward at once (least recently used "

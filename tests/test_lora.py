@@ -10,8 +10,8 @@ import threading
 
 import pytest
 import torch
-from lora_support import SPECS, AdapterSpec, hf_greedy, make_peft_adapter
-from test_model_support import make_tiny_model, one_torch_thread
+from lora_support import SPECS, AdapterSpec, hf_greedy, make_peft_adapter, tiny_peft_models
+from test_model_support import one_torch_thread
 
 from radixserve import Engine
 
@@ -20,12 +20,7 @@ _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    base = make_tiny_model(root / "base", "llama")
-    merged = {spec.name: make_peft_adapter(base, root / spec.name, spec) for spec in SPECS}
-    return root, base, merged
+models = pytest.fixture(scope="module", name="models")(tiny_peft_models)
 
 
 def _engine(root, **kwargs) -> Engine:

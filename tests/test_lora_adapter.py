@@ -77,7 +77,7 @@ def _key(layer: int, module: str, half: str) -> str:
 
 
 @pytest.mark.parametrize("case, match", [
-    ("missing_folder", "is not a folder"),
+    ("missing_folder", "is neither a PEFT LoRA folder nor a GGUF LoRA adapter file"),
     ("no_weights", "has no adapter_model.safetensors"),
     ("bad_json", "not valid JSON"),
     ("rank_over", "rank 16 is above --max-lora-rank 8"),

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from direct_driver import DirectDriver
-from lora_support import SPECS, make_peft_adapter
-from test_model_support import hf_last_logits, make_tiny_model, one_torch_thread, rel_err
+from lora_support import SPECS, make_peft_adapter, tiny_peft_models
+from test_model_support import hf_last_logits, one_torch_thread, rel_err
 
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
@@ -20,12 +20,7 @@ _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    base = make_tiny_model(root / "base", "llama")
-    merged = {spec.name: make_peft_adapter(base, root / spec.name, spec) for spec in SPECS}
-    return root, base, merged
+models = pytest.fixture(scope="module", name="models")(tiny_peft_models)
 
 
 @pytest.fixture(scope="module", params=["torch", "cpu"])

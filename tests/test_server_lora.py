@@ -99,3 +99,24 @@ def test_admin_loads_and_unloads_at_run_time(setup, tmp_path):
     assert r.status_code == 200 and r.json()["freed_tokens"] >= len(PROMPT), r.text
     assert _generate(server, lora_path="new").status_code == 404
     assert server.post("/unload_lora_adapter", json={"lora_name": "new"}, **admin).status_code == 404
+
+
+def test_admin_loads_a_gguf_lora_file(setup, tmp_path):
+    """`/load_lora_adapter` with a llama.cpp GGUF adapter file: the PEFT adapter's tokens; a model file is a 400."""
+    from lora_support import write_gguf_adapter
+
+    server, root, base, merged = setup
+    write_gguf_adapter(root / "chat", tmp_path / "chat.gguf", base.config)
+    write_gguf_adapter(root / "chat", tmp_path / "model.gguf", base.config, general_type="model")
+    admin = {"headers": server.admin_headers}
+    bad = server.post("/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path / "model.gguf")},
+                      **admin)
+    assert bad.status_code == 400 and "not 'adapter'" in bad.json()["error"]["message"], bad.text
+    r = server.post("/load_lora_adapter", json={"lora_name": "chat_gguf", "lora_path": str(tmp_path / "chat.gguf")},
+                    **admin)
+    assert r.status_code == 200, r.text
+    try:
+        out = _generate(server, lora_path="chat_gguf").json()
+        assert out["output_ids"] == hf_greedy(merged["chat"], PROMPT, STEPS)
+    finally:
+        assert server.post("/unload_lora_adapter", json={"lora_name": "chat_gguf"}, **admin).status_code == 200

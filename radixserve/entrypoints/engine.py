@@ -142,7 +142,8 @@ class Engine:
                 "cache_epoch": out.cache_epoch}
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
-        """Registers a PEFT LoRA folder under `lora_name`; raises ValueError (nothing changed) when it cannot."""
+        """Registers a PEFT LoRA folder or a GGUF LoRA file under `lora_name`; raises ValueError (nothing
+        changed) when it cannot."""
         return self._lora_control(LoadLoraAdapterReq(lora_name, lora_path))
 
     def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:

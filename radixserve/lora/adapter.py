@@ -4,7 +4,8 @@ against the base model it is meant for.
 What PEFT's LoRA means, and what is kept: each targeted linear layer W gains `scaling * B @ A`, with A
 [rank, in] and B [out, rank]; `scaling` is `lora_alpha / r` (or `lora_alpha / sqrt(r)` with rslora). The
 adapter keeps A and B per (layer, module) in float32 on the host; the packed forms a forward multiplies
-with are made from them (lora/packing.py).
+with are made from them (lora/layers.py). A llama.cpp GGUF adapter file is read into the same form
+(lora/gguf_adapter.py).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def load_peft_adapter(name: str, path: str, config: ModelConfig, max_rank: int) 
     """Reads and checks a PEFT LoRA folder for `config`'s model; raises LoraLoadError naming what is wrong."""
     folder = Path(path)
     if not folder.is_dir():
-        raise LoraLoadError(f"LoRA adapter {name!r}: {path!r} is not a folder")
+        raise LoraLoadError(f"LoRA adapter {name!r}: {path!r} is neither a PEFT LoRA folder nor a GGUF LoRA adapter "
+                            "file")
     for needed in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / needed).is_file():
             raise LoraLoadError(f"LoRA adapter {name!r}: {path!r} has no {needed} (a PEFT LoRA folder has "
@@ -160,10 +162,10 @@ def _read_weights(name: str, raw: bytes, config: ModelConfig,
         halves.setdefault((layer, module), {})[half] = tensor.float()
     if not halves:
         raise LoraLoadError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
-    return {where: _check_pair(name, config, rank, where, pair) for where, pair in sorted(halves.items())}
+    return {where: check_pair(name, config, rank, where, pair) for where, pair in sorted(halves.items())}
 
 
-def _check_pair(name: str, config: ModelConfig, rank: int, where: tuple[int, str],
+def check_pair(name: str, config: ModelConfig, rank: int, where: tuple[int, str],
                 pair: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     layer, module = where
     if set(pair) != {"A", "B"}:

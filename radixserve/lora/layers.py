@@ -4,14 +4,18 @@ The model fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (models/ll
 packed per fused layer into one shrink matrix and one expand matrix: A is its targeted modules' A stacked
 ([sum of ranks, in]); B is block-placed ([out, sum of ranks], each module's B times the scaling in its own
 rows and its own rank columns, zeros elsewhere), so `(x @ A.T) @ B.T` is the adapter's whole delta of the
-fused output. A batch's rows are grouped by adapter into segments (a contiguous run is a slice, the rest
-an index), Punica's SGMV in torch: per segment, one shrink and one expand, added to the base product
-that was computed once for the whole batch. Rows of the base model belong to no segment.
+fused output; B is kept transposed (Bt [sum of ranks, out], contiguous), the form both paths read. A
+batch's rows are grouped by adapter into segments (a contiguous run is a slice, the rest an index),
+Punica's SGMV: per segment, one shrink and one expand, added to the base product that was computed once
+for the whole batch. Rows of the base model belong to no segment. On the CPU, where the kernel loads
+(kernels/lora.py), one C call per layer does every segment of fewer than C_SEGMENT_ROWS rows
+(csrc/lora_sgmv.c), torch matmuls the larger ones; elsewhere torch matmuls, two per segment.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +23,9 @@ from torch import nn
 from radixserve.layers.linear import LinearBase
 from radixserve.lora.adapter import LoraAdapter
 
+# The C kernel takes a segment of fewer rows than this (decode steps, small prefills); a larger one runs torch
+# matmuls (oneDNN's GEMM), which were as fast or faster there for rank 64 (docs/lora.md, bench_lora_kernel.py).
+C_SEGMENT_ROWS = {torch.float32: 128, torch.bfloat16: 32}
 # fused layer -> its modules in output order (models/llama.py fuses them in this order)
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                  "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -26,7 +33,7 @@ FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj"
 
 @dataclass(frozen=True)
 class PackedLora:
-    """An adapter in the form a forward multiplies with: per (layer, fused layer), (A, B) in the model's dtype
+    """An adapter in the form a forward multiplies with: per (layer, fused layer), (A, Bt) in the model's dtype
     on its device, or nothing where the adapter targets none of the fused layer's modules."""
 
     adapter: LoraAdapter
@@ -42,7 +49,8 @@ def pack_adapter(adapter: LoraAdapter, out_sizes: dict[str, tuple[int, ...]], dt
         for fused, modules in FUSED_MODULES.items():
             packed = _pack_fused(adapter, layer, modules, out_sizes[fused])
             if packed is not None:
-                layers[(layer, fused)] = (packed[0].to(device, dtype), packed[1].to(device, dtype))
+                a, b = packed
+                layers[(layer, fused)] = (a.to(device, dtype), b.T.contiguous().to(device, dtype))
     return PackedLora(adapter, layers)
 
 
@@ -63,9 +71,40 @@ def _pack_fused(adapter: LoraAdapter, layer: int, modules: tuple[str, ...],
 @dataclass
 class LoraSegments:
     """This forward's rows grouped by adapter: (rows, packed adapter), rows a slice or an int64 index.
-    Empty: no row has an adapter (the base model alone)."""
+    Empty: no row has an adapter (the base model alone). `kernel`: the C kernel (kernels/lora.LoraKernel)
+    where the manager runs on the CPU and it loads; None: torch matmuls."""
 
     segments: list[tuple[slice | torch.Tensor, PackedLora]] = field(default_factory=list)
+    kernel: Any = None
+    _plan: tuple[list, torch.dtype, CPlan] | None = field(default=None, repr=False)
+
+    def c_plan(self, dtype: torch.dtype) -> CPlan:
+        """Which segments the kernel takes in `dtype` (fewer rows than C_SEGMENT_ROWS) and its view of them;
+        made once per forward and dtype (the same for every layer)."""
+        if self._plan is None or self._plan[0] is not self.segments or self._plan[1] != dtype:
+            limit = C_SEGMENT_ROWS[dtype]
+            small = [seg for seg in self.segments if _row_count(seg[0]) < limit]
+            large = [seg for seg in self.segments if _row_count(seg[0]) >= limit]
+            parts = [torch.arange(r.start, r.stop) if isinstance(r, slice) else r.cpu() for r, _ in small]
+            sizes = torch.tensor([0] + [len(p) for p in parts], dtype=torch.int64)
+            index = torch.cat(parts).to(torch.int64).contiguous() if parts else torch.zeros(0, dtype=torch.int64)
+            self._plan = (self.segments, dtype, CPlan(small, index, sizes.cumsum(0), large))
+        return self._plan[2]
+
+
+@dataclass(frozen=True)
+class CPlan:
+    """`c_segments` for the kernel (their rows in one int64 index, segment s at positions offsets[s] ..
+    offsets[s + 1]); `torch_segments` for torch matmuls."""
+
+    c_segments: list[tuple[slice | torch.Tensor, PackedLora]]
+    index: torch.Tensor
+    offsets: torch.Tensor
+    torch_segments: list[tuple[slice | torch.Tensor, PackedLora]]
+
+
+def _row_count(rows: slice | torch.Tensor) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
 class LoraLinear:
@@ -77,15 +116,26 @@ class LoraLinear:
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base product of x, freshly made by the layer's method) plus each segment's delta, in place."""
-        for rows, packed in self.batch.segments:
+        segments = self.batch.segments
+        if not segments:
+            return y
+        kernel = self.batch.kernel
+        if kernel is not None and x.dim() == 2 and x.dtype == y.dtype and y.is_contiguous() \
+                and x.dtype in C_SEGMENT_ROWS:
+            plan = self.batch.c_plan(x.dtype)
+            pairs = [packed.layers.get(self.key) for _, packed in plan.c_segments]
+            if any(pair is not None for pair in pairs):
+                kernel(x.contiguous(), y, plan.index, plan.offsets, pairs)
+            segments = plan.torch_segments
+        for rows, packed in segments:
             pair = packed.layers.get(self.key)
             if pair is None:
                 continue
-            a, b = pair
+            a, bt = pair
             if isinstance(rows, slice):
-                y[rows] += (x[rows] @ a.T) @ b.T
+                y[rows] += (x[rows] @ a.T) @ bt
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ b.T)
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.T) @ bt)
         return y
 
 

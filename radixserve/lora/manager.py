@@ -18,12 +18,14 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from radixserve.lora.adapter import LoraAdapter, LoraLoadError, load_peft_adapter
+from radixserve.lora.gguf_adapter import is_gguf_file, load_gguf_adapter
 from radixserve.lora.layers import LoraSegments, PackedLora, attach_lora, group_rows, pack_adapter
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.models.config import ModelConfig
@@ -39,13 +41,14 @@ class LoraLimits:
 
 
 def parse_lora_paths(entries: tuple[str, ...]) -> list[tuple[str, str]]:
-    """`--lora-paths name=path ...` (a bare path is named after its folder) -> [(name, path)]."""
+    """`--lora-paths name=path ...` (a bare path is named after its folder, or its file less `.gguf`)
+    -> [(name, path)]."""
     pairs = []
     for entry in entries:
         name, sep, path = entry.partition("=")
         if not sep:
             path = entry
-            name = path.rstrip("/").rsplit("/", 1)[-1]
+            name = path.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf")
         pairs.append((name, path))
     return pairs
 
@@ -59,7 +62,7 @@ class LoraManager:
         self.dtype = dtype
         self.device = device
         self.limits = limits
-        self.batch = LoraSegments()
+        self.batch = LoraSegments(kernel=_cpu_kernel(device))
         attach_lora(model, self.batch)
         self.registry: dict[str, LoraAdapter] = {}
         self._slots: OrderedDict[str, PackedLora] = OrderedDict()  # by namespace value; oldest use first
@@ -78,7 +81,7 @@ class LoraManager:
                                 "starting with a letter or digit")
         if name in self.registry:
             raise LoraLoadError(f"LoRA adapter {name!r} is already loaded; unload it first")
-        adapter = load_peft_adapter(name, path, self.config, self.limits.max_rank)
+        adapter = load_adapter(name, path, self.config, self.limits.max_rank)
         self.registry[name] = adapter
         return adapter
 
@@ -131,6 +134,23 @@ class LoraManager:
                 self._slots[key] = pack_adapter(adapter, self._out_sizes, self.dtype, self.device)
                 self.packs += 1
             return {key: self._slots[key] for key in wanted}
+
+
+def _cpu_kernel(device: torch.device) -> Any:
+    """The C LoRA kernel on the CPU (None elsewhere, or where it does not build: torch matmuls then)."""
+    if device.type != "cpu":
+        return None
+    from radixserve.kernels.lora import load_lora_kernel
+
+    return load_lora_kernel()
+
+
+def load_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> LoraAdapter:
+    """A PEFT folder, or a llama.cpp GGUF adapter file (GGUF magic, or a `.gguf` name, so that a damaged one
+    is refused as GGUF)."""
+    if is_gguf_file(path) or (str(path).endswith(".gguf") and not Path(path).is_dir()):
+        return load_gguf_adapter(name, path, config, max_rank)
+    return load_peft_adapter(name, path, config, max_rank)
 
 
 def _row_counts(fb: ForwardBatch) -> list[int]:
