@@ -20,11 +20,14 @@
 #define DBLOCK (SIMD_WIDTH == 16 ? 16 : 8) /* columns of acc held in registers (of 32 or 16) as V streams by */
 
 /* Folds one chunk of scores into the lanes' running (max, sum) and rescales acc; leaves the weights
- * exp(score - max) in scores. Lane r sees token t of the chunk only if t0 + t < limit[r]. */
-static inline void softmax_lanes(vf *scores, int64_t n, int64_t t0, vi limit, int masked, vf *run_max, vf *run_sum,
-                                 vf *acc, int64_t dim) {
+ * exp(score - max) in scores. Lane r sees token t of the chunk only if low[r] <= t0 + t < limit[r]. A lane
+ * that has seen nothing keeps (max -inf, sum 0, acc 0): exp_nonpositive turns the NaN of -inf - -inf into
+ * its clamp, ~1e-38, which multiplies zeros or is masked to 0. */
+static inline void softmax_lanes(vf *scores, int64_t n, int64_t t0, vi low, vi limit, int masked, vf *run_max,
+                                 vf *run_sum, vf *acc, int64_t dim) {
     if (masked) {
-        for (int64_t t = 0; t < n; t++) scores[t] = vf_select(vm_before(t0 + t, limit), scores[t], vf_set1(-INFINITY));
+        for (int64_t t = 0; t < n; t++)
+            scores[t] = vf_select(vm_within(t0 + t, low, limit), scores[t], vf_set1(-INFINITY));
     }
     vf top = *run_max;
     for (int64_t t = 0; t < n; t++) top = vf_max(top, scores[t]);
@@ -34,7 +37,7 @@ static inline void softmax_lanes(vf *scores, int64_t n, int64_t t0, vi limit, in
     for (int64_t t = 0; t < n; t++) {
         scores[t] = vf_exp_nonpositive(vf_sub(scores[t], top));
         if (masked) /* NOTE: exp_nonpositive clamps, so exp(-inf) is not 0 until masked here */
-            scores[t] = vf_select(vm_before(t0 + t, limit), scores[t], vf_zero());
+            scores[t] = vf_select(vm_within(t0 + t, low, limit), scores[t], vf_zero());
         sum = vf_add(sum, scores[t]);
     }
     *run_sum = sum;
@@ -198,17 +201,20 @@ static inline void accumulate_chunk_bf16(const __m512 *weights, const uint16_t *
 #endif
 
 /* Rows ids[0..nr) (nr <= LANES) of kv head h over slots[0..len). limits (NULL: none): row r sees
- * slots[0..limits[r]), limits ascending with r. Seeding and outputs as attend_rows_*. QT: the type
- * LOAD_Q fills (one vector per dim, or per bf16 pair for vdpbf16ps). */
-#define DEFINE_ATTEND_LANES(NAME, T, QT, LOAD_Q, SCORE, ACCUMULATE, LOAD, STORE)                         \
-    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int64_t *ids, int64_t nr,         \
-                     const int32_t *slots, int64_t len, const int32_t *limits, int64_t kv_heads,         \
+ * slots[0..limits[r]), limits ascending with r; lows (NULL: none) likewise from slots[lows[r]] on (a
+ * sliding window), lows ascending. Seeding and outputs as attend_rows_*. T: the query and output
+ * type, KT: the K/V buffers'. QT: the type LOAD_Q fills (one vector per dim, or per bf16 pair for
+ * vdpbf16ps). */
+#define DEFINE_ATTEND_LANES(NAME, T, KT, QT, LOAD_Q, SCORE, ACCUMULATE, LOAD, STORE)                     \
+    static void NAME(const T *q, const KT *k_buf, const KT *v_buf, const int64_t *ids, int64_t nr,       \
+                     const int32_t *slots, int64_t len, const int32_t *limits, const int32_t *lows,      \
+                     int64_t kv_heads,                                                                   \
                      int64_t h, int64_t dim, float scale, const T *seed_out, const float *seed_lse,      \
                      T *out, float *lse) {                                                               \
         QT qt[MAX_DIM];                                                                                  \
         vf acc[MAX_DIM], scores[CHUNK];                                                                  \
         float lanes[LANES];                                                                              \
-        int32_t limit[LANES];                                                                            \
+        int32_t limit[LANES], low[LANES];                                                                \
         LOAD_Q(qt, q, ids, nr, dim);                                                                     \
         for (int64_t d = 0; d < dim; d++) {                                                              \
             for (int64_t r = 0; r < LANES && seed_lse != NULL; r++)                                      \
@@ -218,14 +224,16 @@ static inline void accumulate_chunk_bf16(const __m512 *weights, const uint16_t *
         for (int64_t r = 0; r < LANES; r++) {                                                            \
             lanes[r] = seed_lse != NULL ? seed_lse[ids[r < nr ? r : nr - 1]] : -INFINITY;                \
             limit[r] = limits != NULL ? limits[r < nr ? r : nr - 1] : (int32_t)len;                      \
+            low[r] = lows != NULL ? lows[r < nr ? r : nr - 1] : 0;                                       \
         }                                                                                                \
         vf run_max = vf_load(lanes);                                                                     \
         vf run_sum = vf_set1(seed_lse != NULL ? 1.0f : 0.0f);                                            \
-        const vi limit_v = vi_load(limit);                                                               \
+        const vi limit_v = vi_load(limit), low_v = vi_load(low);                                         \
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                    \
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \
             SCORE(qt, k_buf, slots + t0, n, kv_heads, h, dim, scale, scores);                            \
-            softmax_lanes(scores, n, t0, limit_v, t0 + n > limit[0], &run_max, &run_sum, acc, dim);      \
+            const int masked = t0 + n > limit[0] || t0 < low[LANES - 1];                                 \
+            softmax_lanes(scores, n, t0, low_v, limit_v, masked, &run_max, &run_sum, acc, dim);          \
             ACCUMULATE(scores, v_buf, slots + t0, n, kv_heads, h, dim, acc);                             \
         }                                                                                                \
         float sums[LANES], maxes[LANES];                                                                 \
@@ -239,12 +247,16 @@ static inline void accumulate_chunk_bf16(const __m512 *weights, const uint16_t *
         for (int64_t r = 0; r < nr && lse != NULL; r++) lse[ids[r]] = row_lse(maxes[r], sums[r]);        \
     }
 
-DEFINE_ATTEND_LANES(attend_lanes_f32, float, vf, load_q_f32, score_chunk_f32, accumulate_chunk_f32, f32_id, f32_id)
-DEFINE_ATTEND_LANES(attend_lanes_bf16_wide, uint16_t, vf, load_q_bf16_wide, score_chunk_bf16_wide,
+DEFINE_ATTEND_LANES(attend_lanes_f32, float, float, vf, load_q_f32, score_chunk_f32, accumulate_chunk_f32, f32_id,
+                    f32_id)
+DEFINE_ATTEND_LANES(attend_lanes_bf16_wide, uint16_t, uint16_t, vf, load_q_bf16_wide, score_chunk_bf16_wide,
                     accumulate_chunk_bf16_wide, bf16_to_f32, f32_to_bf16)
+/* bf16 queries and output over K/V already widened to float32 (extend_attention.c's scratch copy) */
+DEFINE_ATTEND_LANES(attend_lanes_bf16_f32kv, uint16_t, float, vf, load_q_bf16_wide, score_chunk_f32,
+                    accumulate_chunk_f32, bf16_to_f32, f32_to_bf16)
 #ifdef HAVE_AVX512_BF16
-DEFINE_ATTEND_LANES(attend_lanes_bf16_dp, uint16_t, __m512i, load_q_bf16, score_chunk_bf16, accumulate_chunk_bf16,
-                    bf16_to_f32, f32_to_bf16)
+DEFINE_ATTEND_LANES(attend_lanes_bf16_dp, uint16_t, uint16_t, __m512i, load_q_bf16, score_chunk_bf16,
+                    accumulate_chunk_bf16, bf16_to_f32, f32_to_bf16)
 #endif
 #endif
 
