@@ -10,8 +10,9 @@ Decode: each request's last min(seq_len, W) slots, gathered into a padded [bs, w
 context: the C decode kernel and the torch decode paths take that table and those lengths unchanged, so both
 have the window without knowing about it.
 Extend: each request's query i sees the context positions max(0, p_i - W + 1) .. p_i; the keys before the
-first query's window are never gathered, and the rest is a banded mask (causal and within W) given to torch's
-SDPA. The C extend kernel and cascade's shared-prefix split are causal only, so window layers do not take them.
+first query's window are never gathered. Where the backend plans the C extend kernel it takes those slots (one
+`reqs` row per request) and W, and skips what no query sees; otherwise the rest is a banded mask (causal and
+within W) given to torch's SDPA. Cascade's shared-prefix split is causal only, so window layers do not take it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class WindowSlice:
 class WindowExtendMetadata:
     slices: list[WindowSlice]
     kv_indices: torch.Tensor  # the gathered context slots of every request, concatenated
+    reqs: torch.Tensor  # for the C extend kernel: int64 [bs, 4] rows (q_start, q_len, kv_start, kv_len)
 
 
 def window_applies(fb: ForwardBatch, window: int) -> bool:
@@ -92,7 +94,8 @@ def extend_metadata(fb: ForwardBatch, window: int) -> WindowExtendMetadata:
         slices.append(WindowSlice(q_start, new, kv_start, kv_len, first, prefix, window))
         parts.append(table[row, first : prefix + new])
         q_start, kv_start = q_start + new, kv_start + kv_len
-    return WindowExtendMetadata(slices, torch.cat(parts))
+    reqs = torch.tensor([(s.q_start, s.q_len, s.kv_start, s.kv_len) for s in slices], dtype=torch.int64)
+    return WindowExtendMetadata(slices, torch.cat(parts), reqs)
 
 
 def extend_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: WindowExtendMetadata,
