@@ -60,17 +60,24 @@ static inline void score_rows(const vf *qt, const float *const *rows, int64_t n,
     }
 }
 
-/* acc[d] += sum_t weights[t] * rows[t][d] over the chunk's n tokens. */
+/* acc[d] += sum_t weights[t] * rows[t][d] over the chunk's n tokens. Full blocks of DBLOCK columns have a
+ * constant trip count, so their accumulators stay in registers (a variable one had the compiler test and
+ * branch around every FMA); a last partial block takes the general loop. */
 static inline void accumulate_rows(const vf *weights, const float *const *rows, int64_t n, int64_t dim, vf *acc) {
-    for (int64_t d0 = 0; d0 < dim; d0 += DBLOCK) {
-        const int64_t w = dim - d0 < DBLOCK ? dim - d0 : DBLOCK;
+    int64_t d0 = 0;
+    for (; d0 + DBLOCK <= dim; d0 += DBLOCK) {
         vf a[DBLOCK];
-        for (int64_t dd = 0; dd < w; dd++) a[dd] = acc[d0 + dd];
+        for (int64_t dd = 0; dd < DBLOCK; dd++) a[dd] = acc[d0 + dd];
         for (int64_t t = 0; t < n; t++) {
             const float *v = rows[t] + d0;
-            for (int64_t dd = 0; dd < w; dd++) a[dd] = vf_fmadd(weights[t], vf_set1(v[dd]), a[dd]);
+            for (int64_t dd = 0; dd < DBLOCK; dd++) a[dd] = vf_fmadd(weights[t], vf_set1(v[dd]), a[dd]);
         }
-        for (int64_t dd = 0; dd < w; dd++) acc[d0 + dd] = a[dd];
+        for (int64_t dd = 0; dd < DBLOCK; dd++) acc[d0 + dd] = a[dd];
+    }
+    for (; d0 < dim; d0++) {
+        vf a = acc[d0];
+        for (int64_t t = 0; t < n; t++) a = vf_fmadd(weights[t], vf_set1(rows[t][d0]), a);
+        acc[d0] = a;
     }
 }
 
