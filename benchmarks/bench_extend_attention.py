@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 START, END = "<!-- bench_extend_attention:start -->", "<!-- bench_extend_attention:end -->"
 HEADS = {"d64 9/3": (64, 9, 3), "d128 8/2": (128, 8, 2)}  # head dim, query heads, kv heads
-SHAPES = {"1 x 1024": [1024], "4 x 256": [256] * 4}
+SHAPES = {"1 x 1024": [1024], "4 x 256": [256] * 4, "1 x 2048": [2048]}
 Fn = Callable[[], object]
 
 
@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--heads", default=",".join(HEADS), help="head shapes, of: " + ", ".join(HEADS))
-    p.add_argument("--shapes", default=",".join(SHAPES), help="requests x new tokens, of: " + ", ".join(SHAPES))
+    p.add_argument("--shapes", default="1 x 1024,4 x 256", help="requests x new tokens, of: " + ", ".join(SHAPES))
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--baseline", default="", help="git revision whose kernel sources to time beside (e.g. main)")
     p.add_argument("--no-docs", action="store_true")
