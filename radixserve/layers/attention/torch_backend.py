@@ -80,7 +80,7 @@ Plan = TypeVar("Plan")
 BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 # The C extend kernel runs a batch only if no request has more new tokens than this. It was 512 while SDPA
 # (GEMM blocks) was level or ahead at 1,024 on most classes; since the kernel's AVX2 and float32 paths got
-# faster it wins at 1,024 and 2,048 tokens on every SIMD class of a Zen 4 (1.1x-2.4x, 1 thread;
+# faster it wins at 1,024 and 2,048 tokens on every SIMD class of a Zen 4 (1.1x-2.6x, 1 thread;
 # benchmarks/bench_extend_attention.py, docs/attention.md).
 EXTEND_KERNEL_MAX_NEW_TOKENS = 2048
 
