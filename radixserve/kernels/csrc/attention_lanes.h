@@ -5,9 +5,9 @@
  *
  * float32: one FMA per dim for scores and for V (a K or V element broadcast against the lanes).
  * bf16 on AVX2 or AVX-512 without BF16: K and V rows widened to float32 (per call by the extend kernel,
- * else per chunk), then the float32 code runs. bf16 with AVX-512 BF16 (dim % 32 == 0): a score is one vdpbf16ps per bf16
- * pair of the head dim (exact products, float32 sums); the weights (rounded to bf16, as torch's CPU
- * flash attention does) meet V two tokens per vdpbf16ps, summed in float32.
+ * else per chunk), then the float32 code runs. bf16 with AVX-512 BF16 (dim % 32 == 0): a score is one
+ * vdpbf16ps per bf16 pair of the head dim (exact products, float32 sums); the weights (rounded to bf16,
+ * as torch's CPU flash attention does) meet V two tokens per vdpbf16ps, summed in float32.
  */
 #ifndef RADIXSERVE_ATTENTION_LANES_H
 #define RADIXSERVE_ATTENTION_LANES_H
