@@ -65,7 +65,7 @@ class DecodeKernel:
                      for dtype, suffix in _DTYPE_SUFFIX.items()}
         self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}_{isa}", pointers=6, sizes=5)
                             for dtype, suffix in _DTYPE_SUFFIX.items()}
-        self._extend_fns = {dtype: _bind(lib, f"extend_attention_{suffix}_{isa}", pointers=9, sizes=4)
+        self._extend_fns = {dtype: _bind(lib, f"extend_attention_{suffix}_{isa}", pointers=9, sizes=5)
                             for dtype, suffix in _DTYPE_SUFFIX.items()}
         width = getattr(lib, f"attention_simd_width_{isa}")
         width.restype, width.argtypes = ctypes.c_int, []
@@ -133,13 +133,14 @@ class DecodeKernel:
 
     def extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                reqs: torch.Tensor, scale: float, seed: tuple[torch.Tensor, torch.Tensor] | None = None,
-               with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               with_lse: bool = False, window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Causal attention of each request's new tokens over its context, read in place from the pool.
 
         q [tokens, heads, dim]; kv_indices int32 (the requests' context slots, concatenated); reqs int64
         [bs, 4], a row (q_start, q_len, kv_start, kv_len) per request, kv_len >= q_len >= 1: query i of the
-        request sees its first kv_len - q_len + i + 1 context slots. `seed` as for decode. Returns the
-        output [tokens, heads, dim] and, with `with_lse`, the float32 log-sum-exp [tokens, heads]."""
+        request sees its first kv_len - q_len + i + 1 context slots; with `window` W > 0 only the last W of
+        them (a sliding window: the query at position p sees p - W + 1 .. p). `seed` as for decode. Returns
+        the output [tokens, heads, dim] and, with `with_lse`, the float32 log-sum-exp [tokens, heads]."""
         q, kv_indices, reqs = q.contiguous(), kv_indices.to(torch.int32).contiguous(), reqs.contiguous()
         _check_buffers(q, k_buf, v_buf)
         if reqs.dtype != torch.int64 or reqs.dim() != 2 or reqs.shape[1] != 4:
@@ -151,7 +152,7 @@ class DecodeKernel:
             "radixserve::extend_attention_cpu", self._extend_fns[q.dtype],
             q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), reqs.data_ptr(),
             _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), _ptr(lse), reqs.shape[0], q.shape[1], k_buf.shape[1],
-            q.shape[2], scale, torch.get_num_threads())
+            q.shape[2], max(window, 0), scale, torch.get_num_threads())
         _check_status(status, q, k_buf)
         return out, lse
 

@@ -59,14 +59,15 @@ static inline float row_lse(float run_max, float run_sum) {
 
 /* Attends query rows ids[0..nr) (row id i: q + i * dim, out + i * dim, lse + i) of kv head h over
  * slots[0..len) of the pool, in float32. Every K and V row is read once for all nr rows. With a
- * non-NULL `limits`, row r sees only slots[0..limits[r]) (a causal mask; each limit >= 1 or a seed).
+ * non-NULL `limits`, row r sees only slots[0..limits[r]) (a causal mask; each limit >= 1 or a seed);
+ * with a non-NULL `lows` only from slots[lows[r]] on (a sliding window).
  * With a non-NULL seed_lse each row starts from the partial result (seed_out, seed_lse) of the same
  * row id; lse (output) may be NULL. */
 #define DEFINE_ATTEND_ROWS(NAME, T, LOAD, STORE)                                                         \
     static void NAME(const T *q, const T *k_buf, const T *v_buf, const int64_t *ids, int64_t nr,         \
-                     const int32_t *slots, int64_t len, const int32_t *limits, int64_t kv_heads,         \
-                     int64_t h, int64_t dim, float scale, const T *seed_out, const float *seed_lse,      \
-                     T *out, float *lse) {                                                               \
+                     const int32_t *slots, int64_t len, const int32_t *limits, const int32_t *lows,      \
+                     int64_t kv_heads, int64_t h, int64_t dim, float scale, const T *seed_out,           \
+                     const float *seed_lse, T *out, float *lse) {                                        \
         float qf[MAX_ROWS][MAX_DIM], acc[MAX_ROWS][MAX_DIM], row[MAX_DIM];                               \
         float score[MAX_ROWS][CHUNK], run_max[MAX_ROWS], run_sum[MAX_ROWS];                              \
         for (int64_t r = 0; r < nr; r++) {                                                               \
@@ -86,7 +87,9 @@ static inline float row_lse(float run_max, float run_sum) {
                     float dot = 0.0f;                                                                    \
                     _Pragma("omp simd reduction(+ : dot)")                                               \
                     for (int64_t d = 0; d < dim; d++) dot += qf[r][d] * row[d];                          \
-                    score[r][t] = limits != NULL && t0 + t >= limits[r] ? -INFINITY : dot;               \
+                    const int hidden = (limits != NULL && t0 + t >= limits[r])                           \
+                                       || (lows != NULL && t0 + t < lows[r]);                            \
+                    score[r][t] = hidden ? -INFINITY : dot;                                              \
                 }                                                                                        \
             }                                                                                            \
             for (int64_t r = 0; r < nr; r++) {                                                           \

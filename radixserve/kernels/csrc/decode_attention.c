@@ -27,7 +27,7 @@
                 int64_t ids[MAX_GROUP];                                                                  \
                 for (int64_t g = 0; g < group; g++) ids[g] = b * heads + h * group + g;                  \
                 ATTEND_ROWS(q, k_buf, v_buf, ids, group, kv_indices + b * max_len, seq_lens[b], NULL,    \
-                            kv_heads, h, dim, scale, seed_out, seed_lse, out, NULL);                     \
+                            NULL, kv_heads, h, dim, scale, seed_out, seed_lse, out, NULL);               \
             }                                                                                            \
         }                                                                                                \
         return 0;                                                                                        \

@@ -34,8 +34,8 @@ static inline void unit_rows(int64_t *ids, int64_t j0, int64_t nr, int64_t h, in
             const int64_t nr = rows - j0 < UNIT_ROWS ? rows - j0 : UNIT_ROWS;                            \
             int64_t ids[UNIT_ROWS];                                                                      \
             unit_rows(ids, j0, nr, h, group, heads);                                                     \
-            ATTEND(q, k_buf, v_buf, ids, nr, slots, prefix_len, NULL, kv_heads, h, dim, scale, NULL, NULL, \
-                   out, lse);                                                                            \
+            ATTEND(q, k_buf, v_buf, ids, nr, slots, prefix_len, NULL, NULL, kv_heads, h, dim, scale, NULL, \
+                   NULL, out, lse);                                                                      \
         }                                                                                                \
         return 0;                                                                                        \
     }

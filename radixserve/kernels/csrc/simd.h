@@ -40,6 +40,11 @@ static inline vf vf_times_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
 static inline vi vi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
 /* Lanes r with t < limit[r]. */
 static inline vmask vm_before(int64_t t, vi limit) { return _mm512_cmplt_epi32_mask(_mm512_set1_epi32((int)t), limit); }
+/* Lanes r with low[r] <= t < limit[r]. */
+static inline vmask vm_within(int64_t t, vi low, vi limit) {
+    const __m512i tv = _mm512_set1_epi32((int)t);
+    return _mm512_cmplt_epi32_mask(tv, limit) & _mm512_cmpge_epi32_mask(tv, low);
+}
 /* Lanes r < k. */
 static inline vmask vm_first(int64_t k) { return k >= 16 ? (vmask)0xFFFF : (vmask)((1u << k) - 1u); }
 static inline vf vf_select(vmask m, vf a, vf b) { return _mm512_mask_mov_ps(b, m, a); } /* m ? a : b */
@@ -115,6 +120,10 @@ static inline vf vf_times_pow2(vf p, vf n) {
 static inline vi vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vmask vm_before(int64_t t, vi limit) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(limit, _mm256_set1_epi32((int)t)));
+}
+static inline vmask vm_within(int64_t t, vi low, vi limit) {
+    const __m256i tv = _mm256_set1_epi32((int)t);
+    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(low, tv), _mm256_cmpgt_epi32(limit, tv)));
 }
 static inline vmask vm_first(int64_t k) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);

@@ -16,7 +16,8 @@ extend_amx.c on the tiles, kernels/attention_amx.py; off with RADIXSERVE_CPU_PRE
 Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
 `cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
 Sliding window (window.py): a layer with a window, in a batch where the window hides keys, decodes over its
-window's slots (the C decode kernel or torch, as planned) and extends with a banded mask in SDPA.
+window's slots (the C decode kernel or torch, as planned) and extends with the C extend kernel given the window
+where it is planned as for full layers, else with a banded mask in SDPA.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ Plan = TypeVar("Plan")
 
 # NOTE: up to this many kv heads, decode widens queries over all kv heads (see decode_block_diagonal).
 BLOCK_DIAGONAL_MAX_KV_HEADS = 4
-# The C extend kernel runs a batch only if no request has more new tokens than this: it won at 500 on every
-# CPU class measured, while at 1,024 torch's SDPA (GEMM blocks) was level or ahead on most (docs/attention.md).
-EXTEND_KERNEL_MAX_NEW_TOKENS = 512
+# The C extend kernel runs a batch only if no request has more new tokens than this. It was 512 while SDPA
+# (GEMM blocks) was level or ahead at 1,024 on most classes; since the kernel's AVX2 and float32 paths got
+# faster it wins at 1,024 and 2,048 tokens on every SIMD class of a Zen 4 (1.1x-2.6x, 1 thread;
+# benchmarks/bench_extend_attention.py, docs/attention.md).
+EXTEND_KERNEL_MAX_NEW_TOKENS = 2048
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -196,7 +199,12 @@ class TorchAttnBackend(AttentionBackend):
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         windowed = self._window_meta(layer, self.window_extend_meta)
         if windowed is not None:
-            out = window.extend_attention(q, k_all, v_all, windowed, layer.scaling)
+            kernel = self._extend_kernel_for(q, k_all)
+            if kernel is not None:
+                out, _ = kernel.extend(q, k_all, v_all, windowed.kv_indices, windowed.reqs, layer.scaling,
+                                       window=layer.sliding_window)
+            else:
+                out = window.extend_attention(q, k_all, v_all, windowed, layer.scaling)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         if self.cascade_extend_meta is not None:
             out = cascade.cascade_extend(q, k_all, v_all, self.cascade_extend_meta, layer.scaling,

@@ -10,8 +10,9 @@ Decode: each request's last min(seq_len, W) slots, gathered into a padded [bs, w
 context: the C decode kernel and the torch decode paths take that table and those lengths unchanged, so both
 have the window without knowing about it.
 Extend: each request's query i sees the context positions max(0, p_i - W + 1) .. p_i; the keys before the
-first query's window are never gathered, and the rest is a banded mask (causal and within W) given to torch's
-SDPA. The C extend kernel and cascade's shared-prefix split are causal only, so window layers do not take them.
+first query's window are never gathered. Where the backend plans the C extend kernel it takes those slots (one
+`reqs` row per request) and W, and skips what no query sees; otherwise the rest is a banded mask (causal and
+within W) given to torch's SDPA. Cascade's shared-prefix split is causal only, so window layers do not take it.
 Hybrid KV (mem_cache/swa_memory.py): window layers keep K/V in their own smaller pool, so every table gathered
 here is translated from full slots to window slots (`full_to_window`), and window layers always take these
 tables, window or not.
@@ -61,6 +62,7 @@ class WindowSlice:
 class WindowExtendMetadata:
     slices: list[WindowSlice]
     kv_indices: torch.Tensor  # the gathered context slots of every request, concatenated
+    reqs: torch.Tensor  # for the C extend kernel: int64 [bs, 4] rows (q_start, q_len, kv_start, kv_len)
 
 
 def window_applies(fb: ForwardBatch, window: int) -> bool:
@@ -99,7 +101,10 @@ def extend_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | Non
         parts.append(table[row, first : prefix + new])
         q_start, kv_start = q_start + new, kv_start + kv_len
     kv_indices = torch.cat(parts)
-    return WindowExtendMetadata(slices, translate[kv_indices.long()] if translate is not None else kv_indices)
+    if translate is not None:
+        kv_indices = translate[kv_indices.long()]
+    reqs = torch.tensor([(s.q_start, s.q_len, s.kv_start, s.kv_len) for s in slices], dtype=torch.int64)
+    return WindowExtendMetadata(slices, kv_indices, reqs)
 
 
 def extend_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: WindowExtendMetadata,
