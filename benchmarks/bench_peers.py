@@ -244,14 +244,16 @@ def render(summary: dict, results: list[dict], args: argparse.Namespace, load: t
              + (f"{args.dtype} for both engines" if not args.radixserve_dtype else
                 f"{args.dtype} for vLLM, `--dtype {args.radixserve_dtype}` for radixserve (its configuration "
                 "line below says what that made)") + f"; load average {load[0]:.1f} at start, {load[1]:.1f} at end (the "
-             "machine is shared: only the ratios of one run mean anything). Model: embedded SmolLM2-135M-Instruct, "
-             "the same converted weights for both. Each engine in its own fresh process per round, one at a "
+             "machine is shared: only the ratios of one run mean anything). Model: "
+             + (f"`{args.model}`" if args.model else "embedded SmolLM2-135M-Instruct")
+             + ", the same converted weights for both. Each engine in its own fresh process per round, one at a "
              f"time, order alternating; {args.rounds} round(s) x {args.reps} replay(s); medians.", ""]
     for engine, items in infos.items():
         startups = ", ".join(f"{i['startup_s']:.1f}" for i in items)
         lines.append(f"- {engine}: {items[0]['config']}; engine start-up {startups} s")
     command = (f"python benchmarks/bench_peers.py --vllm-python <venv>/bin/python --dtype {args.dtype} "
                f"--rounds {args.rounds} --reps {args.reps}"
+               + (f" --model {args.model}" if args.model else "") + (f" --scale {args.scale:g}" if args.scale != 1 else "")
                + (f" --radixserve-args '{args.radixserve_args}'" if args.radixserve_args else "")
                + (f" --radixserve-dtype {args.radixserve_dtype}" if args.radixserve_dtype else ""))
     lines += ["", f"Command: `{command}` (environment: VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1)", "",
