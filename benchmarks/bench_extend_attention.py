@@ -19,11 +19,9 @@ import argparse
 import ctypes
 import io
 import os
-import statistics
 import subprocess
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch
 
 from radixserve import platform as rs_platform
 from radixserve.bench.docs import cpu_header, write_doc_section
+from radixserve.bench.timing import median_times
 from radixserve.kernels import attention as attn
 from radixserve.kernels.build import build_level_library
 from radixserve.layers.attention.torch_backend import _causal_sdpa
@@ -111,15 +110,7 @@ def case(lengths: list[int], head: tuple[int, int, int], dtype: torch.dtype, ker
 
 def measure(fns: dict[str, Fn], rounds: int) -> dict[str, float]:
     """Median milliseconds per call of each fn, the calls alternating."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: 1e3 * t for name, t in median_times(fns, rounds).items()}
 
 
 Key = tuple[str, int, str, str, str]  # isa, threads, dtype, heads, shape

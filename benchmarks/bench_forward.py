@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from direct import DirectDriver, DirectRequest
 from forward_profile import StepProfile, linear_flops, machine_limits, profile_step, render_profiles
 
 from radixserve.bench.docs import cpu_header, write_doc_section
+from radixserve.bench.timing import median_times
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 
@@ -98,15 +97,7 @@ def build_engines(args: argparse.Namespace) -> tuple[dict[str, ModelRunner], obj
 
 def time_rounds(fns: dict[str, callable], rounds: int) -> dict[str, float]:
     """Median seconds per call of each fn, calls interleaved round by round."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return median_times(fns, rounds)
 
 
 def prefill_prompt(runner: ModelRunner, length: int) -> list[int]:
