@@ -54,6 +54,8 @@ class DecodePlanner:
             if not batch.check_decode_mem():
                 self._abort_out_of_memory(batch)
                 return None
+        if self.drafter is not None:
+            self.drafter.tick(batch.reqs)
         drafts = self._drafts(batch)
         if drafts is None:
             batch.prepare_for_decode()
@@ -76,6 +78,11 @@ class DecodePlanner:
     def may_draft(self, batch: ScheduleBatch) -> bool:
         """Whether the next decode step of `batch` could verify drafts (a row left beside its requests)."""
         return self.drafter is not None and len(batch.reqs) < self.drafter.config.max_verify_rows
+
+    def may_verify(self, batch: ScheduleBatch) -> bool:
+        """`may_draft`, and some request's drafting is not paused: only then must the step wait for the result in
+        flight (drafts come from the latest tokens); a batch whose drafting is paused keeps overlapping."""
+        return self.may_draft(batch) and not self.drafter.paused(batch.reqs)
 
     def _extend_jumped(self, batch: ScheduleBatch) -> None:
         """Requests that took jump-forward tokens (constrained/jump_forward.py) either leave for one extend

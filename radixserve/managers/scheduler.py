@@ -200,7 +200,7 @@ class Scheduler:
         new_batch = self.get_new_batch_prefill()
         if new_batch is not None:
             return new_batch
-        if self.decode.may_draft(self.running_batch):
+        if self.decode.may_verify(self.running_batch):
             # NOTE: drafts are taken from the host's tokens: a decode step that may verify drafts waits for the
             # results in flight (prefills still overlap; docs/speculative.md).
             self._process_in_flight()

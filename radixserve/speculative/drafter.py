@@ -25,6 +25,14 @@ class Drafter(Protocol):
         `req.spec` set (a SpecState) when it returns a draft."""
         ...
 
+    def paused(self, reqs: Sequence[Any]) -> bool:
+        """True when no request of the batch will draft this step whatever its latest token (read-only)."""
+        ...
+
+    def tick(self, reqs: Sequence[Any]) -> None:
+        """Called once per decode step of the batch, before `propose`."""
+        ...
+
 
 def batch_drafts(drafter: Drafter, reqs: Sequence[Any]) -> list[list[int]]:
     """Each request's draft for the next step: proposed, kept only where its rows pay (`worth_rows`), cut to the

@@ -69,11 +69,15 @@ class DraftBudget:
 
     def next_length(self) -> int:
         if self.paused_steps > 0:
-            self.paused_steps -= 1
             return 0
         if self.mean_accepted < 0:
             return self.max_tokens
         return max(1, min(self.max_tokens, int(self.mean_accepted + 0.5) + 1))
+
+    def tick(self) -> None:
+        """A decode step of the request's batch passed: one step less of a pause."""
+        if self.paused_steps > 0:
+            self.paused_steps -= 1
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -152,6 +156,18 @@ class NgramDrafter:
         if draft and req.grammar is not None:
             draft = draft[: req.grammar.allowed_prefix(draft)]  # NOTE: a token the grammar refuses ends the draft
         return draft
+
+    def paused(self, reqs: Any) -> bool:
+        """Whether no request of the batch may draft this step (each has verified and its drafting is paused): then
+        the step is a plain decode, and the overlap loop need not wait for the result in flight."""
+        return all(getattr(r, "spec", None) is not None and r.spec.budget.paused_steps > 0 for r in reqs)
+
+    def tick(self, reqs: Any) -> None:
+        """Once per decode step of the batch: pauses count down in steps, whether or not drafts were asked for."""
+        for req in reqs:
+            state = getattr(req, "spec", None)
+            if state is not None:
+                state.budget.tick()
 
     def _state(self, req: Any) -> SpecState:
         state = getattr(req, "spec", None)
