@@ -18,15 +18,24 @@ SOURCE = CSRC / "decode_step.c"
 F32_SOURCE = CSRC / "decode_step_f32.c"
 # simd.h includes attention_common.h; both builds include the shared layer loop
 HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h", "decode_loop.h"))
-LAYER_POINTERS = 13  # csrc/decode_loop.h: the norms, each linear layer's weight and function, the qkv bias, K and V
+# csrc/decode_loop.h: the norms, each linear layer's weight and function, the qkv bias, K and V, the attention group
+LAYER_POINTERS = 14
 F32_LEVELS = ("avx512_bf16", "avx512", "avx2")  # the kernel levels with a float32 build (vector code)
 
 
 class ModelStruct(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                      "intermediate", "max_position", "num_slots")),
+                                                      "intermediate", "max_position", "num_groups")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 *((name, ctypes.c_void_p) for name in ("layers", "cos_table", "sin_table"))]
+
+
+class AttentionGroup(ctypes.Structure):
+    """What the layers of one attention group write and read (csrc/decode_loop.h): every layer of a model without
+    windows, or the layers of one sliding window."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("slots", "kv_indices", "seq_lens")),
+                ("max_len", ctypes.c_int64), ("num_slots", ctypes.c_int64)]
 
 
 class DecodeStepKernel:
@@ -38,7 +47,7 @@ class DecodeStepKernel:
         suffix = "bf16" if dtype == torch.bfloat16 else "f32"
         self._step = getattr(lib, f"decode_step_{suffix}")
         self._step.restype = ctypes.c_int
-        self._step.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
+        self._step.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         self._work = getattr(lib, f"decode_step_{suffix}_work_size")
         self._work.restype = ctypes.c_int64
         self._work.argtypes = [ctypes.c_void_p, ctypes.c_int64]
@@ -47,15 +56,14 @@ class DecodeStepKernel:
         return self._work(ctypes.byref(model), rows)
 
     def run(self, model: ModelStruct, attention: int, hidden: torch.Tensor, residual: torch.Tensor,
-            positions: torch.Tensor, slots: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor,
-            max_len: int, work: torch.Tensor) -> int:
+            positions: torch.Tensor, groups: ctypes.Array, work: torch.Tensor) -> int:
         """Every decoder layer for hidden's rows, in place; `attention` is the C function to call (the linear
-        layers' are in the model's layer table). Returns the status: 0 done, 1 a position or slot out of range
-        (nothing written), else layer*1000+call."""
+        layers' are in the model's layer table), `groups` the model's `num_groups` AttentionGroups. Returns the
+        status: 0 done, 1 a position, slot or group out of range (nothing written), else layer*1000+call."""
         return call_profiled(
-            "radixserve::decode_step", self._step, ctypes.byref(model), attention,
-            hidden.data_ptr(), residual.data_ptr(), positions.data_ptr(), slots.data_ptr(), kv_indices.data_ptr(),
-            seq_lens.data_ptr(), hidden.shape[0], max_len, work.data_ptr(), torch.get_num_threads())
+            "radixserve::decode_step", self._step, ctypes.byref(model), attention, hidden.data_ptr(),
+            residual.data_ptr(), positions.data_ptr(), ctypes.addressof(groups), hidden.shape[0], work.data_ptr(),
+            torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> int:
         rows, width = gate_up.shape

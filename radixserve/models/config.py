@@ -85,7 +85,7 @@ class ModelConfig:
         hidden = int(hf["hidden_size"])
         fields: dict[str, Any] = dict(
             rope=_rope_config(hf), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
-        fields.update(_gemma3_fields(hf) if arch == GEMMA3 else {})
+        fields.update(_gemma3_fields(hf) if arch == GEMMA3 else {"layer_windows": _llama_windows(hf)})
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -95,7 +95,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            context_len=int(hf.get("max_position_embeddings") or 2048) if arch == GEMMA3 else _context_len(hf),
+            context_len=int(hf.get("max_position_embeddings") or 2048),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             attention_bias=bool(hf.get("attention_bias", flags["attention_bias"])) or flags["attention_bias"],
             qk_norm=flags["qk_norm"],
@@ -120,14 +120,21 @@ _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausal
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": GEMMA3}
 
 
-def _context_len(hf: dict[str, Any]) -> int:
-    context = int(hf.get("max_position_embeddings") or 2048)
-    window = hf.get("sliding_window")
-    uses_window = hf.get("use_sliding_window", True)  # Mistral has no flag; Qwen2/3 default to False
-    # NOTE: we attend over the whole context, so a sliding-window model is capped at its window.
-    if window and uses_window and int(window) < context:
-        context = int(window)
-    return context
+def _llama_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
+    """The per-layer windows of a Llama-family config, as transformers reads it: `layer_types` where given;
+    else Mistral's `sliding_window` on every layer, and Qwen2/3's (when `use_sliding_window`) on the layers from
+    `max_window_layers` on. Empty: no window layer."""
+    layers, window = int(hf["num_hidden_layers"]), hf.get("sliding_window")
+    if not window or not hf.get("use_sliding_window", True):  # NOTE: Mistral has no flag; Qwen2/3 default to off
+        return ()
+    types = hf.get("layer_types")
+    if types is None:
+        first = int(hf.get("max_window_layers") or 0) if "use_sliding_window" in hf else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"layer_types must name {layers} layers as sliding_attention or full_attention")
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _rope_config(hf: dict[str, Any], params: dict[str, Any] | None = None, default_theta: float = 10000.0

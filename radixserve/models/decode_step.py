@@ -13,11 +13,13 @@ The layers' linear products and decode attention are the kernels the Python path
 loop removes is ~10 Python-level calls per layer, each of which costs 25-40 us after the weight stream
 has evicted its code (docs/cpu_fast_path.md). It takes a decode forward when the model has plain rotary
 (no q/k norms), the backend's C decode kernel for plain (not cascade) attention, and no more rows than the
-linear kernel takes; anything else runs the layers in Python. Switch: RADIXSERVE_DECODE_STEP=0.
+linear kernel takes; anything else runs the layers in Python. Sliding-window layers (Mistral, Qwen2/3) read their
+window's attention group (`_groups`). Switch: RADIXSERVE_DECODE_STEP=0.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,12 @@ import torch
 
 from radixserve import envs
 from radixserve.kernels.build import is_x86
-from radixserve.kernels.decode_step import DecodeStepKernel, ModelStruct, load_decode_step_kernel
+from radixserve.kernels.decode_step import (
+    AttentionGroup,
+    DecodeStepKernel,
+    ModelStruct,
+    load_decode_step_kernel,
+)
 from radixserve.kernels.gemv import load_gemv_kernel
 from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
 from radixserve.layers.f32_gemv import F32_GEMV_ROWS, F32GemvLinearMethod
@@ -59,16 +66,24 @@ class DecodeStep:
             logger.warning("the C decode step finds a linear layer without a C kernel here; decode runs the Python layers")
         cos, sin = weights.rotary.tables(torch.device("cpu"))
         self._tables = (cos.contiguous(), sin.contiguous())
+        # NOTE: attention group 0 is the full layers'; group 1 + i the layers of the model's i-th sliding window
+        self._windows: tuple[int, ...] = config.windows
+        self._group_of = [0 if config.window_of(i) is None else 1 + self._windows.index(config.window_of(i))
+                          for i in range(config.num_layers)]
         self._struct = ModelStruct(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-                                   config.head_dim, config.intermediate_size, cos.shape[0], 0, config.rms_norm_eps,
-                                   weights.attention_scale, None, self._tables[0].data_ptr(), self._tables[1].data_ptr())
+                                   config.head_dim, config.intermediate_size, cos.shape[0], 1 + len(self._windows),
+                                   config.rms_norm_eps, weights.attention_scale, None, self._tables[0].data_ptr(),
+                                   self._tables[1].data_ptr())
+        self._group_slots = [0] * (1 + len(self._windows))  # rows of each group's K/V buffers (_bind_pool)
         self._work_per_row = kernel.work_size(self._struct, 1)
         self._pool = None  # the KV pool whose buffers the layer table points at
         self._attention: tuple[object, int | None] = (None, None)  # (backend, its bf16 decode function)
 
     def takes(self, fb) -> bool:
         backend = fb.attn_backend
+        # NOTE: a model with windows needs the backend's window tables (window.py); one without has none to read
         return (fb.batch_size <= self.max_rows and getattr(backend, "decode_meta", None) is not None
+                and (not self._windows or hasattr(backend, "window_decode_meta"))
                 and self._attention_fn(backend) is not None)
 
     def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,15 +97,35 @@ class DecodeStep:
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         work = torch.empty(bs * self._work_per_row, dtype=self.dtype)
-        positions, slots = fb.positions.to(torch.int64).contiguous(), fb.out_cache_loc.to(torch.int32).contiguous()
-        kv_indices, seq_lens = meta.kv_indices.to(torch.int32).contiguous(), fb.seq_lens.to(torch.int64).contiguous()
-        status = self._kernel.run(self._struct, attention, hidden, residual, positions, slots, kv_indices,
-                                  seq_lens, meta.max_len, work)
+        positions = fb.positions.to(torch.int64).contiguous()
+        groups, keep = self._groups(fb, meta)
+        status = self._kernel.run(self._struct, attention, hidden, residual, positions, groups, work)
+        del keep  # NOTE: the group tables' tensors live until the C call returns
         if status == 1:
             raise ValueError("decode step: a position beyond the rotary table or a slot beyond the KV pool")
         if status != 0:
             raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
         return hidden, residual
+
+    def _groups(self, fb, meta) -> tuple[ctypes.Array, list[torch.Tensor]]:
+        """This step's attention groups: the full layers' (the backend's decode table), then each window's: its
+        window table where the window hides keys or the pool is hybrid, else the full layers' own."""
+        backend, keep = fb.attn_backend, []
+        full = (fb.out_cache_loc, meta.kv_indices, fb.seq_lens, meta.max_len)
+        window_loc = getattr(backend, "window_out_loc", None)  # hybrid pool: window layers write window slots
+        tables = [full]
+        for w in self._windows:
+            wmeta = backend.window_decode_meta.get(w)
+            tables.append(full if wmeta is None else
+                          (fb.out_cache_loc if window_loc is None else window_loc, wmeta.kv_indices, wmeta.lens,
+                           wmeta.max_len))
+        groups = (AttentionGroup * len(tables))()
+        for group, (slots, kv_indices, lens, max_len), rows in zip(groups, tables, self._group_slots, strict=True):
+            keep += [slots.to(torch.int32).contiguous(), kv_indices.to(torch.int32).contiguous(),
+                     lens.to(torch.int64).contiguous()]
+            group.slots, group.kv_indices, group.seq_lens = (t.data_ptr() for t in keep[-3:])
+            group.max_len, group.num_slots = max_len, rows
+        return groups, keep
 
     def _attention_fn(self, backend) -> int | None:
         """The decode attention function (this build's dtype) the backend's plan runs for the model's heads, or None."""
@@ -102,19 +137,22 @@ class DecodeStep:
         return self._attention[1]
 
     def _bind_pool(self, pool) -> None:
-        rows, slots, fns = [], [], iter(self._fns)
+        rows, fns = [], iter(self._fns)
+        slots: list[list[int]] = [[] for _ in self._group_slots]
         for i, layer in enumerate(self._weights.layers):
             k_cache, v_cache = pool.get_kv_buffer(i)
-            slots += [k_cache.shape[0], v_cache.shape[0]]
+            group = self._group_of[i]
+            slots[group] += [k_cache.shape[0], v_cache.shape[0]]
             bias = layer.qkv.bias
             qkv, o, gate_up, down = ([linear.method.c_weight.data_ptr(), next(fns)] for linear in layer.linears)
-            # NOTE: decode_loop.h's order: IN_NORM, POST_NORM, QKV, QKV_FN, QKV_BIAS, O, O_FN, GATE_UP, ... V_CACHE
+            # NOTE: decode_loop.h's order: IN_NORM, POST_NORM, QKV, QKV_FN, QKV_BIAS, O, O_FN, ... V_CACHE, GROUP
             rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *qkv,
                          0 if bias is None else bias.data_ptr(), *o, *gate_up, *down,
-                         k_cache.data_ptr(), v_cache.data_ptr()])
+                         k_cache.data_ptr(), v_cache.data_ptr(), group])
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._struct.layers = self._table.data_ptr()
-        self._struct.num_slots = min(slots)
+        # a group no layer reads (every layer windowed): its slots are never written, any bound passes
+        self._group_slots = [min(rows) if rows else 1 << 62 for rows in slots]
         self._pool = pool
 
 

@@ -38,7 +38,8 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                                   sliding_window=config.window_of(layer_id))
         self.rotary_kv = None  # the fused rotary + KV write (set_fused_ops), or None: eager
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -47,7 +48,9 @@ class LlamaAttention(nn.Module):
         if self.rotary_kv is not None:
             # NOTE: with the fused op, cos and sin are the float32 tables, indexed by position inside the op.
             k_cache, v_cache = fb.token_to_kv_pool.get_kv_buffer(self.attn.layer_id)
-            q, k, v = self.rotary_kv(qkv, fb.positions, cos, sin, k_cache, v_cache, fb.out_cache_loc)
+            # NOTE: a window layer of a hybrid pool writes at its window slots: the backend says where
+            loc = fb.attn_backend.kv_write_loc(self.attn, fb)
+            q, k, v = self.rotary_kv(qkv, fb.positions, cos, sin, k_cache, v_cache, loc)
             return self.o_proj(self.attn(q, k, v, fb, save_kv_cache=False))
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:

@@ -11,6 +11,11 @@
 // out: `hidden` the last layer's MLP output and `residual` the stream it is added to (the caller applies
 // the final norm). Returns 0; 1 for a position or slot outside the tables (nothing written); or
 // 1000 * (layer + 1) + which call failed (its own status is lost).
+//
+// Attention groups: the layers of one group share where they write the new K/V and what they attend over
+// (slots, kv_indices, seq_lens, max_len). A model without sliding windows has one group; a window layer reads
+// its window's group: each request's last min(seq_len, W) slots, and with a hybrid KV pool the window pool's
+// slots (models/decode_step.py fills the groups from the attention backend's tables once per step).
 
 #ifndef RADIXSERVE_DECODE_LOOP_H
 #define RADIXSERVE_DECODE_LOOP_H
@@ -31,13 +36,20 @@ typedef int (*attention_fn)(const elem_t *q, const elem_t *k_buf, const elem_t *
 // The addresses of one layer's tensors and of its linear layers' functions, in this order (models/decode_step.py
 // builds the table).
 enum { IN_NORM, POST_NORM, QKV, QKV_FN, QKV_BIAS, O, O_FN, GATE_UP, GATE_UP_FN, DOWN, DOWN_FN, K_CACHE, V_CACHE,
-       LAYER_POINTERS };
+       GROUP, LAYER_POINTERS };
+
+typedef struct {
+    const int32_t *slots;       // [bs] where the group's layers store the new K/V
+    const int32_t *kv_indices;  // [bs * max_len] the slots each row attends over, row-major, padded
+    const int64_t *seq_lens;    // [bs] the context each row attends to (<= max_len)
+    int64_t max_len, num_slots; // num_slots: rows of the group's K/V buffers
+} attention_group;
 
 #define LINEAR(w, WHICH) ((linear_fn)(w)[WHICH##_FN])
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t max_position, num_slots; // rows of the cos/sin tables and of each KV buffer
+    int64_t max_position, num_groups; // rows of the cos/sin tables; attention groups
     float eps, scale;
     const int64_t *layers; // [num_layers][LAYER_POINTERS]
     const float *cos_table, *sin_table; // [positions][head_dim / 2]
@@ -54,17 +66,23 @@ static void rotary_kv_row(const decode_model *m, const int64_t *layer, const ele
 }
 
 static int decode_layers(const decode_model *m, attention_fn attention, elem_t *hidden,
-                         elem_t *residual, const int64_t *positions, const int32_t *slots, const int32_t *kv_indices,
-                         const int64_t *seq_lens, int64_t bs, int64_t max_len, elem_t *work, int nthreads) {
+                         elem_t *residual, const int64_t *positions, const attention_group *groups, int64_t bs,
+                         elem_t *work, int nthreads) {
     const int64_t h = m->hidden, q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
     const int64_t inter = m->intermediate;
     elem_t *normed = work, *qkv = normed + bs * h, *q = qkv + bs * qkv_size, *attn = q + bs * q_size;
     elem_t *gate_up = attn + bs * q_size, *act = gate_up + bs * 2 * inter;
     const int parallel = bs > 1 && nthreads > 1;
     for (int64_t r = 0; r < bs; r++)
-        if (positions[r] < 0 || positions[r] >= m->max_position || slots[r] < 0 || slots[r] >= m->num_slots) return 1;
+        if (positions[r] < 0 || positions[r] >= m->max_position) return 1;
+    for (int64_t g = 0; g < m->num_groups; g++)
+        for (int64_t r = 0; r < bs; r++)
+            if (groups[g].slots[r] < 0 || groups[g].slots[r] >= groups[g].num_slots) return 1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const int64_t *w = m->layers + l * LAYER_POINTERS;
+        if (w[GROUP] < 0 || w[GROUP] >= m->num_groups) return 1;
+        // NOTE: every layer of a group writes at the group's slots and attends over its table
+        const attention_group *grp = groups + w[GROUP];
         const int status = 1000 * (int)(l + 1);
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++) {
@@ -78,9 +96,10 @@ static int decode_layers(const decode_model *m, attention_fn attention, elem_t *
         if (LINEAR(w, QKV)((const void *)w[QKV], normed, (const elem_t *)w[QKV_BIAS], qkv, bs, qkv_size, h, nthreads))
             return status + 1;
 #pragma omp parallel for num_threads(nthreads) if (parallel)
-        for (int64_t r = 0; r < bs; r++) rotary_kv_row(m, w, qkv + r * qkv_size, positions[r], slots[r], q + r * q_size);
-        if (attention(q, (const elem_t *)w[K_CACHE], (const elem_t *)w[V_CACHE], kv_indices, seq_lens, NULL, NULL,
-                      attn, bs, max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
+        for (int64_t r = 0; r < bs; r++)
+            rotary_kv_row(m, w, qkv + r * qkv_size, positions[r], grp->slots[r], q + r * q_size);
+        if (attention(q, (const elem_t *)w[K_CACHE], (const elem_t *)w[V_CACHE], grp->kv_indices, grp->seq_lens,
+                      NULL, NULL, attn, bs, grp->max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
             return status + 2;
         if (LINEAR(w, O)((const void *)w[O], attn, NULL, hidden, bs, h, q_size, nthreads)) return status + 3;
 #pragma omp parallel for num_threads(nthreads) if (parallel)

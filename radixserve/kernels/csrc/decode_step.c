@@ -76,11 +76,10 @@ static void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
 
 #include "decode_loop.h"
 
-int decode_step_bf16(const decode_model *m, attention_fn attention, uint16_t *hidden,
-                     uint16_t *residual, const int64_t *positions, const int32_t *slots, const int32_t *kv_indices,
-                     const int64_t *seq_lens, int64_t bs, int64_t max_len, uint16_t *work, int nthreads) {
-    return decode_layers(m, attention, hidden, residual, positions, slots, kv_indices, seq_lens, bs, max_len,
-                         work, nthreads);
+int decode_step_bf16(const decode_model *m, attention_fn attention, uint16_t *hidden, uint16_t *residual,
+                     const int64_t *positions, const attention_group *groups, int64_t bs, uint16_t *work,
+                     int nthreads) {
+    return decode_layers(m, attention, hidden, residual, positions, groups, bs, work, nthreads);
 }
 
 // Elements of the work buffer `decode_step_bf16` needs for `bs` rows.

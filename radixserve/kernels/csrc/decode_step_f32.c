@@ -64,10 +64,8 @@ static void silu_mul_row(const float *gate_up, float *out, int64_t n) {
 #include "decode_loop.h"
 
 int decode_step_f32(const decode_model *m, attention_fn attention, float *hidden, float *residual,
-                    const int64_t *positions, const int32_t *slots, const int32_t *kv_indices, const int64_t *seq_lens,
-                    int64_t bs, int64_t max_len, float *work, int nthreads) {
-    return decode_layers(m, attention, hidden, residual, positions, slots, kv_indices, seq_lens, bs, max_len,
-                         work, nthreads);
+                    const int64_t *positions, const attention_group *groups, int64_t bs, float *work, int nthreads) {
+    return decode_layers(m, attention, hidden, residual, positions, groups, bs, work, nthreads);
 }
 
 // Elements of the work buffer `decode_step_f32` needs for `bs` rows.

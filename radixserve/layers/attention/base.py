@@ -55,6 +55,10 @@ class AttentionBackend(ABC):
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
 
+    def kv_write_loc(self, layer: RadixAttention, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The pool slots where `layer` stores this forward's new K/V (a model that writes them itself asks here)."""
+        return forward_batch.out_cache_loc
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                 forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():

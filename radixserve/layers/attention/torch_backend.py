@@ -128,7 +128,7 @@ class TorchAttnBackend(AttentionBackend):
         self.window_extend_meta = {} if decode else {w: window.extend_metadata(fb, w, table) for w in applies}
         self.window_out_loc = table[fb.out_cache_loc.long()] if table is not None else None
 
-    def _out_loc(self, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
+    def kv_write_loc(self, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
         """Where this layer writes the new tokens' K/V: window slots for a window layer of a hybrid pool."""
         if self.window_out_loc is not None and layer.sliding_window is not None:
             return self.window_out_loc
@@ -173,7 +173,7 @@ class TorchAttnBackend(AttentionBackend):
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, self._out_loc(layer, fb), k, v)
+            pool.set_kv_buffer(layer.layer_id, self.kv_write_loc(layer, fb), k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         kernel = self._kernel_for(q, layer)
         windowed = self._window_meta(layer, self.window_decode_meta)
@@ -195,7 +195,7 @@ class TorchAttnBackend(AttentionBackend):
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, self._out_loc(layer, fb), k, v)
+            pool.set_kv_buffer(layer.layer_id, self.kv_write_loc(layer, fb), k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         windowed = self._window_meta(layer, self.window_extend_meta)
         if windowed is not None:
