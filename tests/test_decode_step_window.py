@@ -175,3 +175,27 @@ def test_f32_step_with_windows_matches_python_layers(qwen2_folder, monkeypatch, 
     for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
         assert rel_err(on, off) < 1e-5
     assert on_tokens == off_tokens
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "normal"])
+def test_engine_serves_an_all_window_mistral_with_prefix_reuse(tmp_path, overlap):
+    """Every layer a window layer (no full layer holds KV at all): the scheduler's hybrid pool frees window KV as
+    requests slide, a shared 24-token prefix (3x the window) is reused, greedy tokens equal transformers', and
+    both pools are conserved."""
+    from radixserve import Engine
+
+    hf_model = _save(mistral_window_config(TINY_VOCAB), tmp_path)
+    system = _prompts([24], seed=5)[0]
+    prompts = [system + tail for tail in _prompts([3, 11, 6], seed=6)]
+    expected = [_hf_greedy(hf_model, p, 16) for p in prompts]
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    with Engine(model_path=str(tmp_path), dtype="float32", device="cpu", max_total_tokens=1024,
+                disable_overlap_schedule=not overlap, log_level="warning") as engine:
+        first = engine.generate(input_ids=prompts[0], sampling_params=params)
+        rest = engine.generate(input_ids=prompts[1:], sampling_params=params)
+        state = engine.get_internal_state()
+    assert [r["output_ids"] for r in [first, *rest]] == expected
+    assert min(r["meta_info"]["cached_tokens"] for r in rest) >= 16
+    report = state["kv_conservation"]
+    assert report is not None and "error" not in report, state
+    assert state["sliding_window"] == WINDOW and state["num_running_reqs"] == 0
