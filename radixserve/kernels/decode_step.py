@@ -17,17 +17,18 @@ from radixserve.kernels.gemv import FLAGS
 SOURCE = CSRC / "decode_step.c"
 F32_SOURCE = CSRC / "decode_step_f32.c"
 # simd.h includes attention_common.h; both builds include the shared layer loop
-HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h", "decode_loop.h"))
-# csrc/decode_loop.h: the norms, each linear layer's weight and function, the qkv bias, K and V, the attention group
-LAYER_POINTERS = 14
+HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h", "decode_loop.h", "decode_gemma.h"))
+# csrc/decode_loop.h: the norms, each linear layer's weight and function, the qkv bias, K and V, the attention group,
+# the rotary tables, and Gemma's four more norms
+LAYER_POINTERS = 20
+STYLES = {"llama": 0, "gemma": 1}  # decode_model.style: the layer loop that runs
 F32_LEVELS = ("avx512_bf16", "avx512", "avx2")  # the kernel levels with a float32 build (vector code)
 
 
 class ModelStruct(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                      "intermediate", "max_position", "num_groups")),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                *((name, ctypes.c_void_p) for name in ("layers", "cos_table", "sin_table"))]
+                                                      "intermediate", "max_position", "num_groups", "style")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.c_void_p)]
 
 
 class AttentionGroup(ctypes.Structure):

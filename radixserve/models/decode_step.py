@@ -29,6 +29,7 @@ import torch
 from radixserve import envs
 from radixserve.kernels.build import is_x86
 from radixserve.kernels.decode_step import (
+    STYLES,
     AttentionGroup,
     DecodeStepKernel,
     ModelStruct,
@@ -64,16 +65,19 @@ class DecodeStep:
                                     for linear, fn in zip(linears, self._fns, strict=True))), default=0)
         if self.max_rows == 0:
             logger.warning("the C decode step finds a linear layer without a C kernel here; decode runs the Python layers")
-        cos, sin = weights.rotary.tables(torch.device("cpu"))
-        self._tables = (cos.contiguous(), sin.contiguous())
+        # NOTE: each layer's row names its rotary tables: the window layers' own where the model has a local rotary
+        rotaries = [weights.rotary if weights.local_rotary is None or config.window_of(i) is None
+                    else weights.local_rotary for i in range(config.num_layers)]
+        tables = {id(r): tuple(t.contiguous() for t in r.tables(torch.device("cpu"))) for r in rotaries}
+        self._layer_tables = [tables[id(r)] for r in rotaries]
+        max_position = min(cos.shape[0] for cos, _ in tables.values())
         # NOTE: attention group 0 is the full layers'; group 1 + i the layers of the model's i-th sliding window
         self._windows: tuple[int, ...] = config.windows
         self._group_of = [0 if config.window_of(i) is None else 1 + self._windows.index(config.window_of(i))
                           for i in range(config.num_layers)]
         self._struct = ModelStruct(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-                                   config.head_dim, config.intermediate_size, cos.shape[0], 1 + len(self._windows),
-                                   config.rms_norm_eps, weights.attention_scale, None, self._tables[0].data_ptr(),
-                                   self._tables[1].data_ptr())
+                                   config.head_dim, config.intermediate_size, max_position, 1 + len(self._windows),
+                                   STYLES[weights.style], config.rms_norm_eps, weights.attention_scale, None)
         self._group_slots = [0] * (1 + len(self._windows))  # rows of each group's K/V buffers (_bind_pool)
         self._work_per_row = kernel.work_size(self._struct, 1)
         self._pool = None  # the KV pool whose buffers the layer table points at
@@ -87,7 +91,8 @@ class DecodeStep:
                 and self._attention_fn(backend) is not None)
 
     def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden]."""
+        """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden]; Gemma's
+        layers add their last output into the stream themselves (the first is then scratch)."""
         bs, meta = hidden.shape[0], fb.attn_backend.decode_meta
         attention = self._attention_fn(fb.attn_backend)
         if attention is None or meta is None or bs > self.max_rows:
@@ -145,10 +150,14 @@ class DecodeStep:
             slots[group] += [k_cache.shape[0], v_cache.shape[0]]
             bias = layer.qkv.bias
             qkv, o, gate_up, down = ([linear.method.c_weight.data_ptr(), next(fns)] for linear in layer.linears)
-            # NOTE: decode_loop.h's order: IN_NORM, POST_NORM, QKV, QKV_FN, QKV_BIAS, O, O_FN, ... V_CACHE, GROUP
+            cos, sin = self._layer_tables[i]
+            gemma = (layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_ff_norm)
+            # NOTE: decode_loop.h's order: IN_NORM, POST_NORM, QKV, QKV_FN, QKV_BIAS, O, O_FN, ... V_CACHE, GROUP,
+            # COS, SIN, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FF_NORM
             rows.append([layer.input_norm.data_ptr(), layer.post_norm.data_ptr(), *qkv,
                          0 if bias is None else bias.data_ptr(), *o, *gate_up, *down,
-                         k_cache.data_ptr(), v_cache.data_ptr(), group])
+                         k_cache.data_ptr(), v_cache.data_ptr(), group, cos.data_ptr(), sin.data_ptr(),
+                         *(0 if t is None else t.data_ptr() for t in gemma)])
         self._table = torch.tensor(rows, dtype=torch.int64)
         self._struct.layers = self._table.data_ptr()
         # a group no layer reads (every layer windowed): its slots are never written, any bound passes
@@ -199,7 +208,8 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
         return "the C decode step is x86 only"
     if weights is None:
         return "the model exports no plain decoder weight view (q/k norms)"
-    if ops is None or ops.rotary_kv is None:
+    # NOTE: the Llama loop rounds as the fused ops do; Gemma's layers run without them (eager torch)
+    if weights.style == "llama" and (ops is None or ops.rotary_kv is None):
         return "the fused ops are off (the C loop is the fused path's layer structure)"
     if dtype == torch.bfloat16 and load_gemv_kernel() is None:
         return "no AVX512-BF16 GEMV at this kernel level"

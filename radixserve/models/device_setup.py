@@ -42,7 +42,8 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, plan: E
         tile_packed_weights(model)
     c_decoder = plan.decoder_refusal is None
     ops = plan.fused_ops
-    bf16_decoder = c_decoder and plan.dtype == torch.bfloat16  # NOTE: its SiLU loop is bf16's; float32 keeps inductor's
+    # NOTE: its SiLU loop is bf16's (float32 keeps inductor's), and replaces a fused op (a model without them has none)
+    bf16_decoder = c_decoder and plan.dtype == torch.bfloat16 and ops is not None
     model.set_fused_ops(ops, silu_and_mul_op=c_silu_and_mul(ops) if bf16_decoder else None)
     if hasattr(model, "set_decoder"):
         model.set_decoder(load_decode_step(model.decoder_weights(), plan.dtype) if c_decoder else None)

@@ -112,11 +112,17 @@ class DecoderLayerWeights:
     layers, whose methods hold each weight in the form they multiply with (layers/linear.py)."""
 
     input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # the norm before the MLP
     qkv: LinearBase
     o: LinearBase
     gate_up: LinearBase
     down: LinearBase
+    # Gemma's (style "gemma"), each the float32 table 1 + w: the per-head q/k norms (None: none, Gemma 2) and
+    # the norms of the attention's and the MLP's outputs
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ff_norm: torch.Tensor | None = None
 
     @property
     def linears(self) -> tuple[LinearBase, ...]:
@@ -133,6 +139,9 @@ class DecoderWeights:
     layers: tuple[DecoderLayerWeights, ...]
     rotary: RotaryEmbedding
     attention_scale: float
+    # "llama": this file's layers; "gemma": models/gemma3.py's (four (1 + w) norms, GeGLU; csrc/decode_gemma.h)
+    style: str = "llama"
+    local_rotary: RotaryEmbedding | None = None  # the window layers' rotary where it differs (Gemma 3)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -4,9 +4,13 @@
 //     add_rmsnorm_row(delta, residual, weight, out, n, eps)   residual += delta; out = RMSNorm(residual)
 //     rotate_head(x, cos, sin, out, half)              the "rotate half" rotary of one head
 //     silu_mul_row(gate_up, out, n)                    SiLU(gate) * up of one [gate | up] row
+// and, for Gemma's layers (decode_gemma.h),
+//     gemma_norm_row(x, weight1, out, n, eps)          out = x * rsqrt(mean(x^2) + eps) * weight1 (float32 1 + w)
+//     add_row(delta, residual, n)                      residual += delta
+//     gelu_mul_row(gate_up, out, n)                    gelu_tanh(gate) * up of one [gate | up] row
 // then includes this file, which defines `decode_layers` and `decode_work_size` for it.
 //
-// Per layer: [add +] RMSNorm -> qkv -> rotary (q to a buffer, k and v into the KV pool at the slots) ->
+// Llama layers: [add +] RMSNorm -> qkv -> rotary (q to a buffer, k and v into the KV pool at the slots) ->
 // attention -> o -> add + RMSNorm -> gate_up -> SiLU(gate) * up -> down. In: `hidden` the embeddings;
 // out: `hidden` the last layer's MLP output and `residual` the stream it is added to (the caller applies
 // the final norm). Returns 0; 1 for a position or slot outside the tables (nothing written); or
@@ -35,8 +39,14 @@ typedef int (*attention_fn)(const elem_t *q, const elem_t *k_buf, const elem_t *
 
 // The addresses of one layer's tensors and of its linear layers' functions, in this order (models/decode_step.py
 // builds the table).
+// COS/SIN: the layer's rotary tables [max_position][head_dim / 2] (Gemma 3's window layers have their own base).
+// The last four are Gemma's (decode_gemma.h; 0 for a Llama layer): the per-head q/k norms and the norms after
+// attention and after the MLP. A Gemma layer's IN_NORM / POST_NORM are its input and pre-MLP norms, and every
+// Gemma norm weight is the float32 table 1 + w.
 enum { IN_NORM, POST_NORM, QKV, QKV_FN, QKV_BIAS, O, O_FN, GATE_UP, GATE_UP_FN, DOWN, DOWN_FN, K_CACHE, V_CACHE,
-       GROUP, LAYER_POINTERS };
+       GROUP, COS, SIN, Q_NORM, K_NORM, POST_ATTN_NORM, POST_FF_NORM, LAYER_POINTERS };
+
+enum { STYLE_LLAMA, STYLE_GEMMA }; // decode_model.style: which layer loop runs
 
 typedef struct {
     const int32_t *slots;       // [bs] where the group's layers store the new K/V
@@ -49,38 +59,73 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
-    int64_t max_position, num_groups; // rows of the cos/sin tables; attention groups
+    int64_t max_position, num_groups; // rows of every rotary table; attention groups
+    int64_t style;                    // STYLE_LLAMA or STYLE_GEMMA
     float eps, scale;
     const int64_t *layers; // [num_layers][LAYER_POINTERS]
-    const float *cos_table, *sin_table; // [positions][head_dim / 2]
 } decode_model;
 
 static void rotary_kv_row(const decode_model *m, const int64_t *layer, const elem_t *qkv, int64_t position,
                           int64_t slot, elem_t *q) {
     const int64_t dim = m->head_dim, half = dim / 2, kv = m->kv_heads;
-    const float *cos = m->cos_table + position * half, *sin = m->sin_table + position * half;
+    const float *cos = (const float *)layer[COS] + position * half, *sin = (const float *)layer[SIN] + position * half;
     elem_t *k_cache = (elem_t *)layer[K_CACHE] + slot * kv * dim, *v_cache = (elem_t *)layer[V_CACHE] + slot * kv * dim;
     for (int64_t h = 0; h < m->heads; h++) rotate_head(qkv + h * dim, cos, sin, q + h * dim, half);
     for (int64_t h = 0; h < kv; h++) rotate_head(qkv + (m->heads + h) * dim, cos, sin, k_cache + h * dim, half);
     memcpy(v_cache, qkv + (m->heads + kv) * dim, (size_t)(kv * dim) * sizeof(elem_t));
 }
 
-static int decode_layers(const decode_model *m, attention_fn attention, elem_t *hidden,
-                         elem_t *residual, const int64_t *positions, const attention_group *groups, int64_t bs,
-                         elem_t *work, int nthreads) {
-    const int64_t h = m->hidden, q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
-    const int64_t inter = m->intermediate;
-    elem_t *normed = work, *qkv = normed + bs * h, *q = qkv + bs * qkv_size, *attn = q + bs * q_size;
-    elem_t *gate_up = attn + bs * q_size, *act = gate_up + bs * 2 * inter;
-    const int parallel = bs > 1 && nthreads > 1;
+// 0 if every position, slot and layer group is inside its table (checked before anything is written), else 1.
+static int check_inputs(const decode_model *m, const int64_t *positions, const attention_group *groups, int64_t bs) {
     for (int64_t r = 0; r < bs; r++)
         if (positions[r] < 0 || positions[r] >= m->max_position) return 1;
     for (int64_t g = 0; g < m->num_groups; g++)
         for (int64_t r = 0; r < bs; r++)
             if (groups[g].slots[r] < 0 || groups[g].slots[r] >= groups[g].num_slots) return 1;
     for (int64_t l = 0; l < m->num_layers; l++) {
+        const int64_t group = m->layers[l * LAYER_POINTERS + GROUP];
+        if (group < 0 || group >= m->num_groups) return 1;
+    }
+    return 0;
+}
+
+// The work buffer's parts, `bs` rows each (decode_work_size is their sum).
+typedef struct {
+    elem_t *normed, *qkv, *q, *attn, *gate_up, *act;
+} step_buffers;
+
+static step_buffers split_work(const decode_model *m, elem_t *work, int64_t bs) {
+    const int64_t q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
+    step_buffers b;
+    b.normed = work;
+    b.qkv = b.normed + bs * m->hidden;
+    b.q = b.qkv + bs * qkv_size;
+    b.attn = b.q + bs * q_size;
+    b.gate_up = b.attn + bs * q_size;
+    b.act = b.gate_up + bs * 2 * m->intermediate;
+    return b;
+}
+
+// The layer's attention over its group's table, then o into `out`. Returns 0, or the failed call (2 or 3).
+static int attend_and_project(const decode_model *m, attention_fn attention, const int64_t *w,
+                              const attention_group *grp, const step_buffers *b, elem_t *out, int64_t bs,
+                              int nthreads) {
+    const int64_t q_size = m->heads * m->head_dim;
+    if (attention(b->q, (const elem_t *)w[K_CACHE], (const elem_t *)w[V_CACHE], grp->kv_indices, grp->seq_lens,
+                  NULL, NULL, b->attn, bs, grp->max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
+        return 2;
+    return LINEAR(w, O)((const void *)w[O], b->attn, NULL, out, bs, m->hidden, q_size, nthreads) ? 3 : 0;
+}
+
+static int llama_layers(const decode_model *m, attention_fn attention, elem_t *hidden, elem_t *residual,
+                        const int64_t *positions, const attention_group *groups, int64_t bs, elem_t *work,
+                        int nthreads) {
+    const int64_t h = m->hidden, q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
+    const int64_t inter = m->intermediate;
+    const step_buffers b = split_work(m, work, bs);
+    const int parallel = bs > 1 && nthreads > 1;
+    for (int64_t l = 0; l < m->num_layers; l++) {
         const int64_t *w = m->layers + l * LAYER_POINTERS;
-        if (w[GROUP] < 0 || w[GROUP] >= m->num_groups) return 1;
         // NOTE: every layer of a group writes at the group's slots and attends over its table
         const attention_group *grp = groups + w[GROUP];
         const int status = 1000 * (int)(l + 1);
@@ -88,29 +133,40 @@ static int decode_layers(const decode_model *m, attention_fn attention, elem_t *
         for (int64_t r = 0; r < bs; r++) {
             if (l == 0) {
                 memcpy(residual + r * h, hidden + r * h, (size_t)h * sizeof(elem_t));
-                rmsnorm_row(hidden + r * h, (const elem_t *)w[IN_NORM], normed + r * h, h, m->eps);
+                rmsnorm_row(hidden + r * h, (const elem_t *)w[IN_NORM], b.normed + r * h, h, m->eps);
             } else {
-                add_rmsnorm_row(hidden + r * h, residual + r * h, (const elem_t *)w[IN_NORM], normed + r * h, h, m->eps);
+                add_rmsnorm_row(hidden + r * h, residual + r * h, (const elem_t *)w[IN_NORM], b.normed + r * h, h,
+                                m->eps);
             }
         }
-        if (LINEAR(w, QKV)((const void *)w[QKV], normed, (const elem_t *)w[QKV_BIAS], qkv, bs, qkv_size, h, nthreads))
+        if (LINEAR(w, QKV)((const void *)w[QKV], b.normed, (const elem_t *)w[QKV_BIAS], b.qkv, bs, qkv_size, h,
+                           nthreads))
             return status + 1;
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++)
-            rotary_kv_row(m, w, qkv + r * qkv_size, positions[r], grp->slots[r], q + r * q_size);
-        if (attention(q, (const elem_t *)w[K_CACHE], (const elem_t *)w[V_CACHE], grp->kv_indices, grp->seq_lens,
-                      NULL, NULL, attn, bs, grp->max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
-            return status + 2;
-        if (LINEAR(w, O)((const void *)w[O], attn, NULL, hidden, bs, h, q_size, nthreads)) return status + 3;
+            rotary_kv_row(m, w, b.qkv + r * qkv_size, positions[r], grp->slots[r], b.q + r * q_size);
+        const int failed = attend_and_project(m, attention, w, grp, &b, hidden, bs, nthreads);
+        if (failed) return status + failed;
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++)
-            add_rmsnorm_row(hidden + r * h, residual + r * h, (const elem_t *)w[POST_NORM], normed + r * h, h, m->eps);
-        if (LINEAR(w, GATE_UP)((const void *)w[GATE_UP], normed, NULL, gate_up, bs, 2 * inter, h, nthreads)) return status + 4;
+            add_rmsnorm_row(hidden + r * h, residual + r * h, (const elem_t *)w[POST_NORM], b.normed + r * h, h, m->eps);
+        if (LINEAR(w, GATE_UP)((const void *)w[GATE_UP], b.normed, NULL, b.gate_up, bs, 2 * inter, h, nthreads))
+            return status + 4;
 #pragma omp parallel for num_threads(nthreads) if (parallel)
-        for (int64_t r = 0; r < bs; r++) silu_mul_row(gate_up + r * 2 * inter, act + r * inter, inter);
-        if (LINEAR(w, DOWN)((const void *)w[DOWN], act, NULL, hidden, bs, h, inter, nthreads)) return status + 5;
+        for (int64_t r = 0; r < bs; r++) silu_mul_row(b.gate_up + r * 2 * inter, b.act + r * inter, inter);
+        if (LINEAR(w, DOWN)((const void *)w[DOWN], b.act, NULL, hidden, bs, h, inter, nthreads)) return status + 5;
     }
     return 0;
+}
+
+#include "decode_gemma.h"
+
+static int decode_layers(const decode_model *m, attention_fn attention, elem_t *hidden, elem_t *residual,
+                         const int64_t *positions, const attention_group *groups, int64_t bs, elem_t *work,
+                         int nthreads) {
+    if (check_inputs(m, positions, groups, bs)) return 1;
+    if (m->style == STYLE_GEMMA) return gemma_layers(m, attention, hidden, residual, positions, groups, bs, work, nthreads);
+    return llama_layers(m, attention, hidden, residual, positions, groups, bs, work, nthreads);
 }
 
 // Elements of the work buffer `decode_layers` needs for `bs` rows.

@@ -74,6 +74,39 @@ static void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
     }
 }
 
+// Gemma's RMSNorm: out = bf16(x * rsqrt(mean(x^2) + eps) * weight1), weight1 the float32 table 1 + w; in place
+// allowed (every x is read before any out is written). The sum of squares as rmsnorm_row's.
+static void gemma_norm_row(const uint16_t *x, const float *weight1, uint16_t *out, int64_t n, float eps) {
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m512 a = vf_load_bf16(x + i), b = vf_load_bf16(x + i + 16);
+        even = _mm512_add_ps(even, _mm512_mul_ps(a, a));
+        odd = _mm512_add_ps(odd, _mm512_mul_ps(b, b));
+    }
+    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)n + eps));
+    for (int64_t i = 0; i < n; i += 16)
+        store_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(vf_load_bf16(x + i), inv), _mm512_loadu_ps(weight1 + i)));
+}
+
+// residual = bf16(delta + residual)
+static void add_row(const uint16_t *delta, uint16_t *residual, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) store_bf16(residual + i, _mm512_add_ps(vf_load_bf16(delta + i), vf_load_bf16(residual + i)));
+}
+
+// out = bf16(gelu_tanh(gate)) * up. gelu_tanh(g) = g (1 + tanh(u)) / 2 = g / (1 + exp(-2u)),
+// u = sqrt(2 / pi) (g + 0.044715 g^3): the SiLU form with 2u, so no tanh is needed (and no cancellation near 0).
+static void gelu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f), c1 = _mm512_set1_ps(-1.5957691216057308f);
+    const __m512 c3 = _mm512_set1_ps(-0.0713548162726f);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 g = vf_load_bf16(gate_up + i);
+        const __m512 minus_2u = _mm512_mul_ps(g, _mm512_fmadd_ps(c3, _mm512_mul_ps(g, g), c1));
+        const __m512 gelu = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(minus_2u)));
+        store_bf16(out + i, _mm512_mul_ps(round_bf16(gelu), vf_load_bf16(gate_up + n + i)));
+    }
+}
+
 #include "decode_loop.h"
 
 int decode_step_bf16(const decode_model *m, attention_fn attention, uint16_t *hidden, uint16_t *residual,

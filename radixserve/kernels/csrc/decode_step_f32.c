@@ -61,6 +61,33 @@ static void silu_mul_row(const float *gate_up, float *out, int64_t n) {
     }
 }
 
+// Gemma's RMSNorm: out = x * rsqrt(mean(x^2) + eps) * weight1, weight1 = 1 + w; in place allowed.
+static void gemma_norm_row(const float *x, const float *weight1, float *out, int64_t n, float eps) {
+    vf even = vf_zero(), odd = vf_zero();
+    for (int64_t i = 0; i < n; i += 2 * SIMD_WIDTH) {
+        const vf a = vf_load(x + i), b = vf_load(x + i + SIMD_WIDTH);
+        even = vf_fmadd(a, a, even);
+        odd = vf_fmadd(b, b, odd);
+    }
+    const vf inv = vf_set1(1.0f / sqrtf(vf_hsum(vf_add(even, odd)) / (float)n + eps));
+    for (int64_t i = 0; i < n; i += SIMD_WIDTH) vf_store(out + i, vf_mul(vf_mul(vf_load(x + i), inv), vf_load(weight1 + i)));
+}
+
+// residual += delta
+static void add_row(const float *delta, float *residual, int64_t n) {
+    for (int64_t i = 0; i < n; i += SIMD_WIDTH) vf_store(residual + i, vf_add(vf_load(delta + i), vf_load(residual + i)));
+}
+
+// out = gelu_tanh(gate) * up, gelu_tanh(g) = g / (1 + exp(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3).
+static void gelu_mul_row(const float *gate_up, float *out, int64_t n) {
+    const vf one = vf_set1(1.0f), c1 = vf_set1(-1.5957691216057308f), c3 = vf_set1(-0.0713548162726f);
+    for (int64_t i = 0; i < n; i += SIMD_WIDTH) {
+        const vf g = vf_load(gate_up + i);
+        const vf gelu = vf_div(g, vf_add(one, exp_any(vf_mul(g, vf_fmadd(c3, vf_mul(g, g), c1)))));
+        vf_store(out + i, vf_mul(gelu, vf_load(gate_up + n + i)));
+    }
+}
+
 #include "decode_loop.h"
 
 int decode_step_f32(const decode_model *m, attention_fn attention, float *hidden, float *residual,
