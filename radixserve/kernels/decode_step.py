@@ -39,6 +39,19 @@ class AttentionGroup(ctypes.Structure):
                 ("max_len", ctypes.c_int64), ("num_slots", ctypes.c_int64)]
 
 
+def attention_groups(tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]
+                     ) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """AttentionGroups from (slots, kv_indices, seq_lens, max_len, num_slots) per group, and the tensors their
+    pointers name (the caller keeps them alive until the C call returns)."""
+    groups, keep = (AttentionGroup * len(tables))(), []
+    for group, (slots, kv_indices, lens, max_len, rows) in zip(groups, tables, strict=True):
+        keep += [slots.to(torch.int32).contiguous(), kv_indices.to(torch.int32).contiguous(),
+                 lens.to(torch.int64).contiguous()]
+        group.slots, group.kv_indices, group.seq_lens = (t.data_ptr() for t in keep[-3:])
+        group.max_len, group.num_slots = max_len, rows
+    return groups, keep
+
+
 class DecodeStepKernel:
     """One build's functions: the size of the work buffer and a decode step over every layer (elements of
     `dtype`); the bf16 build also has the step's SiLU-and-mul loop (used for prefill chunks too)."""

@@ -90,12 +90,15 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     ops = load_fused_ops(model.config, dtype, device) if fused else None
     refusal = _decoder_refusal(model, device, dtype, ops, methods)
     windows = getattr(model.config, "windows", ())
-    attention = plan_attention(args.attention_backend, device, cascade=not args.disable_cascade_attention,
-                               windows=windows)
+    cap = getattr(model.config, "attn_logit_softcapping", None)
+    # NOTE: no cascade path caps scores: a model with capped layers (Gemma 2) plans none (layers/attention/softcap.py)
+    attention = plan_attention(args.attention_backend, device,
+                               cascade=not args.disable_cascade_attention and cap is None, windows=windows)
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
-               *_attention_entries(attention, dtype, args),
+               *_attention_entries(attention, dtype, args, cap),
                *_window_entries(windows, not args.disable_hybrid_swa_memory),
+               *_softcap_entries(cap),
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
                          refusal or _c_decoder_reason(dtype, methods))]
@@ -151,7 +154,8 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
             for (shape, method, reason), n in sorted(counts.items())]
 
 
-def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs) -> list[PlanEntry]:
+def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs, cap: float | None = None
+                       ) -> list[PlanEntry]:
     dname = str(dtype).removeprefix("torch.")
     level = f" ({plan.level})" if plan.level else ""
     why_torch = ("no C kernels (--attention-backend torch, not a CPU, or they did not build)" if plan.level is None
@@ -164,6 +168,8 @@ def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs
         prefix = PlanEntry("attention shared prefix",
                            "cascade, " + ("C prefix" if plan.uses("prefix", dtype) else "torch flash"),
                            "a prefix the whole batch shares is attended once")
+    elif cap is not None and not args.disable_cascade_attention:
+        prefix = PlanEntry("attention shared prefix", "off", "attention soft-cap: no cascade path caps scores")
     else:
         prefix = PlanEntry("attention shared prefix", "off", "--disable-cascade-attention")
     return [PlanEntry("attention backend", plan.backend, f"--attention-backend {args.attention_backend}"),
@@ -191,6 +197,13 @@ def _window_entries(windows: tuple[int, ...], hybrid: bool) -> list[PlanEntry]:
               "; KV in the one pool (--disable-hybrid-swa-memory), only in batches where a request is longer than "
               "the window")
     return [PlanEntry("attention window", ", ".join(map(str, windows)), paths + memory)]
+
+
+def _softcap_entries(cap: float | None) -> list[PlanEntry]:
+    if cap is None:
+        return []
+    return [PlanEntry("attention soft-cap", f"{cap:g}", "every capped layer (window layers too): torch math attention "
+                      "(float32 scores capped, masked, softmax), no C kernels / cascade, whatever the entries above say")]
 
 
 def _fused_reason(args: ServerArgs, device: torch.device, ops: FusedOps | None, model: Any = None) -> str:

@@ -1,4 +1,4 @@
-"""ModelConfig: the shape of a Llama-family or Gemma 3 model, read from a Hugging Face `config.json` dict."""
+"""ModelConfig: the shape of a Llama-family, Gemma 2 or Gemma 3 model, read from a Hugging Face `config.json` dict."""
 
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ class ModelLoadError(ValueError):
     """Bad model input: a missing path, an unsupported architecture, a broken or unsupported file."""
 
 
-# NOTE: every architecture here but Gemma 3 runs through the one Llama-family definition in models/llama.py;
-# the flags below (QKV bias, per-head q/k RMSNorm) are what tells them apart. Gemma 3 has its own (models/gemma3.py).
+# NOTE: every architecture here but Gemma 2 and 3 runs through the one Llama-family definition in models/llama.py;
+# the flags below (QKV bias, per-head q/k RMSNorm) are what tells them apart. Gemma 2 and 3 share their own
+# (models/gemma3.py; Gemma 2: no q/k norm, one rotary, attention soft-capping).
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {"attention_bias": False, "qk_norm": False},
     "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"attention_bias": False, "qk_norm": True},
+    "Gemma2ForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Gemma3ForCausalLM": {"attention_bias": False, "qk_norm": True},
 }
-GEMMA3 = "Gemma3ForCausalLM"
+GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
+GEMMAS = (GEMMA2, GEMMA3)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -52,13 +55,15 @@ class ModelConfig:
     qk_norm: bool = False
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    # Gemma 3 (models/gemma3.py); the Llama family leaves these at their defaults.
+    # Gemma 2 and 3 (models/gemma3.py); the Llama family leaves these at their defaults.
     # NOTE: the one per-layer statement of sliding-window attention: layer i attends to the last
     # layer_windows[i] tokens (itself included), None: to all; empty: every layer full.
     layer_windows: tuple[int | None, ...] = ()
     local_rope: RopeConfig | None = None  # the window layers' rotary (Gemma 3: base 10,000); None: `rope`
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5; None: head_dim ** -0.5
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Gemma 2: every layer's attention scores s (scaled) become cap * tanh(s / cap) before the mask and softmax
+    attn_logit_softcapping: float | None = None
 
     def window_of(self, layer_id: int) -> int | None:
         """The sliding window of layer `layer_id`: the number of latest tokens it attends to; None: all."""
@@ -85,7 +90,7 @@ class ModelConfig:
         hidden = int(hf["hidden_size"])
         fields: dict[str, Any] = dict(
             rope=_rope_config(hf), tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
-        fields.update(_gemma3_fields(hf) if arch == GEMMA3 else {"layer_windows": _llama_windows(hf)})
+        fields.update(_gemma_fields(hf, arch) if arch in GEMMAS else {"layer_windows": _llama_windows(hf)})
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -117,7 +122,8 @@ def _architecture(hf: dict[str, Any]) -> str:
 
 
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3_text": GEMMA3}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": GEMMA2,
+                       "gemma3_text": GEMMA3}
 
 
 def _llama_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
@@ -157,36 +163,49 @@ def _rope_config(hf: dict[str, Any], params: dict[str, Any] | None = None, defau
     )
 
 
-GEMMA3_WINDOW_PATTERN = 6  # transformers' default: every sixth layer is full, the others slide
+# transformers' default layer patterns: Gemma 3, every sixth layer is full; Gemma 2, every second (even layers slide)
+GEMMA3_WINDOW_PATTERN = 6
+GEMMA2_WINDOW_PATTERN = 2
+# Gemma 2's defaults where its config.json omits them (transformers' Gemma2Config)
+GEMMA2_ATTN_SOFTCAP, GEMMA2_FINAL_SOFTCAP = 50.0, 30.0
 
 
-def _gemma3_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """The Gemma 3 part of a config: per-layer windows, the two rotaries, the query scale, soft-capping."""
-    if hf.get("attn_logit_softcapping"):
-        raise ModelLoadError("attention logit soft-capping (Gemma 2) is not supported")
+def _gemma_fields(hf: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The Gemma part of a config: per-layer windows, the rotaries, the query scale, soft-capping.
+    Gemma 3: two rotaries (full and window layers), no attention soft-capping. Gemma 2: one rotary (base 10,000),
+    attention scores and logits soft-capped (50 and 30 unless the config says otherwise; null: off)."""
+    gemma2 = arch == GEMMA2
+    attn_cap = hf.get("attn_logit_softcapping", GEMMA2_ATTN_SOFTCAP if gemma2 else None)
+    if attn_cap and not gemma2:
+        raise ModelLoadError("attention logit soft-capping is not part of Gemma 3 (Gemma 2 has it: "
+                             "architectures Gemma2ForCausalLM); this config is not supported")
     if hf.get("use_bidirectional_attention"):
         raise ModelLoadError("bidirectional attention (EmbeddingGemma) is not supported")
     layers = int(hf["num_hidden_layers"])
-    pattern = int(hf.get("sliding_window_pattern") or GEMMA3_WINDOW_PATTERN)
+    default_pattern = GEMMA2_WINDOW_PATTERN if gemma2 else GEMMA3_WINDOW_PATTERN
+    pattern = int(hf.get("sliding_window_pattern") or default_pattern)
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                       for i in range(layers)]
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise ModelLoadError(f"layer_types must name {layers} layers as sliding_attention or full_attention")
     window = int(hf.get("sliding_window") or 4096)
     params = hf.get("rope_parameters") or {}
-    if "full_attention" in params:  # transformers 5: one rope per layer type
+    if gemma2:  # NOTE: one rotary for every layer; local_rope None means `rope` for window layers too
+        rope, local = _rope_config(hf, None, 10_000.0), None
+    elif "full_attention" in params:  # transformers 5: one rope per layer type
         rope = _rope_config(hf, dict(params["full_attention"]), 1_000_000.0)
         local = _rope_config(hf, dict(params.get("sliding_attention") or {}), 10_000.0)
     else:  # the older form: rope_theta (+ rope_scaling) global, rope_local_base_freq local
         rope = _rope_config(hf, {**(hf.get("rope_scaling") or {}), **params}, 1_000_000.0)
         local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
     if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ModelLoadError(f"Gemma 3 with activation {hf.get('hidden_activation')!r} is not supported")
-    cap = hf.get("final_logit_softcapping")
+        raise ModelLoadError(f"Gemma with activation {hf.get('hidden_activation')!r} is not supported")
+    cap = hf.get("final_logit_softcapping", GEMMA2_FINAL_SOFTCAP if gemma2 else None)
     return {"rope": rope, "local_rope": local,
             "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
             "query_pre_attn_scalar": float(hf.get("query_pre_attn_scalar") or 256),
             "final_logit_softcapping": float(cap) if cap else None,
+            "attn_logit_softcapping": float(attn_cap) if attn_cap else None,
             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", True))}
 
 

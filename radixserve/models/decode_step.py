@@ -19,7 +19,6 @@ window's attention group (`_groups`). Switch: RADIXSERVE_DECODE_STEP=0.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,9 +29,9 @@ from radixserve import envs
 from radixserve.kernels.build import is_x86
 from radixserve.kernels.decode_step import (
     STYLES,
-    AttentionGroup,
     DecodeStepKernel,
     ModelStruct,
+    attention_groups,
     load_decode_step_kernel,
 )
 from radixserve.kernels.gemv import load_gemv_kernel
@@ -42,6 +41,8 @@ from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
 from radixserve.layers.quantization.linear import TILED_MAX_M, PackedLinearMethod
 
 if TYPE_CHECKING:
+    from ctypes import Array as ctypes_array
+
     from radixserve.models.llama import DecoderWeights
 
 logger = logging.getLogger(__name__)
@@ -112,10 +113,10 @@ class DecodeStep:
             raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
         return hidden, residual
 
-    def _groups(self, fb, meta) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    def _groups(self, fb, meta) -> tuple[ctypes_array, list[torch.Tensor]]:
         """This step's attention groups: the full layers' (the backend's decode table), then each window's: its
         window table where the window hides keys or the pool is hybrid, else the full layers' own."""
-        backend, keep = fb.attn_backend, []
+        backend = fb.attn_backend
         full = (fb.out_cache_loc, meta.kv_indices, fb.seq_lens, meta.max_len)
         window_loc = getattr(backend, "window_out_loc", None)  # hybrid pool: window layers write window slots
         tables = [full]
@@ -124,13 +125,7 @@ class DecodeStep:
             tables.append(full if wmeta is None else
                           (fb.out_cache_loc if window_loc is None else window_loc, wmeta.kv_indices, wmeta.lens,
                            wmeta.max_len))
-        groups = (AttentionGroup * len(tables))()
-        for group, (slots, kv_indices, lens, max_len), rows in zip(groups, tables, self._group_slots, strict=True):
-            keep += [slots.to(torch.int32).contiguous(), kv_indices.to(torch.int32).contiguous(),
-                     lens.to(torch.int64).contiguous()]
-            group.slots, group.kv_indices, group.seq_lens = (t.data_ptr() for t in keep[-3:])
-            group.max_len, group.num_slots = max_len, rows
-        return groups, keep
+        return attention_groups([(*table, rows) for table, rows in zip(tables, self._group_slots, strict=True)])
 
     def _attention_fn(self, backend) -> int | None:
         """The decode attention function (this build's dtype) the backend's plan runs for the model's heads, or None."""

@@ -1,4 +1,7 @@
 """Gemma 3 (text) on the paged KV pool: sliding-window and full layers, q/k RMSNorm, GeGLU, four norms per layer.
+Gemma 2 (models/gemma2.py) runs these same layers, told apart by its config: no q/k RMSNorm
+(`ModelConfig.qk_norm`), one rotary for every layer (`local_rope` None) and soft-capped attention scores
+(`attn_logit_softcapping`, handed to each layer's `RadixAttention` as `logit_cap`).
 
 What differs from the Llama family (models/llama.py), each where it happens:
 - RMSNorm scales by (1 + w) and rounds once, in float32 (`GemmaRMSNorm`); checkpoints store w, and llama.cpp's
@@ -50,17 +53,21 @@ class Gemma3Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.qkv_proj = LinearBase(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = LinearBase(self.q_size, config.hidden_size, bias=False)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        # NOTE: Gemma 2 has no q/k norm: no parameters either, so its checkpoints load complete
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         scalar = config.query_pre_attn_scalar or config.head_dim
         self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, scalar**-0.5,
-                                   sliding_window=config.window_of(layer_id))
+                                   sliding_window=config.window_of(layer_id),
+                                   logit_cap=config.attn_logit_softcapping)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        q = self.q_norm(qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim))
+        q = qkv[:, : self.q_size].view(tokens, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v.contiguous(), fb))
@@ -124,14 +131,16 @@ class Gemma3ForCausalLM(nn.Module):
         self.model = Gemma3Model(config)
         self.lm_head = LinearBase(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.context_len + 1)
-        self.local_rotary = RotaryEmbedding(config.head_dim, config.local_rope or config.rope, config.context_len + 1)
+        # None: one rotary for every layer (Gemma 2)
+        self.local_rotary = (None if config.local_rope is None else
+                             RotaryEmbedding(config.head_dim, config.local_rope, config.context_len + 1))
         self.embed_scale = config.hidden_size**0.5
         self.tie_weights()
 
     def set_fused_ops(self, ops: Any, silu_and_mul_op: Any = None) -> None:
-        """Gemma 3 layers run eager torch; the plan never hands them fused ops (`uses_fused_ops`)."""
+        """Gemma layers run eager torch; the plan never hands them fused ops (`uses_fused_ops`)."""
         if ops is not None:
-            raise ValueError("Gemma 3 layers take no fused ops")
+            raise ValueError("Gemma layers take no fused ops")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -139,7 +148,7 @@ class Gemma3ForCausalLM(nn.Module):
         # NOTE: the scale is rounded to the model dtype before the product, as transformers does
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         global_rope = self.rotary.cos_sin(positions, hidden.dtype)
-        local_rope = self.local_rotary.cos_sin(positions, hidden.dtype)
+        local_rope = global_rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(hidden, *(local_rope if layer.is_sliding else global_rope), fb)
         if fb.forward_mode.is_extend():

@@ -18,6 +18,7 @@ Cascade (cascade.py): when every request of a batch shares a long enough prefix 
 Sliding window (window.py): a layer with a window, in a batch where the window hides keys, decodes over its
 window's slots (the C decode kernel or torch, as planned) and extends with the C extend kernel given the window
 where it is planned as for full layers, else with a banded mask in SDPA.
+Soft-capped scores (softcap.py, Gemma 2): a layer with `logit_cap` runs torch math attention over the same tables.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve import envs
-from radixserve.layers.attention import cascade, window
+from radixserve.layers.attention import cascade, softcap, window
 from radixserve.layers.attention.base import AttentionBackend, AttentionPlan
 
 if TYPE_CHECKING:
@@ -171,6 +172,8 @@ class TorchAttnBackend(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if softcap.takes(layer):  # NOTE: capped scores: torch math, before the C kernels and cascade (softcap.py)
+            return softcap.forward_decode(self, q, k, v, layer, fb, save_kv_cache)
         pool = fb.token_to_kv_pool
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, self.kv_write_loc(layer, fb), k, v)
@@ -193,6 +196,8 @@ class TorchAttnBackend(AttentionBackend):
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
+        if softcap.takes(layer):  # NOTE: as in forward_decode
+            return softcap.forward_extend(self, q, k, v, layer, fb, save_kv_cache)
         pool = fb.token_to_kv_pool
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, self.kv_write_loc(layer, fb), k, v)
