@@ -202,7 +202,7 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
     if not is_x86():
         return "the C decode step is x86 only"
     if weights is None:
-        return "the model exports no plain decoder weight view (q/k norms)"
+        return "the model exports no decoder weight view the C step runs (Llama q/k norms, soft-capped attention)"
     # NOTE: the Llama loop rounds as the fused ops do; Gemma's layers run without them (eager torch)
     if weights.style == "llama" and (ops is None or ops.rotary_kv is None):
         return "the fused ops are off (the C loop is the fused path's layer structure)"

@@ -13,7 +13,8 @@ What differs from the Llama family (models/llama.py), each where it happens:
   (`ModelConfig.layer_windows`, handed to each layer's `RadixAttention`) and use their own rotary base;
 - logits may be soft-capped (cap * tanh(logits / cap)).
 Weights load under Hugging Face names with q/k/v and gate/up fused, by the same code as the Llama family.
-The layers run eager torch: no fused ops and no C decode step (their layer structure is Llama's).
+The layers run eager torch (no fused ops: those are the Llama layers'); decode batches run them in one C call
+where the plan allows (`decoder_weights`, csrc/decode_gemma.h), except with soft-capped attention (Gemma 2).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.models.config import ModelConfig
-from radixserve.models.llama import LlamaForCausalLM, _last_token_index
+from radixserve.models.llama import DecoderLayerWeights, DecoderWeights, LlamaForCausalLM, _last_token_index
 
 
 class GemmaRMSNorm(nn.Module):
@@ -122,7 +123,7 @@ class Gemma3ForCausalLM(nn.Module):
     _shard_range = LlamaForCausalLM._shard_range
     _check_complete = LlamaForCausalLM._check_complete
     tie_weights = LlamaForCausalLM.tie_weights
-    # NOTE: the layer structure is not the fused ops' or the C decode step's (execution_plan reads this).
+    # NOTE: the layer structure is not the fused ops' (execution_plan reads this); the C decode step has a loop for it
     uses_fused_ops = False
 
     def __init__(self, config: ModelConfig) -> None:
@@ -135,7 +136,30 @@ class Gemma3ForCausalLM(nn.Module):
         self.local_rotary = (None if config.local_rope is None else
                              RotaryEmbedding(config.head_dim, config.local_rope, config.context_len + 1))
         self.embed_scale = config.hidden_size**0.5
+        self.decode_step = None  # the decoder layers of a decode batch in one C call (decode_step.py)
         self.tie_weights()
+
+    def decoder_weights(self) -> DecoderWeights | None:
+        """The weight view the C decode step reads (style "gemma": every norm as the float32 table 1 + w); None
+        with soft-capped attention scores (Gemma 2), which its attention kernel does not compute."""
+        if self.config.attn_logit_softcapping:
+            return None
+
+        def one_plus(norm: GemmaRMSNorm | None) -> torch.Tensor | None:
+            return None if norm is None else (1.0 + norm.weight.detach().float()).contiguous()
+
+        layers = tuple(DecoderLayerWeights(
+            one_plus(layer.input_layernorm), one_plus(layer.pre_feedforward_layernorm), layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj, q_norm=one_plus(layer.self_attn.q_norm),
+            k_norm=one_plus(layer.self_attn.k_norm), post_attn_norm=one_plus(layer.post_attention_layernorm),
+            post_ff_norm=one_plus(layer.post_feedforward_layernorm)) for layer in self.model.layers)
+        return DecoderWeights(self.config, layers, self.rotary, self.model.layers[0].self_attn.attn.scaling,
+                              style="gemma", local_rotary=self.local_rotary)
+
+    def set_decoder(self, decode_step: Any) -> None:
+        """The decoder of decode batches: None, the Python layers; else the C decode step, which runs a decode
+        forward when it `takes` it."""
+        self.decode_step = decode_step
 
     def set_fused_ops(self, ops: Any, silu_and_mul_op: Any = None) -> None:
         """Gemma layers run eager torch; the plan never hands them fused ops (`uses_fused_ops`)."""
@@ -147,10 +171,11 @@ class Gemma3ForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         # NOTE: the scale is rounded to the model dtype before the product, as transformers does
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        global_rope = self.rotary.cos_sin(positions, hidden.dtype)
-        local_rope = global_rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(hidden, *(local_rope if layer.is_sliding else global_rope), fb)
+        if (self.decode_step is not None and fb.forward_mode.is_decode() and fb.lora_adapters is None
+                and self.decode_step.takes(fb)):
+            _, hidden = self.decode_step(hidden, fb)  # NOTE: Gemma's loop leaves the residual stream, whole
+        else:
+            hidden = self._layers(hidden, positions, fb)
         if fb.forward_mode.is_extend():
             rows = _last_token_index(fb, hidden.device)
             if fb.extra_logits_indices is not None:
@@ -159,3 +184,10 @@ class Gemma3ForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(hidden)).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        global_rope = self.rotary.cos_sin(positions, hidden.dtype)
+        local_rope = global_rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, *(local_rope if layer.is_sliding else global_rope), fb)
+        return hidden
