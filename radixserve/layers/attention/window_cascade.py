@@ -17,9 +17,10 @@ attention at P as for full layers (cascade.py), with both sides cut to the windo
     slots (window.decode_metadata with floor P), which the decode kernel and the padded torch batch take as the
     whole suffix; extend, window.extend_metadata with floor P, whose `reqs` give the C extend kernel, run with
     `window=W`, the right rule as is: request i's context starts at position s_i, its query j is at
-    prefix_i + j = s_i + (kv_len - q_len) + j, so the kernel's shifted diagonal is the causal limit and its
-    window cut (shift + j - W + 1) is the position prefix_i + j - W + 1. The torch path takes the same slices
-    with their banded masks.
+    prefix_i + j = s_i + (kv_len - q_len) + j, so the kernel's shifted diagonal (context index shift + j, shift
+    = kv_len - q_len) is the causal limit and its window cut (context index shift + j - W + 1) is the position
+    prefix_i + j - W + 1. The torch path takes the same slices with their banded masks. Part (b) is never empty:
+    each query sees itself.
 
 Whether a window takes cascade is `CascadePolicy.takes` on the shared keys its part (a) reads, P - a, not P: a
 long prefix that has slid out of every window does not turn cascade on for nothing. Full layers keep deciding
