@@ -189,10 +189,11 @@ def test_hybrid_pool_reads_translated_slots_inside_the_windows(name, monkeypatch
 
 
 @pytest.mark.slow
-def test_engine_gemma3_window_cascade_matches_cascade_off(tmp_path):
-    """Tiny Gemma 3 (W = 8, window layers on the hybrid pool) and ten requests over a 40-token cached prefix, five
-    times the window: greedy tokens equal with cascade on and off, the window layers ran cascade in extend and
-    decode, and both pools are conserved."""
+@pytest.mark.parametrize("one_pool", [False, True], ids=["hybrid", "one-pool"])
+def test_engine_gemma3_window_cascade_matches_cascade_off(one_pool, tmp_path):
+    """Tiny Gemma 3 (W = 8; window layers on the hybrid pool, or in the one pool) and ten requests over a 40-token
+    cached prefix, five times the window: greedy tokens equal with cascade on and off, the window layers ran
+    cascade in extend and decode, and the pools are conserved."""
     from test_model_gemma3 import _prompts, make_tiny_gemma3
 
     from radixserve import Engine
@@ -204,7 +205,8 @@ def test_engine_gemma3_window_cascade_matches_cascade_off(tmp_path):
     outputs, counts = [], []
     for disable in (False, True):
         with Engine(model_path=str(tmp_path), dtype="float32", device="cpu", max_total_tokens=1024,
-                    disable_cascade_attention=disable, log_level="warning") as engine:
+                    disable_cascade_attention=disable, disable_hybrid_swa_memory=one_pool,
+                    log_level="warning") as engine:
             backend = engine.model_runner.attn_backend
             if not disable:  # NOTE: scaled down to W = 8, which reads at most 8 shared keys
                 backend.cascade = cascade.CascadePolicy(min_prefix=4, min_decode_batch=2, min_decode_saved=4)
