@@ -246,8 +246,8 @@ def test_cascade_shares_a_prefix_only_within_one_adapter(engines, models, monkey
     plans: list[int] = []
     plan_decode = cascade.plan_decode
 
-    def recording(fb, policy):
-        plan = plan_decode(fb, policy)
+    def recording(fb, policy, *args):
+        plan = plan_decode(fb, policy, *args)
         plans.append(0 if plan is None else int(plan.prefix_slots.numel()))
         return plan
 

@@ -1,7 +1,7 @@
 """Gemma 3 against transformers on a tiny random model, float32: window layers (W = 8) and full layers, two
 rotary bases, q/k norms with random weights, a query scale that is not head_dim's, soft-capped logits.
 Prompts and decodes run past the window, on the torch and the CPU (C kernel) backends, with cascade forced on
-too. The pool is conserved after every test."""
+too (full and window layers). The pool is conserved after every test."""
 
 from __future__ import annotations
 
@@ -136,11 +136,12 @@ def test_decode_across_the_window(setup, driver):
 
 
 def test_cascade_batches_keep_windows(setup, driver):
-    """Cascade forced on for tiny prefixes: full layers split the shared prefix, window layers do not."""
+    """Cascade forced on for tiny prefixes: full layers split the shared prefix, window layers the part of it
+    inside their windows (a 16-token prefix, W = 8)."""
     hf_model, runner = setup
     backend = runner.attn_backend
     policy, backend.cascade = backend.cascade, CascadePolicy(min_prefix=4, min_decode_batch=2, min_decode_saved=1)
-    before = dict(backend.cascade_forwards)
+    before, windows_before = dict(backend.cascade_forwards), dict(backend.window_cascade_forwards)
     try:
         (shared,) = _prompts([16], seed=4)
         owner = driver.new_request()
@@ -156,6 +157,8 @@ def test_cascade_batches_keep_windows(setup, driver):
         backend.cascade = policy
     assert backend.cascade_forwards["extend"] > before["extend"]
     assert backend.cascade_forwards["decode"] > before["decode"]
+    assert backend.window_cascade_forwards["extend"] > windows_before["extend"]
+    assert backend.window_cascade_forwards["decode"] > windows_before["decode"]
 
 
 def test_gemma_chat_template_renders_turns():

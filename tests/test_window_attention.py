@@ -1,6 +1,7 @@
 """Sliding-window attention in every path a window layer takes, against a naive windowed reference in float64:
 decode on the torch paths (block-diagonal, head-major) and the C decode kernel at each level, extend (banded
-SDPA) on the torch and CPU backends, with cascade forced on, and contexts longer and shorter than the window."""
+SDPA) on the torch and CPU backends, with cascade forced on (window cascade in depth: test_window_cascade.py), and
+contexts longer and shorter than the window."""
 
 from __future__ import annotations
 
@@ -119,8 +120,9 @@ def test_extend_with_window(backend_name, prefix_lens, extend_lens):
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-def test_cascade_batches_leave_window_layers_windowed(backend_name):
-    """Every request shares a 24-token prefix; cascade runs for the full layer, the window layer keeps W."""
+def test_cascade_batches_keep_window_layers_windowed(backend_name):
+    """Every request shares a 24-token prefix; cascade runs for the full layer, and for the window layer cut to W
+    (the shared positions 9 .. 23, which the first queries' windows reach): both equal the reference."""
     kv_heads, heads, shared = 2, 4, 24
     prefix_lens, extend_lens = [shared, shared, shared + 6], [5, 12, 2]
     q, k_new, v_new, fb, state = _extend(prefix_lens, extend_lens, kv_heads, heads)
@@ -130,7 +132,8 @@ def test_cascade_batches_leave_window_layers_windowed(backend_name):
     backend = create_attention_backend(backend_name, torch.device("cpu"), windows=(W,))
     backend.cascade = CascadePolicy(min_prefix=8)
     backend.init_forward_metadata(fb)
-    assert backend.cascade_extend_meta is not None and W in backend.window_extend_meta
+    assert backend.cascade_extend_meta is not None
+    assert backend.window_extend_meta[W].prefix_slots.shape == (shared - 9,)  # a = 24 - 16 + 1
     for window in (W, None):
         layer = RadixAttention(0, heads, kv_heads, DIM, DIM**-0.5, sliding_window=window)
         got = backend.forward(q, k_new, v_new, layer, fb).view(-1, heads, DIM).double()

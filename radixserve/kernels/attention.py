@@ -63,7 +63,7 @@ class DecodeKernel:
         self.kernel_class = kernel_class or isa  # what SELECTED is keyed by: the level, or amx
         self._fns = {dtype: _bind(lib, f"decode_attention_{suffix}_{isa}", pointers=8, sizes=5)
                      for dtype, suffix in _DTYPE_SUFFIX.items()}
-        self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}_{isa}", pointers=6, sizes=5)
+        self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}_{isa}", pointers=7, sizes=5)
                             for dtype, suffix in _DTYPE_SUFFIX.items()}
         self._extend_fns = {dtype: _bind(lib, f"extend_attention_{suffix}_{isa}", pointers=9, sizes=5)
                             for dtype, suffix in _DTYPE_SUFFIX.items()}
@@ -116,18 +116,25 @@ class DecodeKernel:
         return out
 
     def shared_prefix(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every query token [n, heads, dim] over the same slots (int32 [prefix_len], no mask).
+                      scale: float, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token [n, heads, dim] over the same slots (int32 [prefix_len]).
 
-        Returns the output [n, heads, dim] and the log-sum-exp, float32 [n, heads]."""
+        `first` (int32 [n], 0 .. prefix_len; None: no mask): query token i sees slots[first[i]:] only (a window
+        layer's query sees the shared keys inside its window); a token with first == prefix_len sees none, and
+        gets output 0 and log-sum-exp -inf. Returns the output [n, heads, dim] and the log-sum-exp, float32
+        [n, heads]."""
         q, slots = q.contiguous(), slots.to(torch.int32).contiguous()
         _check_buffers(q, k_buf, v_buf)
+        if first is not None:
+            first = first.to(torch.int32).contiguous()
+            if first.shape != q.shape[:1]:
+                raise ValueError("shared_prefix needs `first` as one index per query token")
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32)
         n, heads, dim = q.shape
         status = call_profiled(
             "radixserve::prefix_attention_cpu", self._prefix_fns[q.dtype],
-            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), out.data_ptr(), lse.data_ptr(),
-            n, slots.shape[0], heads, k_buf.shape[1], dim, scale, torch.get_num_threads())
+            q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), _ptr(first), out.data_ptr(),
+            lse.data_ptr(), n, slots.shape[0], heads, k_buf.shape[1], dim, scale, torch.get_num_threads())
         _check_status(status, q, k_buf)
         return out, lse
 

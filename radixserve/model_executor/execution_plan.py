@@ -97,7 +97,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
                *_attention_entries(attention, dtype, args, cap),
-               *_window_entries(windows, not args.disable_hybrid_swa_memory),
+               *_window_entries(windows, not args.disable_hybrid_swa_memory, attention.cascade),
                *_softcap_entries(cap),
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
@@ -188,11 +188,13 @@ def _extend_entry(plan: AttentionPlan, dtype: torch.dtype, level: str, why_torch
     return PlanEntry("attention extend", "C extend", f"measured faster than SDPA here{level}")
 
 
-def _window_entries(windows: tuple[int, ...], hybrid: bool) -> list[PlanEntry]:
+def _window_entries(windows: tuple[int, ...], hybrid: bool, cascade: bool) -> list[PlanEntry]:
     if not windows:
         return []
     paths = ("window layers: decode over the window's slots (C decode or torch), extend with the window in the C "
-             "extend kernel (banded torch SDPA where it does not run), no cascade")
+             "extend kernel (banded torch SDPA where it does not run); " +
+             ("cascade over the part of a shared prefix the batch's windows still see, decided on that part's length"
+              if cascade else "no cascade (--disable-cascade-attention)"))
     memory = ("; KV in a window pool of their own (hybrid, --swa-full-tokens-ratio), every batch" if hybrid else
               "; KV in the one pool (--disable-hybrid-swa-memory), only in batches where a request is longer than "
               "the window")

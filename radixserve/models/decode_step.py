@@ -35,6 +35,7 @@ from radixserve.kernels.decode_step import (
     load_decode_step_kernel,
 )
 from radixserve.kernels.gemv import load_gemv_kernel
+from radixserve.layers.attention.window import WindowDecodeMetadata
 from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
 from radixserve.layers.f32_gemv import F32_GEMV_ROWS, F32GemvLinearMethod
 from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
@@ -86,9 +87,11 @@ class DecodeStep:
 
     def takes(self, fb) -> bool:
         backend = fb.attn_backend
-        # NOTE: a model with windows needs the backend's window tables (window.py); one without has none to read
+        # NOTE: a model with windows needs the backend's window tables (window.py), not a window's cascade plan
+        # (window_cascade.py): the step's groups are plain slot tables, as the full layers' `decode_meta`
         return (fb.batch_size <= self.max_rows and getattr(backend, "decode_meta", None) is not None
-                and (not self._windows or hasattr(backend, "window_decode_meta"))
+                and (not self._windows or (hasattr(backend, "window_decode_meta") and all(
+                    isinstance(m, WindowDecodeMetadata) for m in backend.window_decode_meta.values())))
                 and self._attention_fn(backend) is not None)
 
     def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,9 @@
  * Conventions: scores are scale * q.k in float32; a row's softmax state is (run_max, run_sum, acc)
  * with acc = sum_t exp(score_t - run_max) * v_t; its log-sum-exp is run_max + log(run_sum), or
  * -inf when it saw no token (then its output is 0). A finished partial result (out, lse) over other
- * keys is the state (lse, 1, out): starting a row from it ("seeding") merges the two exactly.
+ * keys is the state (lse, 1, out): starting a row from it ("seeding") merges the two exactly. A partial
+ * result that saw no key (lse -inf, out 0: a query of a window layer that sees none of cascade's shared
+ * prefix) is the empty state (-inf, 0, 0), so such a row ends as if it had not been seeded at all.
  */
 #ifndef RADIXSERVE_ATTENTION_COMMON_H
 #define RADIXSERVE_ATTENTION_COMMON_H
@@ -60,7 +62,7 @@ static inline float row_lse(float run_max, float run_sum) {
 /* Attends query rows ids[0..nr) (row id i: q + i * dim, out + i * dim, lse + i) of kv head h over
  * slots[0..len) of the pool, in float32. Every K and V row is read once for all nr rows. With a
  * non-NULL `limits`, row r sees only slots[0..limits[r]) (a causal mask; each limit >= 1 or a seed);
- * with a non-NULL `lows` only from slots[lows[r]] on (a sliding window).
+ * with a non-NULL `lows` only from slots[lows[r]] on (a sliding window; a row may see no slot at all).
  * With a non-NULL seed_lse each row starts from the partial result (seed_out, seed_lse) of the same
  * row id; lse (output) may be NULL. */
 #define DEFINE_ATTEND_ROWS(NAME, T, LOAD, STORE)                                                         \
@@ -76,7 +78,7 @@ static inline float row_lse(float run_max, float run_sum) {
                 acc[r][d] = seed_lse != NULL ? LOAD(seed_out[ids[r] * dim + d]) : 0.0f;                  \
             }                                                                                            \
             run_max[r] = seed_lse != NULL ? seed_lse[ids[r]] : -INFINITY;                                \
-            run_sum[r] = seed_lse != NULL ? 1.0f : 0.0f;                                                 \
+            run_sum[r] = seed_lse != NULL && seed_lse[ids[r]] > -INFINITY ? 1.0f : 0.0f;                 \
         }                                                                                                \
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                    \
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \

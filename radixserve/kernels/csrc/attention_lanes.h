@@ -258,8 +258,9 @@ static inline void accumulate_chunk_bf16(const __m512 *weights, const uint16_t *
 #endif
 
 /* Rows ids[0..nr) (nr <= LANES) of kv head h over slots[0..len). limits (NULL: none): row r sees
- * slots[0..limits[r]), limits ascending with r; lows (NULL: none) likewise from slots[lows[r]] on (a
- * sliding window), lows ascending. Seeding and outputs as attend_rows_*. T: the query and output
+ * slots[0..limits[r]); lows (NULL: none) likewise from slots[lows[r]] on (a sliding window, or the shared
+ * prefix's first key a query sees); in any order: a chunk is masked lane by lane only where it crosses the
+ * smallest limit or the largest low. Seeding and outputs as attend_rows_*. T: the query and output
  * type, KT: the K/V buffers'. QT: the type LOAD_Q fills (one vector per dim, or per bf16 pair for
  * vdpbf16ps). */
 #define DEFINE_ATTEND_LANES(NAME, T, KT, QT, LOAD_Q, SCORE, ACCUMULATE, LOAD, STORE)                     \
@@ -278,18 +279,23 @@ static inline void accumulate_chunk_bf16(const __m512 *weights, const uint16_t *
                 lanes[r] = LOAD(seed_out[ids[r < nr ? r : nr - 1] * dim + d]);                           \
             acc[d] = seed_lse != NULL ? lv_load(lanes) : lv_zero();                                      \
         }                                                                                                \
+        float seeded[LANES]; /* a seed's sum: 1, or 0 for an empty seed (lse -inf: it saw no key) */      \
+        int32_t min_limit = (int32_t)len, max_low = 0;                                                   \
         for (int64_t r = 0; r < LANES; r++) {                                                            \
             lanes[r] = seed_lse != NULL ? seed_lse[ids[r < nr ? r : nr - 1]] : -INFINITY;                \
+            seeded[r] = lanes[r] > -INFINITY ? 1.0f : 0.0f;                                              \
             limit[r] = limits != NULL ? limits[r < nr ? r : nr - 1] : (int32_t)len;                      \
             low[r] = lows != NULL ? lows[r < nr ? r : nr - 1] : 0;                                       \
+            min_limit = limit[r] < min_limit ? limit[r] : min_limit;                                     \
+            max_low = low[r] > max_low ? low[r] : max_low;                                               \
         }                                                                                                \
         lv run_max = lv_load(lanes);                                                                     \
-        lv run_sum = lv_set1(seed_lse != NULL ? 1.0f : 0.0f);                                            \
+        lv run_sum = lv_load(seeded);                                                                    \
         const lvi limit_v = lvi_load(limit), low_v = lvi_load(low);                                         \
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                    \
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \
             SCORE(qt, k_buf, slots + t0, n, kv_heads, h, dim, scale, scores);                            \
-            const int masked = t0 + n > limit[0] || t0 < low[LANES - 1];                                 \
+            const int masked = t0 + n > min_limit || t0 < max_low;                                      \
             softmax_lanes(scores, n, t0, low_v, limit_v, masked, &run_max, &run_sum, acc, dim);          \
             ACCUMULATE(scores, v_buf, slots + t0, n, kv_heads, h, dim, acc);                             \
         }                                                                                                \

@@ -36,7 +36,7 @@
             for (int64_t c = 0; c < steps; c++) qv[r][c] = QLOAD(q + r * dim, c, scale);                  \
             for (int64_t d = 0; d < dim; d++) acc[r][d] = seed_lse != NULL ? LOAD(seed_out[r * dim + d]) : 0.0f; \
             run_max[r] = seed_lse != NULL ? seed_lse[r] : -INFINITY;                                      \
-            run_sum[r] = seed_lse != NULL ? 1.0f : 0.0f;                                                  \
+            run_sum[r] = seed_lse != NULL && seed_lse[r] > -INFINITY ? 1.0f : 0.0f;                       \
         }                                                                                                 \
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                     \
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                        \

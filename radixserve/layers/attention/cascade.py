@@ -4,10 +4,10 @@ The radix cache makes requests with a common prefix point at the same KV slots, 
 `req_to_token` rows are equal over it. When every request of a batch shares the first P slots
 (and the batch passes `CascadePolicy`), each request's attention is split in two and merged exactly:
 
-(a) all query tokens of the batch against the P shared K/V rows, unmasked (every query sits at a
-    position >= P), in one call that reads the prefix once: the C kernel `prefix_attention.c` on the
-    CPU (where selected for the kernel level, kernels.attention.SELECTED), else one attention over [1, heads, all
-    queries, P];
+(a) all query tokens of the batch against the shared K/V rows, in one call that reads them once: the C
+    kernel `prefix_attention.c` on the CPU (where selected for the kernel level, kernels.attention.SELECTED),
+    else one attention over [1, heads, all queries, shared keys]. For a full layer these are the P prefix
+    rows, unmasked (every query sits at a position >= P);
 (b) each request's own positions P.. (decode: the C decode kernel, or one padded batch; extend:
     the C extend kernel, or causal attention per request, the diagonal shifted by the request's
     cached tokens beyond P);
@@ -16,6 +16,12 @@ then out = (e^{lse_a} out_a + e^{lse_b} out_b) / (e^{lse_a} + e^{lse_b}) in floa
 sigmoid(lse_a - lse_b). The C decode and extend kernels do this merge themselves: they start each
 row's running softmax from part (a). Part (b) is never empty: a decode request's new token is past
 P, and every extend request has at least one new token.
+
+Window layers (window_cascade.py plans them) split the same way, with each side cut to the window: part (a)
+covers only the shared positions some query of the batch still sees, and within them each query token has a
+lower bound of its own (`prefix_first`: the C prefix kernel's `first`, an additive bias in torch). A query may
+see none of the shared keys; its part (a) is then empty (out 0, lse -inf), which the merge and the kernels'
+seeding take as "no keys", so its result is exactly part (b).
 """
 
 from __future__ import annotations
@@ -44,14 +50,25 @@ class CascadePolicy:
     # and (batch - 1) * prefix, the prefix K/V rows it no longer re-reads, this large
     min_decode_saved: int = 768
 
+    def takes(self, decode: bool, batch_size: int, shared: int) -> bool:
+        """Whether a batch of `batch_size` requests runs cascade for layers that read `shared` of its shared
+        prefix's keys in part (a): all P for full layers, the part inside the batch's windows for window ones.
+        NOTE: the one place the decision is made; the planners only measure `shared`."""
+        if decode:
+            return (batch_size >= max(2, self.min_decode_batch) and shared >= self.min_prefix
+                    and (batch_size - 1) * shared >= self.min_decode_saved)
+        return batch_size >= 2 and shared >= self.min_prefix
+
 
 @dataclass
 class CascadeDecodeMetadata:
-    prefix_slots: torch.Tensor  # [P] pool slots shared by every request
+    prefix_slots: torch.Tensor  # [S] pool slots of the shared keys part (a) reads (full layers: all P)
     suffix_indices: torch.Tensor  # [bs * suffix_max_len] slots of positions P.., row-major, padded
     suffix_lens: torch.Tensor  # int64 [bs], >= 1
     suffix_max_len: int
     suffix_mask: torch.Tensor | None  # bool [bs, suffix_max_len], True beyond a request's end; None: none
+    prefix_first: torch.Tensor | None = None  # int32 [bs]: the first prefix_slots index a query sees; None: 0
+    _prefix_bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -74,10 +91,26 @@ class SuffixSlice:
 
 @dataclass
 class CascadeExtendMetadata:
-    prefix_slots: torch.Tensor  # [P]
+    prefix_slots: torch.Tensor  # [S] as for decode
     slices: list[SuffixSlice]
     suffix_indices: torch.Tensor  # flat slots of every request's positions P .. seq_len
     suffix_reqs: torch.Tensor  # int64 [bs, 4]: the slices' (q_start, q_len, kv_start, kv_len), for the C kernel
+    prefix_first: torch.Tensor | None = None  # int32 [num_tokens], as for decode
+    window: int = 0  # a window layer's W, for the C extend kernel's part (b); 0: causal only
+    _prefix_bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+
+CascadeMetadata = CascadeDecodeMetadata | CascadeExtendMetadata
+
+
+def prefix_bias(meta: CascadeMetadata, dtype: torch.dtype) -> torch.Tensor | None:
+    """Part (a)'s mask as an additive bias [queries, S] (0 / -inf) in `dtype`, built once per forward; None: none."""
+    if meta.prefix_first is None:
+        return None
+    if dtype not in meta._prefix_bias:
+        keys = torch.arange(meta.prefix_slots.shape[0], device=meta.prefix_slots.device)
+        meta._prefix_bias[dtype] = _additive(keys.unsqueeze(0) < meta.prefix_first.unsqueeze(1), dtype)
+    return meta._prefix_bias[dtype]
 
 
 def shared_prefix_len(fb: ForwardBatch, limit: int) -> int:
@@ -88,34 +121,41 @@ def shared_prefix_len(fb: ForwardBatch, limit: int) -> int:
     return int(torch.cat([differs, sentinel]).to(torch.int8).argmax())  # first differing position, or limit
 
 
-def plan_decode(fb: ForwardBatch, policy: CascadePolicy) -> CascadeDecodeMetadata | None:
-    lens = fb.seq_lens_cpu
-    limit = min(lens) - 1  # NOTE: at least the new token stays in every request's suffix
-    if (fb.batch_size < max(2, policy.min_decode_batch) or limit < policy.min_prefix
-            or (fb.batch_size - 1) * limit < policy.min_decode_saved):
-        return None
-    prefix_len = shared_prefix_len(fb, limit)
-    if prefix_len < policy.min_prefix or (fb.batch_size - 1) * prefix_len < policy.min_decode_saved:
+def batch_prefix_len(fb: ForwardBatch, policy: CascadePolicy) -> int:
+    """P, the batch's shared prefix that part (a) may cover (one host sync); 0 where no layer could take cascade.
+
+    The limit is min(seq_len) - 1 for decode (NOTE: the new token stays in every request's suffix) and
+    min(cached prefix) for extend (NOTE: every query then sits past all of part (a))."""
+    decode = fb.forward_mode.is_decode()
+    limit = min(fb.seq_lens_cpu) - 1 if decode else min(fb.extend_prefix_lens_cpu)
+    if not policy.takes(decode, fb.batch_size, limit):  # NOTE: no layer reads more than P <= limit shared keys
+        return 0
+    return shared_prefix_len(fb, limit)
+
+
+def plan_decode(fb: ForwardBatch, policy: CascadePolicy, prefix_len: int | None = None) -> CascadeDecodeMetadata | None:
+    """Full layers' decode plan; `prefix_len`: batch_prefix_len, when the caller has it already."""
+    prefix_len = batch_prefix_len(fb, policy) if prefix_len is None else prefix_len
+    if prefix_len == 0 or not policy.takes(True, fb.batch_size, prefix_len):
         return None
     table = fb.req_to_token_pool.req_to_token
+    lens = fb.seq_lens_cpu
     max_len = max(lens)
     suffix_lens = fb.seq_lens - prefix_len
     mask = None
     if min(lens) != max_len:
         mask = torch.arange(max_len - prefix_len, device=table.device).unsqueeze(0) >= suffix_lens.unsqueeze(1)
-    return CascadeDecodeMetadata(_prefix_slots(fb, prefix_len),
+    return CascadeDecodeMetadata(prefix_slots(fb, 0, prefix_len),
                                  table[fb.req_pool_indices, prefix_len:max_len].reshape(-1),
                                  suffix_lens, max_len - prefix_len, mask)
 
 
-def plan_extend(fb: ForwardBatch, policy: CascadePolicy) -> CascadeExtendMetadata | None:
+def plan_extend(fb: ForwardBatch, policy: CascadePolicy, prefix_len: int | None = None) -> CascadeExtendMetadata | None:
+    """Full layers' extend plan; `prefix_len` as for plan_decode."""
+    prefix_len = batch_prefix_len(fb, policy) if prefix_len is None else prefix_len
+    if prefix_len == 0 or not policy.takes(False, fb.batch_size, prefix_len):
+        return None
     prefix_lens, extend_lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
-    limit = min(prefix_lens)  # NOTE: every query must see all of part (a), so P <= each cached prefix
-    if fb.batch_size < 2 or limit < policy.min_prefix:
-        return None
-    prefix_len = shared_prefix_len(fb, limit)
-    if prefix_len < policy.min_prefix:
-        return None
     table = fb.req_to_token_pool.req_to_token
     device = table.device
     kv_lens = [p - prefix_len + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
@@ -126,12 +166,13 @@ def plan_extend(fb: ForwardBatch, policy: CascadePolicy) -> CascadeExtendMetadat
         for qs, ks, n, m in zip(offsets(extend_lens), offsets(kv_lens), extend_lens, kv_lens, strict=True)
     ]
     reqs = torch.tensor([(s.q_start, s.q_len, s.kv_start, s.kv_len) for s in slices], dtype=torch.int64)
-    return CascadeExtendMetadata(_prefix_slots(fb, prefix_len), slices, rows[valid], reqs)
+    return CascadeExtendMetadata(prefix_slots(fb, 0, prefix_len), slices, rows[valid], reqs)
 
 
-def _prefix_slots(fb: ForwardBatch, prefix_len: int) -> torch.Tensor:
+def prefix_slots(fb: ForwardBatch, start: int, end: int) -> torch.Tensor:
+    """The shared slots of positions start .. end (every request's row has them)."""
     # NOTE: a copy, not a view of req_to_token: the table may change once init_forward_metadata returns
-    return fb.req_to_token_pool.req_to_token[fb.req_pool_indices[0], :prefix_len].clone()
+    return fb.req_to_token_pool.req_to_token[fb.req_pool_indices[0], start:end].clone()
 
 
 def cascade_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: CascadeDecodeMetadata,
@@ -140,7 +181,7 @@ def cascade_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, me
     """q [bs, heads, dim]; k/v_all the layer's pool [slots, kv_heads, dim] -> [bs, heads, dim].
 
     `kernel`: the C decode kernel for part (b), `prefix_kernel`: the C prefix kernel for part (a); None: torch."""
-    part_a = _part_a(q, k_all, v_all, meta.prefix_slots, scaling, prefix_kernel)
+    part_a = _part_a(q, k_all, v_all, meta, scaling, prefix_kernel)
     if kernel is not None:  # the decode kernel starts each row from part (a): the merge is free
         return kernel(q, k_all, v_all, meta.suffix_indices, meta.suffix_lens, meta.suffix_max_len, scaling, part_a)
     bs, kv_heads, dim = q.shape[0], k_all.shape[1], q.shape[2]
@@ -157,10 +198,10 @@ def cascade_extend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, me
     """q [num_tokens, heads, dim] (new K/V already in the pool) -> [num_tokens, heads, dim].
 
     `prefix_kernel` / `extend_kernel`: the C kernels for parts (a) / (b); None: torch."""
-    out_a, lse_a = _part_a(q, k_all, v_all, meta.prefix_slots, scaling, prefix_kernel)
+    out_a, lse_a = _part_a(q, k_all, v_all, meta, scaling, prefix_kernel)
     if extend_kernel is not None:  # part (b) starts each row from part (a): the merge is free
         return extend_kernel.extend(q, k_all, v_all, meta.suffix_indices, meta.suffix_reqs, scaling,
-                                    seed=(out_a, lse_a))[0]
+                                    seed=(out_a, lse_a), window=meta.window)[0]
     keys, values = k_all.index_select(0, meta.suffix_indices), v_all.index_select(0, meta.suffix_indices)
     out_b = torch.empty_like(q)
     lse_b = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -172,11 +213,17 @@ def cascade_extend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, me
     return merge_partials(out_a, lse_a, out_b, lse_b).to(q.dtype)
 
 
-def _part_a(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: torch.Tensor, scaling: float,
+def _part_a(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: CascadeMetadata, scaling: float,
             prefix_kernel: DecodeKernel | None) -> tuple[torch.Tensor, torch.Tensor]:
     if prefix_kernel is not None:
-        return prefix_kernel.shared_prefix(q, k_all, v_all, slots, scaling)
-    return _prefix_torch(q, k_all, v_all, slots, scaling)
+        return prefix_kernel.shared_prefix(q, k_all, v_all, meta.prefix_slots, scaling, first=meta.prefix_first)
+    out, lse = _prefix_torch(q, k_all, v_all, meta.prefix_slots, scaling, prefix_bias(meta, q.dtype))
+    if meta.prefix_first is not None:
+        # NOTE: a query that sees no shared key must leave the empty partial (0, -inf): torch's CPU flash op
+        # returns lse 0 for such a row, the math path NaN; the merge and the kernels' seeds need exactly (0, -inf)
+        empty = (meta.prefix_first >= meta.prefix_slots.shape[0]).to(q.device).unsqueeze(1)
+        out, lse = out.masked_fill(empty.unsqueeze(2), 0.0), lse.masked_fill(empty, float("-inf"))
+    return out, lse
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
@@ -226,10 +273,10 @@ def _rows(bias: torch.Tensor | None, start: int, rows: int, length: int) -> torc
 
 
 def _prefix_torch(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: torch.Tensor,
-                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Part (a) in torch: q [n, heads, dim] -> (out [n, heads, dim], lse [n, heads])."""
+                  scaling: float, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part (a) in torch: q [n, heads, dim] -> (out [n, heads, dim], lse [n, heads]); bias [n, S] or None."""
     keys, values = _heads_first(k_all.index_select(0, slots)), _heads_first(v_all.index_select(0, slots))
-    out, lse = attention_with_lse(_heads_first(q), keys, values, scaling)
+    out, lse = attention_with_lse(_heads_first(q), keys, values, scaling, bias)
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 

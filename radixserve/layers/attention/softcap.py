@@ -114,6 +114,8 @@ def forward_decode(backend: TorchAttnBackend, q: torch.Tensor, k: torch.Tensor, 
     window layer of a hybrid pool), then attends over the window's tables or the whole context's."""
     k_all, v_all = _store(backend, k, v, layer, fb, save_kv_cache)
     windowed = backend._window_meta(layer, backend.window_decode_meta)
+    if windowed is not None and not isinstance(windowed, window.WindowDecodeMetadata):  # the window's cascade plan
+        windowed = window.decode_metadata(fb, layer.sliding_window, _translate(fb))
     meta = windowed if windowed is not None else backend.decode_meta
     if meta is None:  # cascade was planned for this batch (a backend built with it on): the plain tables
         meta = window.decode_metadata(fb, _hides_nothing(fb))
@@ -127,6 +129,8 @@ def forward_extend(backend: TorchAttnBackend, q: torch.Tensor, k: torch.Tensor, 
     tables are built, else causal over each request's context (its new K/V alone when nothing is cached)."""
     k_all, v_all = _store(backend, k, v, layer, fb, save_kv_cache)
     windowed = backend._window_meta(layer, backend.window_extend_meta)
+    if windowed is not None and not isinstance(windowed, window.WindowExtendMetadata):  # see forward_decode
+        windowed = window.extend_metadata(fb, layer.sliding_window, _translate(fb))
     if windowed is not None:
         keys, values = k_all.index_select(0, windowed.kv_indices), v_all.index_select(0, windowed.kv_indices)
         return extend_attention(q, keys, values, windowed.slices, layer.scaling, layer.logit_cap)
@@ -137,6 +141,11 @@ def forward_extend(backend: TorchAttnBackend, q: torch.Tensor, k: torch.Tensor, 
         k, v = k_all.index_select(0, meta.kv_indices), v_all.index_select(0, meta.kv_indices)
     # NOTE: without kv_indices nothing is cached: the contexts are the new K/V, in the slices' order
     return extend_attention(q, k, v, meta.slices, layer.scaling, layer.logit_cap)
+
+
+def _translate(fb: ForwardBatch) -> torch.Tensor | None:
+    """The hybrid pool's full -> window slot table (window layers' tables are in window slots), or None."""
+    return getattr(fb.token_to_kv_pool, "full_to_window", None)
 
 
 def _hides_nothing(fb: ForwardBatch) -> int:

@@ -17,7 +17,8 @@ Cascade (cascade.py): when every request of a batch shares a long enough prefix 
 `cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
 Sliding window (window.py): a layer with a window, in a batch where the window hides keys, decodes over its
 window's slots (the C decode kernel or torch, as planned) and extends with the C extend kernel given the window
-where it is planned as for full layers, else with a banded mask in SDPA.
+where it is planned as for full layers, else with a banded mask in SDPA. Where the batch shares a prefix that its
+windows still see, window layers take cascade too, cut to the window (window_cascade.py).
 Soft-capped scores (softcap.py, Gemma 2): a layer with `logit_cap` runs torch math attention over the same tables.
 """
 
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve import envs
-from radixserve.layers.attention import cascade, softcap, window
+from radixserve.layers.attention import cascade, softcap, window, window_cascade
 from radixserve.layers.attention.base import AttentionBackend, AttentionPlan
 
 if TYPE_CHECKING:
@@ -99,34 +100,47 @@ class TorchAttnBackend(AttentionBackend):
         self.amx_extend: AmxExtendKernel | None = None  # bf16 extend on AMX tiles (CpuAttnBackend, AMX CPUs)
         # None: cascade attention off (--disable-cascade-attention)
         self.cascade: cascade.CascadePolicy | None = cascade.CascadePolicy() if self.plan.cascade else None
-        self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention
+        self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention (full layers)
+        self.window_cascade_forwards = {"decode": 0, "extend": 0}  # forwards whose window layers ran it
         self.extend_kernel_fits = False  # this extend batch is short enough for the C kernel
-        # per window size of the model (plan.windows), this forward's tables; absent: the window hides nothing
-        self.window_decode_meta: dict[int, window.WindowDecodeMetadata] = {}
-        self.window_extend_meta: dict[int, window.WindowExtendMetadata] = {}
+        # per window size of the model (plan.windows), this forward's tables, or its cascade plan cut to the
+        # window; absent: the window hides nothing (a window layer runs what full layers run)
+        self.window_decode_meta: dict[int, window.WindowDecodeMetadata | cascade.CascadeDecodeMetadata] = {}
+        self.window_extend_meta: dict[int, window.WindowExtendMetadata | cascade.CascadeExtendMetadata] = {}
         self.window_out_loc: torch.Tensor | None = None  # hybrid KV: this forward's new tokens' window slots
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        # NOTE: one host sync finds the batch's shared prefix P for every layer kind; the policy decides per kind
+        prefix_len = 0 if self.cascade is None else cascade.batch_prefix_len(fb, self.cascade)
         if fb.forward_mode.is_decode():
-            self.cascade_decode_meta = self._plan(cascade.plan_decode, fb, "decode")
+            self.cascade_decode_meta = self._plan(cascade.plan_decode, fb, "decode", prefix_len)
             self.decode_meta = None if self.cascade_decode_meta is not None else _decode_metadata(fb)
         else:
             self.extend_kernel_fits = (self.extend_kernel is not None
                                        and max(fb.extend_seq_lens_cpu) <= EXTEND_KERNEL_MAX_NEW_TOKENS)
-            self.cascade_extend_meta = self._plan(cascade.plan_extend, fb, "extend")
+            self.cascade_extend_meta = self._plan(cascade.plan_extend, fb, "extend", prefix_len)
             self.extend_meta = None
             if self.cascade_extend_meta is None:
                 with_kernel = self.extend_kernel_fits or self.amx_extend is not None
                 self.extend_meta = _extend_metadata(fb, with_kernel=with_kernel)
-        self._plan_windows(fb)
+        self._plan_windows(fb, prefix_len)
 
-    def _plan_windows(self, fb: ForwardBatch) -> None:
+    def _plan_windows(self, fb: ForwardBatch, prefix_len: int) -> None:
+        """Per window: its cascade plan where the policy takes the part of P the window sees, else its tables."""
         # NOTE: with a hybrid pool, window layers read their own buffers: always through translated tables
         table = getattr(fb.token_to_kv_pool, "full_to_window", None)
         applies = [w for w in self.plan.windows if table is not None or window.window_applies(fb, w)]
         decode = fb.forward_mode.is_decode()
-        self.window_decode_meta = {w: window.decode_metadata(fb, w, table) for w in applies} if decode else {}
-        self.window_extend_meta = {} if decode else {w: window.extend_metadata(fb, w, table) for w in applies}
+        plan_cascade = window_cascade.plan_decode if decode else window_cascade.plan_extend
+        plan_tables = window.decode_metadata if decode else window.extend_metadata
+        metas: dict[int, object] = {}
+        for w in applies:
+            cut = plan_cascade(fb, w, prefix_len, self.cascade, table) if prefix_len else None
+            metas[w] = cut if cut is not None else plan_tables(fb, w, table)
+        self.window_decode_meta = metas if decode else {}
+        self.window_extend_meta = {} if decode else metas
+        self.window_cascade_forwards["decode" if decode else "extend"] += any(
+            isinstance(m, (cascade.CascadeDecodeMetadata, cascade.CascadeExtendMetadata)) for m in metas.values())
         self.window_out_loc = table[fb.out_cache_loc.long()] if table is not None else None
 
     def kv_write_loc(self, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
@@ -135,11 +149,11 @@ class TorchAttnBackend(AttentionBackend):
             return self.window_out_loc
         return fb.out_cache_loc
 
-    def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy], Plan | None], fb: ForwardBatch,
-              mode: str) -> Plan | None:
+    def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy, int], Plan | None], fb: ForwardBatch,
+              mode: str, prefix_len: int) -> Plan | None:
         if self.cascade is None:
             return None
-        meta = planner(fb, self.cascade)
+        meta = planner(fb, self.cascade, prefix_len)
         self.cascade_forwards[mode] += meta is not None
         return meta
 
@@ -180,10 +194,11 @@ class TorchAttnBackend(AttentionBackend):
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         kernel = self._kernel_for(q, layer)
         windowed = self._window_meta(layer, self.window_decode_meta)
-        if windowed is not None:
+        if isinstance(windowed, window.WindowDecodeMetadata):
             return self._decode_window(q, k_all, v_all, layer, windowed, kernel)
-        if self.cascade_decode_meta is not None:
-            out = cascade.cascade_decode(q, k_all, v_all, self.cascade_decode_meta, layer.scaling, kernel,
+        cascaded = windowed if windowed is not None else self.cascade_decode_meta  # a window's own, or the batch's
+        if cascaded is not None:
+            out = cascade.cascade_decode(q, k_all, v_all, cascaded, layer.scaling, kernel,
                                          self._prefix_kernel_for(q, layer))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.decode_meta
@@ -203,7 +218,7 @@ class TorchAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, self.kv_write_loc(layer, fb), k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         windowed = self._window_meta(layer, self.window_extend_meta)
-        if windowed is not None:
+        if isinstance(windowed, window.WindowExtendMetadata):
             kernel = self._extend_kernel_for(q, k_all)
             if kernel is not None:
                 out, _ = kernel.extend(q, k_all, v_all, windowed.kv_indices, windowed.reqs, layer.scaling,
@@ -211,8 +226,9 @@ class TorchAttnBackend(AttentionBackend):
             else:
                 out = window.extend_attention(q, k_all, v_all, windowed, layer.scaling)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
-        if self.cascade_extend_meta is not None:
-            out = cascade.cascade_extend(q, k_all, v_all, self.cascade_extend_meta, layer.scaling,
+        cascaded = windowed if windowed is not None else self.cascade_extend_meta  # a window's own, or the batch's
+        if cascaded is not None:
+            out = cascade.cascade_extend(q, k_all, v_all, cascaded, layer.scaling,
                                          self._prefix_kernel_for(q, layer), self._extend_kernel_for(q, k_all))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         extend_kernel = self._plain_extend_kernel_for(q, k_all)
@@ -231,7 +247,8 @@ class TorchAttnBackend(AttentionBackend):
 
 
     def _window_meta(self, layer: RadixAttention, metas: dict[int, Plan]) -> Plan | None:
-        """This forward's tables for the layer's window; None: a full layer, or a window that hides nothing."""
+        """This forward's plan for the layer's window (its tables, or its cascade cut to the window); None: a full
+        layer, or a window that hides nothing."""
         if layer.sliding_window is None:
             return None
         if layer.sliding_window not in self.plan.windows:

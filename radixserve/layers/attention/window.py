@@ -12,7 +12,9 @@ have the window without knowing about it.
 Extend: each request's query i sees the context positions max(0, p_i - W + 1) .. p_i; the keys before the
 first query's window are never gathered. Where the backend plans the C extend kernel it takes those slots (one
 `reqs` row per request) and W, and skips what no query sees; otherwise the rest is a banded mask (causal and
-within W) given to torch's SDPA. Cascade's shared-prefix split is causal only, so window layers do not take it.
+within W) given to torch's SDPA.
+Cascade (window_cascade.py): where a batch shares a prefix that its windows still see, a window layer splits it
+off as full layers do; its part (b) is these same tables cut at the shared prefix's end (`floor`).
 Hybrid KV (mem_cache/swa_memory.py): window layers keep K/V in their own smaller pool, so every table gathered
 here is translated from full slots to window slots (`full_to_window`), and window layers always take these
 tables, window or not.
@@ -44,7 +46,7 @@ class WindowSlice:
     q_len: int
     kv_start: int  # into the gathered contexts
     kv_len: int  # positions first .. seq_len - 1 of the request
-    first: int  # the first context position gathered: max(0, prefix_len - W + 1)
+    first: int  # the first context position gathered: max(floor, prefix_len - W + 1)
     prefix_len: int
     window: int
     _mask: torch.Tensor | None = field(default=None, repr=False)
@@ -70,13 +72,15 @@ def window_applies(fb: ForwardBatch, window: int) -> bool:
     return max(fb.seq_lens_cpu) > window
 
 
-def decode_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | None = None) -> WindowDecodeMetadata:
-    """`translate`: the hybrid pool's full_to_window table (the gathered slots are window slots then)."""
+def decode_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | None = None,
+                    floor: int = 0) -> WindowDecodeMetadata:
+    """`translate`: the hybrid pool's full_to_window table (the gathered slots are window slots then).
+    `floor`: no position before it is gathered (cascade's part (b): the shared prefix's end; below every seq_len)."""
     lens_cpu = fb.seq_lens_cpu
     table = fb.req_to_token_pool.req_to_token
     max_len = max(lens_cpu)
-    width = min(window, max_len)
-    starts = (fb.seq_lens - window).clamp(min=0)
+    width = min(window, max_len - floor)
+    starts = (fb.seq_lens - window).clamp(min=floor)
     lens = fb.seq_lens - starts
     cols = (starts.unsqueeze(1) + torch.arange(width, device=table.device)).clamp(max=max_len - 1)
     # NOTE: gathered here, once per forward: the table may change once init_forward_metadata returns
@@ -84,18 +88,20 @@ def decode_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | Non
     if translate is not None:
         kv_indices = translate[kv_indices.long()]
     mask = None
-    if min(min(n, window) for n in lens_cpu) != width:
+    if min(min(n - floor, window) for n in lens_cpu) != width:
         beyond = torch.arange(width, device=table.device).unsqueeze(0) >= lens.unsqueeze(1)
         mask = torch.zeros(beyond.shape, dtype=torch.float32, device=table.device).masked_fill_(beyond, float("-inf"))
     return WindowDecodeMetadata(kv_indices, lens, width, mask)
 
 
-def extend_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | None = None) -> WindowExtendMetadata:
+def extend_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | None = None,
+                    floor: int = 0) -> WindowExtendMetadata:
+    """`translate` as for decode_metadata; `floor`: no position before it is gathered (at most every cached prefix)."""
     table = fb.req_to_token_pool.req_to_token
     rows = fb.req_pool_indices.tolist()
     slices, parts, q_start, kv_start = [], [], 0, 0
     for row, prefix, new in zip(rows, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu, strict=True):
-        first = max(0, prefix - window + 1)  # NOTE: no query of this request sees a key before it
+        first = max(floor, prefix - window + 1)  # NOTE: no query of this request sees a key before it
         kv_len = prefix + new - first
         slices.append(WindowSlice(q_start, new, kv_start, kv_len, first, prefix, window))
         parts.append(table[row, first : prefix + new])
