@@ -17,7 +17,8 @@ from radixserve.kernels.gemv import FLAGS
 SOURCE = CSRC / "decode_step.c"
 F32_SOURCE = CSRC / "decode_step_f32.c"
 # simd.h includes attention_common.h; both builds include the shared layer loop
-HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h", "decode_loop.h", "decode_gemma.h"))
+HEADERS = tuple(CSRC / name for name in ("simd.h", "attention_common.h", "decode_loop.h", "decode_gemma.h",
+                                          "decode_lora.h"))
 # csrc/decode_loop.h: the norms, each linear layer's weight and function, the qkv bias, K and V, the attention group,
 # the rotary tables, and Gemma's four more norms
 LAYER_POINTERS = 20
@@ -37,6 +38,14 @@ class AttentionGroup(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("slots", "kv_indices", "seq_lens")),
                 ("max_len", ctypes.c_int64), ("num_slots", ctypes.c_int64)]
+
+
+class LoraDescriptor(ctypes.Structure):
+    """A step's LoRA rows (csrc/decode_lora.h): the SGMV function, the segments' row index and offsets, and the
+    table of packed A / Bt addresses and ranks per (layer, linear layer, segment)."""
+
+    _fields_ = [("sgmv", ctypes.c_void_p), ("index", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("num_segments", ctypes.c_int64), ("table", ctypes.c_void_p)]
 
 
 def attention_groups(tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]
@@ -61,7 +70,7 @@ class DecodeStepKernel:
         suffix = "bf16" if dtype == torch.bfloat16 else "f32"
         self._step = getattr(lib, f"decode_step_{suffix}")
         self._step.restype = ctypes.c_int
-        self._step.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+        self._step.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         self._work = getattr(lib, f"decode_step_{suffix}_work_size")
         self._work.restype = ctypes.c_int64
         self._work.argtypes = [ctypes.c_void_p, ctypes.c_int64]
@@ -70,14 +79,16 @@ class DecodeStepKernel:
         return self._work(ctypes.byref(model), rows)
 
     def run(self, model: ModelStruct, attention: int, hidden: torch.Tensor, residual: torch.Tensor,
-            positions: torch.Tensor, groups: ctypes.Array, work: torch.Tensor) -> int:
+            positions: torch.Tensor, groups: ctypes.Array, work: torch.Tensor,
+            lora: LoraDescriptor | None = None) -> int:
         """Every decoder layer for hidden's rows, in place; `attention` is the C function to call (the linear
-        layers' are in the model's layer table), `groups` the model's `num_groups` AttentionGroups. Returns the
-        status: 0 done, 1 a position, slot or group out of range (nothing written), else layer*1000+call."""
+        layers' are in the model's layer table), `groups` the model's `num_groups` AttentionGroups, `lora` the
+        step's LoRA rows (None: none). Returns the status: 0 done, 1 a position, slot, group or LoRA row out of
+        range (nothing written), else layer*1000+call."""
         return call_profiled(
-            "radixserve::decode_step", self._step, ctypes.byref(model), attention, hidden.data_ptr(),
-            residual.data_ptr(), positions.data_ptr(), ctypes.addressof(groups), hidden.shape[0], work.data_ptr(),
-            torch.get_num_threads())
+            "radixserve::decode_step", self._step, ctypes.byref(model), attention,
+            None if lora is None else ctypes.addressof(lora), hidden.data_ptr(), residual.data_ptr(),
+            positions.data_ptr(), ctypes.addressof(groups), hidden.shape[0], work.data_ptr(), torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> int:
         rows, width = gate_up.shape

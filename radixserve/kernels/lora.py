@@ -28,6 +28,11 @@ class LoraKernel:
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_int]
 
+    @property
+    def address(self) -> int:
+        """The C function's address, for callers in C (the decode step's LoRA rows, csrc/decode_lora.h)."""
+        return ctypes.cast(self._fn, ctypes.c_void_p).value
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor, index: torch.Tensor, offsets: torch.Tensor,
                  pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
         """y [M, N] += each segment's delta, in place; returns y.

@@ -14,7 +14,9 @@ loop removes is ~10 Python-level calls per layer, each of which costs 25-40 us a
 has evicted its code (docs/cpu_fast_path.md). It takes a decode forward when the model has plain rotary
 (no q/k norms), the backend's C decode kernel for plain (not cascade) attention, and no more rows than the
 linear kernel takes; anything else runs the layers in Python. Sliding-window layers (Mistral, Qwen2/3) read their
-window's attention group (`_groups`). Switch: RADIXSERVE_DECODE_STEP=0.
+window's attention group (`_groups`). A batch with LoRA rows runs in the step too: after each linear layer it adds
+the adapters' deltas with the SGMV kernel the Python layers call (decode_step_lora.py). Switch:
+RADIXSERVE_DECODE_STEP=0.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
 from radixserve.layers.f32_gemv import F32_GEMV_ROWS, F32GemvLinearMethod
 from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
 from radixserve.layers.quantization.linear import TILED_MAX_M, PackedLinearMethod
+from radixserve.models.decode_step_lora import StepLora
 
 if TYPE_CHECKING:
     from ctypes import Array as ctypes_array
@@ -84,6 +87,7 @@ class DecodeStep:
         self._work_per_row = kernel.work_size(self._struct, 1)
         self._pool = None  # the KV pool whose buffers the layer table points at
         self._attention: tuple[object, int | None] = (None, None)  # (backend, its bf16 decode function)
+        self._lora = StepLora(weights, self.dtype)  # the forward's LoRA rows (the manager's segments)
 
     def takes(self, fb) -> bool:
         backend = fb.attn_backend
@@ -92,7 +96,7 @@ class DecodeStep:
         return (fb.batch_size <= self.max_rows and getattr(backend, "decode_meta", None) is not None
                 and (not self._windows or (hasattr(backend, "window_decode_meta") and all(
                     isinstance(m, WindowDecodeMetadata) for m in backend.window_decode_meta.values())))
-                and self._attention_fn(backend) is not None)
+                and self._attention_fn(backend) is not None and self._lora.refusal() is None)
 
     def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden]; Gemma's
@@ -108,10 +112,12 @@ class DecodeStep:
         work = torch.empty(bs * self._work_per_row, dtype=self.dtype)
         positions = fb.positions.to(torch.int64).contiguous()
         groups, keep = self._groups(fb, meta)
-        status = self._kernel.run(self._struct, attention, hidden, residual, positions, groups, work)
-        del keep  # NOTE: the group tables' tensors live until the C call returns
+        lora, keep_lora = self._lora.descriptor()
+        status = self._kernel.run(self._struct, attention, hidden, residual, positions, groups, work, lora)
+        del keep, keep_lora  # NOTE: the group and LoRA tables' tensors live until the C call returns
         if status == 1:
-            raise ValueError("decode step: a position beyond the rotary table or a slot beyond the KV pool")
+            raise ValueError("decode step: a position beyond the rotary table, a slot beyond the KV pool or a LoRA "
+                             "row beyond the batch")
         if status != 0:
             raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
         return hidden, residual

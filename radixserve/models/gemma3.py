@@ -171,8 +171,7 @@ class Gemma3ForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         # NOTE: the scale is rounded to the model dtype before the product, as transformers does
         hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        if (self.decode_step is not None and fb.forward_mode.is_decode() and fb.lora_adapters is None
-                and self.decode_step.takes(fb)):
+        if self.decode_step is not None and fb.forward_mode.is_decode() and self.decode_step.takes(fb):
             _, hidden = self.decode_step(hidden, fb)  # NOTE: Gemma's loop leaves the residual stream, whole
         else:
             hidden = self._layers(hidden, positions, fb)

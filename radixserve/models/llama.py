@@ -206,9 +206,8 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = self.rotary.tables(hidden.device)  # the rotary op looks positions up itself
         else:
             cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        # NOTE: the C decoder multiplies the base weights only: a batch with LoRA rows runs the Python layers
-        if (self.decode_step is not None and fb.forward_mode.is_decode() and fb.lora_adapters is None
-                and self.decode_step.takes(fb)):
+        # NOTE: LoRA rows run in the C decoder too (the SGMV kernel after each linear layer), unless it declines them
+        if self.decode_step is not None and fb.forward_mode.is_decode() and self.decode_step.takes(fb):
             hidden, residual = self.decode_step(hidden, fb)
         else:
             residual = None

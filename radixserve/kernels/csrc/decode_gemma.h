@@ -6,7 +6,8 @@
 // residual += it. Every Gemma norm scales by 1 + w (the float32 tables in the layer row), normalising and
 // scaling in float32 with one rounding, as models/gemma3.py's GemmaRMSNorm.
 // In: `hidden` the scaled embeddings. Out: `residual` the stream after the last layer (the caller applies the
-// final norm to it); `hidden` is scratch. Statuses as decode_loop.h's.
+// final norm to it); `hidden` is scratch. Statuses as decode_loop.h's; LoRA rows add their deltas after each
+// linear layer as in the Llama loop (decode_lora.h).
 
 #ifndef RADIXSERVE_DECODE_GEMMA_H
 #define RADIXSERVE_DECODE_GEMMA_H
@@ -25,9 +26,9 @@ static void gemma_qk_row(const decode_model *m, const int64_t *layer, elem_t *qk
     rotary_kv_row(m, layer, qkv, position, slot, q);
 }
 
-static int gemma_layers(const decode_model *m, attention_fn attention, elem_t *hidden, elem_t *residual,
-                        const int64_t *positions, const attention_group *groups, int64_t bs, elem_t *work,
-                        int nthreads) {
+static int gemma_layers(const decode_model *m, attention_fn attention, const decode_lora *lora, elem_t *hidden,
+                        elem_t *residual, const int64_t *positions, const attention_group *groups, int64_t bs,
+                        elem_t *work, int nthreads) {
     const int64_t h = m->hidden, q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
     const int64_t inter = m->intermediate;
     const step_buffers b = split_work(m, work, bs);
@@ -43,11 +44,13 @@ static int gemma_layers(const decode_model *m, attention_fn attention, elem_t *h
         if (LINEAR(w, QKV)((const void *)w[QKV], b.normed, (const elem_t *)w[QKV_BIAS], b.qkv, bs, qkv_size, h,
                            nthreads))
             return status + 1;
+        ADD_LORA(QKV, b.normed, b.qkv, h, qkv_size);
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++)
             gemma_qk_row(m, w, b.qkv + r * qkv_size, positions[r], grp->slots[r], b.q + r * q_size);
         const int failed = attend_and_project(m, attention, w, grp, &b, hidden, bs, nthreads);
         if (failed) return status + failed;
+        ADD_LORA(O, b.attn, hidden, q_size, h);
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++) {
             // NOTE: normalised in place, then added: the post-norm's rounding comes before the add's, as in Python
@@ -57,9 +60,11 @@ static int gemma_layers(const decode_model *m, attention_fn attention, elem_t *h
         }
         if (LINEAR(w, GATE_UP)((const void *)w[GATE_UP], b.normed, NULL, b.gate_up, bs, 2 * inter, h, nthreads))
             return status + 4;
+        ADD_LORA(GATE_UP, b.normed, b.gate_up, h, 2 * inter);
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++) gelu_mul_row(b.gate_up + r * 2 * inter, b.act + r * inter, inter);
         if (LINEAR(w, DOWN)((const void *)w[DOWN], b.act, NULL, hidden, bs, h, inter, nthreads)) return status + 5;
+        ADD_LORA(DOWN, b.act, hidden, inter, h);
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++) {
             gemma_norm_row(hidden + r * h, (const float *)w[POST_FF_NORM], hidden + r * h, h, m->eps);

@@ -13,8 +13,9 @@
 // Llama layers: [add +] RMSNorm -> qkv -> rotary (q to a buffer, k and v into the KV pool at the slots) ->
 // attention -> o -> add + RMSNorm -> gate_up -> SiLU(gate) * up -> down. In: `hidden` the embeddings;
 // out: `hidden` the last layer's MLP output and `residual` the stream it is added to (the caller applies
-// the final norm). Returns 0; 1 for a position or slot outside the tables (nothing written); or
-// 1000 * (layer + 1) + which call failed (its own status is lost).
+// the final norm). Returns 0; 1 for a position, slot or LoRA row outside the tables (nothing written); or
+// 1000 * (layer + 1) + which call failed (its own status is lost): 1 qkv, 2 attention, 3 o, 4 gate_up, 5 down,
+// 6 + LORA_* the LoRA delta of a linear layer (decode_lora.h: a batch's adapter rows, after each base product).
 //
 // Attention groups: the layers of one group share where they write the new K/V and what they attend over
 // (slots, kv_indices, seq_lens, max_len). A model without sliding windows has one group; a window layer reads
@@ -56,6 +57,15 @@ typedef struct {
 } attention_group;
 
 #define LINEAR(w, WHICH) ((linear_fn)(w)[WHICH##_FN])
+
+#include "decode_lora.h"
+
+// The LoRA delta of linear layer WHICH of layer l (x its input, y its output [bs, N]); returns from the layer loop
+// with the call's status where it fails.
+#define ADD_LORA(WHICH, x, y, K, N)                                                                              \
+    do {                                                                                                       \
+        if (lora_add(lora, l, LORA_##WHICH, x, y, K, N, nthreads)) return status + 6 + LORA_##WHICH;           \
+    } while (0)
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -117,9 +127,9 @@ static int attend_and_project(const decode_model *m, attention_fn attention, con
     return LINEAR(w, O)((const void *)w[O], b->attn, NULL, out, bs, m->hidden, q_size, nthreads) ? 3 : 0;
 }
 
-static int llama_layers(const decode_model *m, attention_fn attention, elem_t *hidden, elem_t *residual,
-                        const int64_t *positions, const attention_group *groups, int64_t bs, elem_t *work,
-                        int nthreads) {
+static int llama_layers(const decode_model *m, attention_fn attention, const decode_lora *lora, elem_t *hidden,
+                        elem_t *residual, const int64_t *positions, const attention_group *groups, int64_t bs,
+                        elem_t *work, int nthreads) {
     const int64_t h = m->hidden, q_size = m->heads * m->head_dim, qkv_size = q_size + 2 * m->kv_heads * m->head_dim;
     const int64_t inter = m->intermediate;
     const step_buffers b = split_work(m, work, bs);
@@ -142,31 +152,37 @@ static int llama_layers(const decode_model *m, attention_fn attention, elem_t *h
         if (LINEAR(w, QKV)((const void *)w[QKV], b.normed, (const elem_t *)w[QKV_BIAS], b.qkv, bs, qkv_size, h,
                            nthreads))
             return status + 1;
+        ADD_LORA(QKV, b.normed, b.qkv, h, qkv_size);
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++)
             rotary_kv_row(m, w, b.qkv + r * qkv_size, positions[r], grp->slots[r], b.q + r * q_size);
         const int failed = attend_and_project(m, attention, w, grp, &b, hidden, bs, nthreads);
         if (failed) return status + failed;
+        ADD_LORA(O, b.attn, hidden, q_size, h);
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++)
             add_rmsnorm_row(hidden + r * h, residual + r * h, (const elem_t *)w[POST_NORM], b.normed + r * h, h, m->eps);
         if (LINEAR(w, GATE_UP)((const void *)w[GATE_UP], b.normed, NULL, b.gate_up, bs, 2 * inter, h, nthreads))
             return status + 4;
+        ADD_LORA(GATE_UP, b.normed, b.gate_up, h, 2 * inter);
 #pragma omp parallel for num_threads(nthreads) if (parallel)
         for (int64_t r = 0; r < bs; r++) silu_mul_row(b.gate_up + r * 2 * inter, b.act + r * inter, inter);
         if (LINEAR(w, DOWN)((const void *)w[DOWN], b.act, NULL, hidden, bs, h, inter, nthreads)) return status + 5;
+        ADD_LORA(DOWN, b.act, hidden, inter, h);
     }
     return 0;
 }
 
 #include "decode_gemma.h"
 
-static int decode_layers(const decode_model *m, attention_fn attention, elem_t *hidden, elem_t *residual,
-                         const int64_t *positions, const attention_group *groups, int64_t bs, elem_t *work,
-                         int nthreads) {
-    if (check_inputs(m, positions, groups, bs)) return 1;
-    if (m->style == STYLE_GEMMA) return gemma_layers(m, attention, hidden, residual, positions, groups, bs, work, nthreads);
-    return llama_layers(m, attention, hidden, residual, positions, groups, bs, work, nthreads);
+// `lora`: the step's LoRA rows (decode_lora.h), or NULL for a batch of the base model alone.
+static int decode_layers(const decode_model *m, attention_fn attention, const decode_lora *lora, elem_t *hidden,
+                         elem_t *residual, const int64_t *positions, const attention_group *groups, int64_t bs,
+                         elem_t *work, int nthreads) {
+    if (check_inputs(m, positions, groups, bs) || check_lora(lora, bs)) return 1;
+    if (m->style == STYLE_GEMMA)
+        return gemma_layers(m, attention, lora, hidden, residual, positions, groups, bs, work, nthreads);
+    return llama_layers(m, attention, lora, hidden, residual, positions, groups, bs, work, nthreads);
 }
 
 // Elements of the work buffer `decode_layers` needs for `bs` rows.

@@ -109,10 +109,11 @@ static void gelu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
 
 #include "decode_loop.h"
 
-int decode_step_bf16(const decode_model *m, attention_fn attention, uint16_t *hidden, uint16_t *residual,
-                     const int64_t *positions, const attention_group *groups, int64_t bs, uint16_t *work,
-                     int nthreads) {
-    return decode_layers(m, attention, hidden, residual, positions, groups, bs, work, nthreads);
+// `lora`: the step's LoRA rows (decode_lora.h), or NULL.
+int decode_step_bf16(const decode_model *m, attention_fn attention, const decode_lora *lora, uint16_t *hidden,
+                     uint16_t *residual, const int64_t *positions, const attention_group *groups, int64_t bs,
+                     uint16_t *work, int nthreads) {
+    return decode_layers(m, attention, lora, hidden, residual, positions, groups, bs, work, nthreads);
 }
 
 // Elements of the work buffer `decode_step_bf16` needs for `bs` rows.

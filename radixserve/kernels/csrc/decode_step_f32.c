@@ -90,9 +90,11 @@ static void gelu_mul_row(const float *gate_up, float *out, int64_t n) {
 
 #include "decode_loop.h"
 
-int decode_step_f32(const decode_model *m, attention_fn attention, float *hidden, float *residual,
-                    const int64_t *positions, const attention_group *groups, int64_t bs, float *work, int nthreads) {
-    return decode_layers(m, attention, hidden, residual, positions, groups, bs, work, nthreads);
+// `lora`: the step's LoRA rows (decode_lora.h), or NULL.
+int decode_step_f32(const decode_model *m, attention_fn attention, const decode_lora *lora, float *hidden,
+                    float *residual, const int64_t *positions, const attention_group *groups, int64_t bs, float *work,
+                    int nthreads) {
+    return decode_layers(m, attention, lora, hidden, residual, positions, groups, bs, work, nthreads);
 }
 
 // Elements of the work buffer `decode_step_f32` needs for `bs` rows.
