@@ -80,6 +80,13 @@ def write_adapter(folder: Path, config, rank: int, seed: int) -> None:
     save_file(tensors, str(folder / "adapter_model.safetensors"))
 
 
+def write_adapters(root: Path, config, names: dict[tuple[int, int], list[str]]) -> None:
+    for (_, rank), adapters in names.items():
+        for i, name in enumerate(adapters):
+            if not (root / name).exists():
+                write_adapter(root / name, config, rank, seed=rank * 1000 + i)
+
+
 def run_batch(engine, names: list[str | None], args: argparse.Namespace, seed: int) -> float:
     """Tokens/s of one mixed batch of fresh prompts."""
     g = torch.Generator().manual_seed(seed)
@@ -95,6 +102,7 @@ def measure(args: argparse.Namespace, model: str | None, adapter_root: Path, cou
             ranks: list[int]) -> dict[tuple[int, int], float]:
     """Median tokens/s per (adapters, rank); (0, 0) is the base model on an Engine without LoRA."""
     from radixserve import Engine
+    from radixserve.model_executor.cpu_threads import build_on_short_lived_thread
 
     common = dict(dtype=args.dtype, log_level="warning", max_total_tokens=max(4096, 2 * args.requests * (
         args.prompt_len + args.new_tokens)), max_running_requests=max(args.requests, 1))
@@ -108,10 +116,10 @@ def measure(args: argparse.Namespace, model: str | None, adapter_root: Path, cou
     finally:
         base.shutdown()
     names = {(n, rank): [f"r{rank}-{i}" for i in range(n)] for n in counts for rank in ranks}
-    for (_, rank), adapters in names.items():
-        for i, name in enumerate(adapters):
-            if not (adapter_root / name).exists():
-                write_adapter(adapter_root / name, config, rank, seed=rank * 1000 + i)
+    # NOTE: written on a thread that ends: random tensors of rank 64 are large enough for torch's parallel ops, and
+    # a parallel op on this (long-lived) thread would leave a second OpenMP pool, which halves the speed of the
+    # Engine's forward on a small machine (docs/cpu_fast_path.md, "One OpenMP pool per process")
+    build_on_short_lived_thread(write_adapters, adapter_root, config, names)
     paths = sorted({f"{name}={adapter_root / name}" for adapters in names.values() for name in adapters})
     engine = Engine(model, **common, lora_paths=paths, max_lora_rank=max(ranks), max_loras_per_batch=max(counts),
                     max_loaded_loras=len(paths))
