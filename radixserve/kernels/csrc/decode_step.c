@@ -28,9 +28,9 @@ static inline __m512 round_bf16(__m512 v) {
 // exp(x) for any x: the attention kernels' polynomial (simd.h), valid above 0 too; inf above ~88.7.
 static inline __m512 exp_ps(__m512 x) { return vf_exp_nonpositive(_mm512_min_ps(x, _mm512_set1_ps(89.0f))); }
 
-// out = weight * bf16(x * rsqrt(mean(x^2) + eps)). NOTE: the sum of squares in the order of the compiled
-// add_rmsnorm (fused_ops.py): two 16-lane sums over 32-element steps, added, then folded in halves.
-static void rmsnorm_row(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t n, float eps) {
+// rsqrt(mean(x^2) + eps) of a row, broadcast. NOTE: the sum of squares in the order of the compiled add_rmsnorm
+// (fused_ops.py): two 16-lane sums over 32-element steps, added, then folded in halves.
+static __m512 inv_rms(const uint16_t *x, int64_t n, float eps) {
     __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += 32) {
         const __m512 a = vf_load_bf16(x + i), b = vf_load_bf16(x + i + 16);
@@ -38,7 +38,12 @@ static void rmsnorm_row(const uint16_t *x, const uint16_t *weight, uint16_t *out
         odd = _mm512_add_ps(odd, _mm512_mul_ps(b, b));
     }
     const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
-    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)n + eps));
+    return _mm512_set1_ps(1.0f / sqrtf(sum / (float)n + eps));
+}
+
+// out = weight * bf16(x * rsqrt(mean(x^2) + eps))
+static void rmsnorm_row(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t n, float eps) {
+    const __m512 inv = inv_rms(x, n, eps);
     for (int64_t i = 0; i < n; i += 16)
         store_bf16(out + i, _mm512_mul_ps(vf_load_bf16(weight + i), round_bf16(_mm512_mul_ps(vf_load_bf16(x + i), inv))));
 }
@@ -77,14 +82,7 @@ static void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
 // Gemma's RMSNorm: out = bf16(x * rsqrt(mean(x^2) + eps) * weight1), weight1 the float32 table 1 + w; in place
 // allowed (every x is read before any out is written). The sum of squares as rmsnorm_row's.
 static void gemma_norm_row(const uint16_t *x, const float *weight1, uint16_t *out, int64_t n, float eps) {
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 32) {
-        const __m512 a = vf_load_bf16(x + i), b = vf_load_bf16(x + i + 16);
-        even = _mm512_add_ps(even, _mm512_mul_ps(a, a));
-        odd = _mm512_add_ps(odd, _mm512_mul_ps(b, b));
-    }
-    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
-    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(sum / (float)n + eps));
+    const __m512 inv = inv_rms(x, n, eps);
     for (int64_t i = 0; i < n; i += 16)
         store_bf16(out + i, _mm512_mul_ps(_mm512_mul_ps(vf_load_bf16(x + i), inv), _mm512_loadu_ps(weight1 + i)));
 }

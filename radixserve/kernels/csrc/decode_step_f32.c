@@ -24,15 +24,20 @@ typedef float elem_t;
 // exp(x) for any x: the attention kernels' polynomial (simd.h), valid above 0 too; inf above ~88.7.
 static inline vf exp_any(vf x) { return vf_exp_nonpositive(vf_min(x, vf_set1(89.0f))); }
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)), as layers/layernorm.py's rms_norm in float32.
-static void rmsnorm_row(const float *x, const float *weight, float *out, int64_t n, float eps) {
+// rsqrt(mean(x^2) + eps) of a row, broadcast.
+static vf inv_rms(const float *x, int64_t n, float eps) {
     vf even = vf_zero(), odd = vf_zero();
     for (int64_t i = 0; i < n; i += 2 * SIMD_WIDTH) {
         const vf a = vf_load(x + i), b = vf_load(x + i + SIMD_WIDTH);
         even = vf_fmadd(a, a, even);
         odd = vf_fmadd(b, b, odd);
     }
-    const vf inv = vf_set1(1.0f / sqrtf(vf_hsum(vf_add(even, odd)) / (float)n + eps));
+    return vf_set1(1.0f / sqrtf(vf_hsum(vf_add(even, odd)) / (float)n + eps));
+}
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)), as layers/layernorm.py's rms_norm in float32.
+static void rmsnorm_row(const float *x, const float *weight, float *out, int64_t n, float eps) {
+    const vf inv = inv_rms(x, n, eps);
     for (int64_t i = 0; i < n; i += SIMD_WIDTH) vf_store(out + i, vf_mul(vf_load(weight + i), vf_mul(vf_load(x + i), inv)));
 }
 
@@ -63,13 +68,7 @@ static void silu_mul_row(const float *gate_up, float *out, int64_t n) {
 
 // Gemma's RMSNorm: out = x * rsqrt(mean(x^2) + eps) * weight1, weight1 = 1 + w; in place allowed.
 static void gemma_norm_row(const float *x, const float *weight1, float *out, int64_t n, float eps) {
-    vf even = vf_zero(), odd = vf_zero();
-    for (int64_t i = 0; i < n; i += 2 * SIMD_WIDTH) {
-        const vf a = vf_load(x + i), b = vf_load(x + i + SIMD_WIDTH);
-        even = vf_fmadd(a, a, even);
-        odd = vf_fmadd(b, b, odd);
-    }
-    const vf inv = vf_set1(1.0f / sqrtf(vf_hsum(vf_add(even, odd)) / (float)n + eps));
+    const vf inv = inv_rms(x, n, eps);
     for (int64_t i = 0; i < n; i += SIMD_WIDTH) vf_store(out + i, vf_mul(vf_mul(vf_load(x + i), inv), vf_load(weight1 + i)));
 }
 
