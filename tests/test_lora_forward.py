@@ -100,17 +100,17 @@ def test_base_rows_alone_take_no_lora_path(runner, driver, models):
 
 
 @pytest.mark.long
-def test_the_c_decode_step_is_bypassed_by_lora_rows_only(tmp_path, monkeypatch):
-    """bf16 with the C decode step on: a decode batch with an adapter row runs the Python layers (and matches
-    PEFT within bf16 rounding); a base-only decode batch still runs in C. Long: a bf16 start times and builds
-    the kernels for its shapes."""
+def test_the_c_decode_step_runs_lora_rows(tmp_path, monkeypatch):
+    """bf16 with the C decode step on: a decode batch with an adapter row runs in the C step too (its LoRA rows:
+    models/decode_step_lora.py) and matches PEFT within bf16 rounding; a base-only batch as well. Long: a bf16
+    start times and builds the kernels for its shapes."""
     from test_model_support import save_tiny_tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from radixserve.layers.gemv import load_gemv_kernel
 
     if load_gemv_kernel() is None:
-        pytest.skip("needs AVX512-BF16 (the GEMV kernel): no C decode step to bypass here")
+        pytest.skip("needs AVX512-BF16 (the GEMV kernel): no bf16 C decode step here")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -143,12 +143,13 @@ def test_the_c_decode_step_is_bypassed_by_lora_rows_only(tmp_path, monkeypatch):
     logits = driver.extend(reqs, prompts, [adapter, None])
     token = [int(row.argmax()) for row in logits]
     logits = driver.decode(reqs, token, [adapter, None])
-    assert calls == []  # NOTE: the adapter row sent the whole batch through the Python layers
+    assert calls == [2]  # NOTE: the adapter row runs in the C step (its SGMV call after each base product)
     for row, (model, ids) in enumerate(zip([merged, base], prompts, strict=True)):
         assert rel_err(logits[row], hf_last_logits(model, [*ids, token[row]])) < 0.05
     driver.decode(reqs, [int(row.argmax()) for row in logits], None)
-    assert calls == [2]  # NOTE: a base-only batch runs in C
+    assert calls == [2, 2]  # NOTE: a base-only batch runs in C
     driver.release_all()
+    check_conservation(runner.token_to_kv_pool_allocator, None, runner.req_to_token_pool, [])
 
 
 def test_adapters_on_packed_int8_base_weights(models):
