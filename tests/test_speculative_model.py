@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_overlap_parity import ABORTS, PRESSURE, assert_same_outputs, mixed_requests, run_scheduler
+from tests.test_overlap_parity import (
+    ABORTS,
+    PRESSURE,
+    _no_starvation_promotion,  # noqa: F401 (an autouse fixture: the queue order must not depend on time)
+    assert_same_outputs,
+    hog_requests,
+    mixed_requests,
+    run_scheduler,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +62,7 @@ def test_greedy_parity_on_quoting_and_mixed_requests(loaded, overlap):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_greedy_parity_64_mixed_requests_both_loops(loaded, page_size):
     """The overlap parity run (chunks, retraction on a small pool, aborts) with speculation on, against it off."""
-    work = quoting_requests(loaded, 4) + mixed_requests(60)
+    work = hog_requests() + quoting_requests(loaded, 4) + mixed_requests(60)
     pressure = dict(PRESSURE, page_size=page_size)
     plain, _ = run_scheduler(loaded, work, overlap=False, **pressure)
     for overlap in (False, True):
