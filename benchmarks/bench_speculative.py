@@ -77,8 +77,11 @@ def workloads(n: int) -> dict[str, list[list[dict]]]:
     return {"code editing": code, "agent quoting tool output": agent, "free text": free}
 
 
-def measure(engine, prompts: list[str], max_new: int) -> tuple[float, float, float]:
-    """(output tokens/s, accepted draft tokens per drafted token, tokens per verify step) of one batch."""
+def measure(engine, prompts: list[str], max_new: int) -> tuple[float, float, float, str]:
+    """(output tokens/s, accepted draft tokens per drafted token, tokens per verify step, a digest of the output
+    token ids) of one batch."""
+    import hashlib
+
     params = {"temperature": 0, "max_new_tokens": max_new}
     started = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -87,7 +90,8 @@ def measure(engine, prompts: list[str], max_new: int) -> tuple[float, float, flo
     drafted = sum(o["meta_info"].get("spec_draft_tokens", 0) for o in outs)
     accepted = sum(o["meta_info"].get("spec_accepted_tokens", 0) for o in outs)
     steps = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-    return tokens / elapsed, accepted / drafted if drafted else 0.0, (accepted + steps) / steps if steps else 0.0
+    digest = hashlib.sha256(json.dumps([o["output_ids"] for o in outs]).encode()).hexdigest()[:16]
+    return tokens / elapsed, accepted / drafted if drafted else 0.0, (accepted + steps) / steps if steps else 0.0, digest
 
 
 MODES = ("off", "ngram")
@@ -156,17 +160,23 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     load = [os.getloadavg()[0]]
     runs: dict[tuple[str, int, str], list[tuple[float, float, float]]] = {}
+    digests: dict[tuple[str, int, str], set[str]] = {}  # our modes' output ids: greedy, so one digest per batch
     modes = [*MODES, *(("vllm off", "vllm ngram") if args.vllm_python else ())]
     for r in range(args.rounds):
         for mode in modes:
             for rec in run_mode(mode, args):
-                runs.setdefault((rec["workload"], rec["bs"], mode), []).append(tuple(rec["result"]))
+                runs.setdefault((rec["workload"], rec["bs"], mode), []).append(tuple(rec["result"][:3]))
+                if not mode.startswith("vllm"):
+                    digests.setdefault((rec["workload"], rec["bs"]), set()).add(rec["result"][3])
                 print(f"round {r + 1} {rec['workload']} bs={rec['bs']} {mode}: {rec['result'][0]:.1f} tok/s, "
                       f"accept rate {rec['result'][1]:.2f}, {rec['result'][2]:.2f} tokens/verify", flush=True)
     load.append(os.getloadavg()[0])
     med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in runs.items()}
     names = list(workloads(1))
-    body = doc_body(args, med, load, names, sizes)
+    differ = sorted(f"{name} bs={bs}" for (name, bs), seen in digests.items() if len(seen) > 1)
+    if differ:
+        print(f"OUTPUTS DIFFER with and without speculation (or between rounds): {', '.join(differ)}", flush=True)
+    body = doc_body(args, med, load, names, sizes, differ)
     print(body)
     if not args.no_docs:
         from radixserve.bench.docs import write_doc_section
@@ -176,7 +186,8 @@ def main() -> None:
         plot(med, names, sizes, PLOT.with_name(f"bench_speculative{tag}.png"))
 
 
-def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list[str], sizes: list[int]) -> str:
+def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list[str], sizes: list[int],
+             differ: list[str]) -> str:
     import torch
 
     from radixserve.bench.docs import cpu_header
@@ -214,8 +225,10 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
         f"{cpu_header(args.dtype)} torch {torch.__version__}. Load average {load[0]:.1f} at start, {load[1]:.1f} at "
         f"end. Model: embedded SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens at most; each mode "
         f"in its own process, rounds alternate, median of {args.rounds} rounds; prompts computed once before timing, so "
-        "the figure is decode (output tokens / wall time of the batch). Outputs are identical with and without "
-        f"speculation (greedy).{vllm_line}",
+        "the figure is decode (output tokens / wall time of the batch). "
+        + (f"Outputs DIFFER with and without speculation at: {', '.join(differ)}." if differ else
+           "The output token ids were checked: identical with and without speculation (greedy), in every round.")
+        + vllm_line,
         "",
         f"Command: `flock /tmp/radixserve-bench.lock {cmd}`",
         "",

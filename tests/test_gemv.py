@@ -95,11 +95,11 @@ def test_large_rows_route_to_the_large_product(monkeypatch):
 def _expected_kernel(tokens: int, in_features: int) -> str:
     if HAS_AMX and in_features % 32 == 0 and tokens <= gemv.AMX_MAX_ROWS:
         return "amx"
-    return "gemv" if tokens <= gemv.GEMV_MAX_ROWS else "onednn"
+    return "gemv" if tokens <= gemv.gemv_max_rows() else "onednn"
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
-@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 32, 64])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 8, 9, 32, 64])
 @pytest.mark.parametrize(("in_features", "out_features"), [(96, 160), (96, 1100), (80, 160)])
 def test_method_routes_rows_to_gemv_amx_and_onednn(tokens, in_features, out_features, monkeypatch):
     layer = _layer(in_features, out_features, bias=True)
@@ -136,3 +136,17 @@ def test_offered_only_for_bf16_on_avx512_bf16(monkeypatch):
         finally:
             monkeypatch.delenv("RADIXSERVE_CPU_ISA")
             gemv_kernels.load_gemv_kernel.cache_clear()
+
+
+@pytest.mark.skipif(not HAS_KERNEL or HAS_AMX, reason="the GEMV's row limit applies without AMX at the AVX512-BF16 level")
+@pytest.mark.parametrize(("limit", "rows", "kernel"), [(None, 8, "gemv"), (None, 9, "onednn"), ("4", 4, "gemv"),
+                                                       ("4", 5, "onednn")])
+def test_gemv_row_limit_is_read_when_the_weight_is_packed(monkeypatch, limit, rows, kernel):
+    if limit is None:
+        monkeypatch.delenv("RADIXSERVE_GEMV_MAX_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", limit)
+    layer = _layer(96, 160, bias=False)
+    process_weights_after_loading(layer, {(160, 96): "onednn_gemv"})
+    monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", "1")  # read once, at packing: a later change does not apply
+    assert (layer.method.decode_kernel(rows) is not None) == (kernel == "gemv")

@@ -431,6 +431,42 @@ def test_step_cost_fits_rows_and_prices_draft_tokens():
     assert flat.fit() is None and flat.row_value_threshold(8) == 0.0  # one row count: no slope to see
 
 
+def test_verify_rows_stop_at_the_fast_path_when_a_step_past_it_yields_less():
+    """Past the model's fast rows (the C decode step's limit) a step runs another path: one fit on each side,
+    and the drafts are cut to the fast rows when that step yields more tokens a second, by the measured times."""
+    from types import SimpleNamespace
+
+    from radixserve.speculative.cost import StepCost
+    from radixserve.speculative.drafter import row_limit
+
+    def req(rate):
+        return SimpleNamespace(spec=SimpleNamespace(budget=DraftBudget(max_tokens=6, mean_accepted=4.0, rate=rate)))
+
+    def cost(near, far, fast_rows=8):
+        c = StepCost(fast_rows)
+        for rows in (2, 3, 5, 8, 4, 6, 7, 2, 8, 5):
+            c.observe(rows, near[0] + near[1] * rows)
+        for rows in (9, 12, 14, 10, 16, 11, 13, 9, 15, 12):
+            c.observe(rows, far[0] + far[1] * rows)
+        return c
+
+    reqs, drafts = [req(0.8), req(0.8)], [[1] * 6, [2] * 6]  # 2 requests + 12 draft tokens: 14 rows
+    slow_far = cost((0.010, 0.0005), (0.025, 0.001))
+    assert slow_far.fit(4) == pytest.approx((0.010, 0.0005)) and slow_far.fit(12) == pytest.approx((0.025, 0.001))
+    # near: 8 rows, 2 + 0.8 * 6 tokens in 14 ms (486/s); far: 14 rows, 2 + 0.8 * 12 tokens in 39 ms (297/s)
+    assert row_limit(slow_far, drafts, reqs, 32) == 8
+    assert row_limit(cost((0.010, 0.0005), (0.008, 0.0005)), drafts, reqs, 32) == 32  # past it is no slower
+    assert row_limit(slow_far, [[1] * 3, [2] * 3], reqs, 32) == 32  # 8 rows: within the fast path anyway
+    assert row_limit(slow_far, drafts, [req(0.8)] * 9, 32) == 32  # the plain step is already past it
+    assert row_limit(StepCost(None), drafts, reqs, 32) == 32  # no fast path
+    unmeasured = StepCost(8)
+    assert row_limit(unmeasured, drafts, reqs, 32) == 32  # the far side is tried first
+    for _ in range(3):
+        unmeasured.observe(14, 0.039)
+    assert row_limit(unmeasured, drafts, reqs, 32) == 8  # then the near side
+    assert unmeasured.step_seconds(14) == pytest.approx(0.039) and unmeasured.step_seconds(8) is None
+
+
 def test_a_request_whose_drafts_do_not_pay_is_probed_again():
     from types import SimpleNamespace
 

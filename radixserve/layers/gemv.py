@@ -5,7 +5,8 @@ at about half the memory bandwidth at those sizes; our kernels read a tile-inter
 weight as one sequential stream with software prefetch:
 * csrc/bf16_amx.c (AMX tiles) for 1 to AMX_MAX_ROWS rows where the CPU has AMX-BF16: 1.3-2.6x faster
   than oneDNN at 8-32 rows, and 1.1-1.3x faster than the GEMV at 1-4 (benchmarks/bench_decode_linear.py);
-* csrc/bf16_gemv.c (AVX-512 FMAs) for up to GEMV_MAX_ROWS rows without AMX (or in_features % 32 != 0).
+* csrc/bf16_gemv.c (AVX-512 FMAs) for up to 8 rows (RADIXSERVE_GEMV_MAX_ROWS) without AMX
+  (or in_features % 32 != 0).
 Larger batches and prefill keep oneDNN's prepacked weight, so the layer keeps two copies of its weight:
 `--linear-method onednn` keeps one.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from radixserve import envs
 from radixserve.kernels.gemv import (
     Bf16Gemv,
     load_amx_kernel,
@@ -23,9 +25,17 @@ from radixserve.kernels.gemv import (
 )
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
 
-# Rows up to which the kernel beats oneDNN at every shape of the default model (at 8 rows it ties at the
-# narrow shapes and loses at the wide ones; benchmarks/bench_decode_linear.py).
-GEMV_MAX_ROWS = 4
+
+# The rows up to which the GEMV takes a product without AMX. On a Zen 4 EPYC (AVX512-BF16, no AMX) at 5-8 rows it
+# beat oneDNN at four of the default model's five shapes and lost 1-11% at the widest input (down 576x1536), 8%
+# less time over a layer's four products at 8 rows (benchmarks/bench_decode_linear.py); and up to this size
+# a decode batch (or a speculative verify step: requests + drafts) runs the C decode step.
+def gemv_max_rows() -> int:
+    """Most rows the GEMV takes without AMX (RADIXSERVE_GEMV_MAX_ROWS, 8 by default); a layer reads it once,
+    when its weights are packed."""
+    return max(1, envs.GEMV_MAX_ROWS.get())
+
+
 AMX_MAX_ROWS = 32  # the AMX kernel's two 16-row A tiles
 # Row counts (prefill chunks) at which the large AMX product is timed against oneDNN's (linear_tuning.py);
 # rows r take the decision of the first point >= r, and oneDNN beyond the last.
@@ -44,7 +54,7 @@ def has_large_product(in_features: int) -> bool:
 
 
 class GemvLinearMethod(OneDNNLinearMethod):
-    """Our AMX kernel up to AMX_MAX_ROWS rows (the GEMV up to GEMV_MAX_ROWS without AMX); above, oneDNN's
+    """Our AMX kernel up to AMX_MAX_ROWS rows (the GEMV up to `gemv_max_rows()` without AMX); above, oneDNN's
     prepacked product, or our large AMX product at the row counts where it measured faster here
     (`large_rows`, LARGE_GRID points planned by linear_tuning.plan_large_rows)."""
 
@@ -59,6 +69,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
     def __init__(self) -> None:
         super().__init__()
         self.gemv_weight: torch.Tensor | None = None  # the tile-interleaved copy our kernels read
+        self.gemv_max_rows = gemv_max_rows()
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         super().process_weights_after_loading(layer)
@@ -66,6 +77,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
         self.kernel = load_gemv_kernel()
         amx = load_amx_kernel() if layer.in_features % 32 == 0 else None
         self.amx, self.amx_max_rows = amx, AMX_MAX_ROWS if amx is not None else 0
+        self.gemv_max_rows = gemv_max_rows()
         self.large = load_amx_large_kernel() if amx is not None else None
         self.large_rows: frozenset[int] = frozenset()
 
@@ -73,7 +85,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
         """The kernel for a decode batch of `rows` rows (the C decode step asks too), None above them."""
         if 0 < rows <= self.amx_max_rows:
             return self.amx
-        return self.kernel if 0 < rows <= GEMV_MAX_ROWS else None
+        return self.kernel if 0 < rows <= self.gemv_max_rows else None
 
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
         kernel = self.decode_kernel(rows) if dtype == torch.bfloat16 else None
@@ -94,7 +106,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
         amx = in_features % 32 == 0 and load_amx_kernel() is not None
-        small = f"1-{AMX_MAX_ROWS} rows AMX" if amx else f"1-{GEMV_MAX_ROWS} rows GEMV"
+        small = f"1-{AMX_MAX_ROWS} rows AMX" if amx else f"1-{gemv_max_rows()} rows GEMV"
         large = f", the large AMX product at {len(large_rows)} of {len(LARGE_GRID)} prefill row counts" if large_rows else ""
         return f"{small}, oneDNN above{large}"
 

@@ -40,7 +40,7 @@ from radixserve.kernels.gemv import load_gemv_kernel
 from radixserve.layers.attention.window import WindowDecodeMetadata
 from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
 from radixserve.layers.f32_gemv import F32_GEMV_ROWS, F32GemvLinearMethod
-from radixserve.layers.gemv import AMX_MAX_ROWS, GEMV_MAX_ROWS, GemvLinearMethod
+from radixserve.layers.gemv import AMX_MAX_ROWS, GemvLinearMethod, gemv_max_rows
 from radixserve.layers.quantization.linear import TILED_MAX_M, PackedLinearMethod
 from radixserve.models.decode_step_lora import StepLora
 
@@ -65,7 +65,7 @@ class DecodeStep:
         # NOTE: the table holds one C function per linear layer, the one `apply` runs at 1 row; the step takes
         # the batch sizes at which every layer still runs that same function (the Python layers' choice too).
         # None anywhere (a weight the plan could not foresee, an int8 table left in the row layout): no sizes.
-        self.max_rows = max((rows for rows in (1, GEMV_MAX_ROWS, AMX_MAX_ROWS, TILED_MAX_M, F32_GEMV_ROWS - 1, WIDEN_ROWS - 1)
+        self.max_rows = max((rows for rows in (1, gemv_max_rows(), AMX_MAX_ROWS, TILED_MAX_M, F32_GEMV_ROWS - 1, WIDEN_ROWS - 1)
                              if all(fn is not None and linear.method.c_linear(rows, self.dtype) == fn
                                     for linear, fn in zip(linears, self._fns, strict=True))), default=0)
         if self.max_rows == 0:

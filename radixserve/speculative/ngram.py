@@ -132,11 +132,13 @@ class NgramDrafter:
     """Proposes each request's draft from its own prompt and output, else from what followed its whole sequence in
     the radix tree (another request's answer to the same text, in the same namespace: tree_draft.py)."""
 
-    def __init__(self, config: SpecConfig, context_len: int, tree: Any = None) -> None:
+    def __init__(self, config: SpecConfig, context_len: int, tree: Any = None, fast_rows: int | None = None) -> None:
         self.config = config
         self.context_len = context_len
         self.tree = tree
-        self.cost = StepCost()  # what a verify row costs here (cost.py); the output processor feeds it
+        # NOTE: what a verify row costs here (cost.py), on each side of the model's fast rows (the C decode
+        # step's batch limit); the output processor feeds it
+        self.cost = StepCost(fast_rows)
 
     def propose(self, req: Any) -> list[int]:
         """The draft of one running request (empty when it cannot or should not draft)."""
