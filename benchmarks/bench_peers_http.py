@@ -28,7 +28,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from peer_config import VLLM_BLOCK_SIZE  # noqa: E402
+from peer_config import VLLM_BLOCK_SIZE, vllm_cpu_env  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_peers_http.png"
@@ -66,8 +66,7 @@ def server_command(engine: str, args: argparse.Namespace, folder: Path) -> tuple
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--port", port, "--dtype", args.dtype, "--served-model-name", SERVED_NAME,
            "--enable-prefix-caching", "--max-model-len", "4096", "--max-num-seqs", "64",
            "--block-size", str(VLLM_BLOCK_SIZE)]  # NOTE: peer_config.py
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
+    env = {"VLLM_SERVER_DEV_MODE": "1", **vllm_cpu_env()}
     return cmd, env
 
 
@@ -185,7 +184,7 @@ def main() -> None:
     from bench_peers import model_folder, native_dtype
     from transformers import AutoTokenizer
 
-    from radixserve.bench.docs import cpu_header, write_doc_section
+    from radixserve.bench.docs import cpu_header, peer_version, write_doc_section
     from radixserve.bench.workloads import build_workloads
 
     if args.dtype == "native":
@@ -207,8 +206,7 @@ def main() -> None:
             results[engine].append(res)
             print(f"    done in {time.perf_counter() - t:.0f} s: "
                   + ", ".join(f"{w} {statistics.median(res['walls'][w]):.2f} s" for w in WORKLOADS), flush=True)
-    vllm_version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
-                                  capture_output=True, text=True).stdout.strip()
+    vllm_version = peer_version(args.vllm_python)
     import torch
 
     body = render(results, args, cpu_header(args.dtype),

