@@ -118,8 +118,8 @@ class Scheduler:
         # NOTE: without the radix cache a jump's extend would recompute the whole sequence
         jump = JumpForward(self.tokenizer, enabled=not (args.disable_jump_forward or args.disable_radix_cache))
         spec = SpecConfig.of(args)
-        step = getattr(getattr(self.model_runner, "model", None), "decode_step", None)
-        fast_rows = step.max_rows if step is not None and step.max_rows > 0 else None
+        # NOTE: optional in SchedulerRunner (the tests' fakes have no fast path)
+        fast_rows = getattr(self.model_runner, "fast_decode_rows", None)
         drafter = NgramDrafter(spec, self.context_len, self.tree_cache, fast_rows) if spec is not None else None
         self.output = OutputProcessor(self.kv_manager, self.queue, self.prefill, self.stats, self.tokenizer,
                                       lambda out: self.output_sink(out), args.log_interval, pool, jump,

@@ -1,7 +1,8 @@
 """What the scheduler needs of a model runner, written down: `ModelRunner` is one, the tests' fakes are others.
 
 The scheduler reads the sizes and pools once at construction (its KVManager owns the pools from then
-on) and calls `forward`, `sample` and `logprobs` through its ForwardPipeline; nothing else.
+on) and calls `forward`, `sample` and `logprobs` through its ForwardPipeline; nothing else. Optional: a runner
+may have `fast_decode_rows` (the most rows its fast decode path takes), which sizes speculative drafts.
 """
 
 from __future__ import annotations

@@ -153,6 +153,12 @@ class ModelRunner:
         with torch.inference_mode():
             return compute_logprobs(logits, next_ids, sampling_info, top_k)
 
+    @property
+    def fast_decode_rows(self) -> int | None:
+        """The most rows the model's fast decode path (the one-call C decode step) takes; None without one."""
+        step = getattr(self.model, "decode_step", None)
+        return step.max_rows if step is not None and step.max_rows > 0 else None
+
     def _context_len(self) -> int:
         model_len = self.model_config.context_len
         wanted = self.server_args.context_length
