@@ -2,8 +2,8 @@
 
 (a) code editing: the answer re-emits a snippet of the prompt with a small change; (b) a multi-turn agent
 whose answer quotes an earlier tool output; (c) free text, which repeats little. Each mode (speculation off, on) runs in its own process, and rounds
-alternate them; each prompt is computed once before it is timed (its prefix is then cached), so the figure is
-decode: output tokens / wall time of the batch.
+alternate them; before each timed batch the cache is flushed and its prompts computed (their prefixes are then
+cached, and no earlier answer is), so the figure is decode: output tokens / wall time of the batch.
 
     flock /tmp/radixserve-bench.lock python benchmarks/bench_speculative.py
 """
@@ -110,10 +110,12 @@ def worker(args: argparse.Namespace) -> None:
     texts = {name: [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
              for name, msgs in workloads(max(sizes)).items()}
     PROMPT_IDS.write_text(json.dumps({name: [tok.encode(t) for t in prompts] for name, prompts in texts.items()}))
-    for prompts in texts.values():  # NOTE: every prompt computed once: the timed runs decode
-        engine.generate(prompts, {"temperature": 0, "max_new_tokens": 1})
     for name, prompts in texts.items():
         for bs in sizes:
+            # NOTE: the tree holds the prompts alone before each timed run (computed once: the run decodes), not an
+            # earlier run's answers: a prompt asked again would be drafted whole from its cached answer
+            engine.flush_cache()
+            engine.generate(prompts[:bs], {"temperature": 0, "max_new_tokens": 1})
             print(json.dumps({"workload": name, "bs": bs, "result": measure(engine, prompts[:bs],
                                                                             args.max_new_tokens)}), flush=True)
     engine.shutdown()
@@ -164,7 +166,8 @@ def main() -> None:
                 if not mode.startswith("vllm"):
                     digests.setdefault((rec["workload"], rec["bs"]), set()).add(rec["result"][3])
                 print(f"round {r + 1} {rec['workload']} bs={rec['bs']} {mode}: {rec['result'][0]:.1f} tok/s, "
-                      f"accept rate {rec['result'][1]:.2f}, {rec['result'][2]:.2f} tokens/verify", flush=True)
+                      f"accept rate {rec['result'][1]:.2f}, {rec['result'][2]:.2f} tokens/verify"
+                      + (f", output ids {rec['result'][3][:8]}" if len(rec["result"]) > 3 else ""), flush=True)
     load.append(os.getloadavg()[0])
     med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in runs.items()}
     names = list(workloads(1))
@@ -218,8 +221,8 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
         "",
         f"{cpu_header(args.dtype)} torch {torch.__version__}. Load average {load[0]:.1f} at start, {load[1]:.1f} at "
         f"end. Model: embedded SmolLM2-135M-Instruct, greedy, {args.max_new_tokens} new tokens at most; each mode "
-        f"in its own process, rounds alternate, median of {args.rounds} rounds; prompts computed once before timing, so "
-        "the figure is decode (output tokens / wall time of the batch). "
+        f"in its own process, rounds alternate, median of {args.rounds} rounds; before each timed batch the cache is "
+        "flushed and the batch's prompts computed (no earlier answer stays in the tree to draft from), so the figure is decode (output tokens / wall time of the batch). "
         + (f"Outputs DIFFER with and without speculation at: {', '.join(differ)}." if differ else
            "The output token ids were checked: identical with and without speculation (greedy), in every round.")
         + vllm_line,
