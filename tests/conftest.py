@@ -60,10 +60,10 @@ def _engines_conserved(request):
     """After each test that used `engines`: the conservation identity holds and nothing holds KV."""
     yield
     if "engines" in request.fixturenames:
+        from test_model_support import assert_engine_conserved
+
         for engine in request.getfixturevalue("engines"):
-            state = engine.get_internal_state()
-            assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
-            assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
+            assert_engine_conserved(engine)
 
 
 @pytest.fixture(scope="module")

@@ -65,10 +65,11 @@ def tiny_peft_models(tmp_path_factory) -> tuple[Path, torch.nn.Module, dict[str,
 
 @torch.inference_mode()
 def hf_greedy(model, token_ids: list[int], steps: int) -> list[int]:
-    """Greedy continuation by plain forwards (no EOS stop, no cache): the reference tokens."""
+    """Greedy continuation by plain forwards on the model's device (no EOS stop, no cache): the reference tokens."""
     ids = list(token_ids)
+    device = next(model.parameters()).device
     for _ in range(steps):
-        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        ids.append(int(model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].argmax()))
     return ids[len(token_ids):]
 
 

@@ -14,33 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from lora_support import hf_greedy
+from test_model_gemma3 import _prompts
+from test_model_support import assert_engine_conserved
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 LOOPS = [pytest.param(False, id="overlap"), pytest.param(True, id="normal")]
-
-
-def _conserved(engine) -> None:
-    state = engine.get_internal_state()
-    report = state["kv_conservation"]
-    assert report is not None and "error" not in report, state
-    assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
-
-
-@torch.inference_mode()
-def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    """Greedy continuation by plain forwards on the model's device (no EOS stop)."""
-    ids = list(prompt)
-    device = next(model.parameters()).device
-    for _ in range(steps):
-        ids.append(int(model(input_ids=torch.tensor([ids], device=device)).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-def _prompts(lengths: list[int], seed: int, vocab: int = 256) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def _shared_prefix_prompts() -> list[list[int]]:
@@ -64,13 +45,13 @@ def test_engine_greedy_equals_transformers(tmp_path, dim, group, kv_heads, norma
     folder = _tiny_llama(tmp_path, dim, group, kv_heads)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to("cuda").eval()
     prompts = _shared_prefix_prompts()
-    expected = [_hf_greedy(hf, p, 10) for p in prompts]
+    expected = [hf_greedy(hf, p, 10) for p in prompts]
     params = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
     with Engine(model_path=str(folder), dtype="float32", device="cuda", max_total_tokens=2048, page_size=page_size,
                 chunked_prefill_size=32, disable_overlap_schedule=normal_loop, log_level="warning") as engine:
         first = engine.generate(input_ids=prompts[0], sampling_params=params)
         rest = engine.generate(input_ids=prompts[1:], sampling_params=params)
-        _conserved(engine)
+        assert_engine_conserved(engine)
     assert [r["output_ids"] for r in [first, *rest]] == expected
     assert max(r["meta_info"]["cached_tokens"] for r in rest[:3]) >= 32  # the shared 40 tokens, page-aligned
 
@@ -91,9 +72,9 @@ def test_bf16_loops_agree_and_follow_transformers(tmp_path):
         with Engine(model_path=str(folder), dtype="bfloat16", device="cuda", max_total_tokens=2048,
                     disable_overlap_schedule=normal, log_level="warning") as engine:
             outs[normal] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
-            _conserved(engine)
+            assert_engine_conserved(engine)
     assert outs[False] == outs[True]
-    assert [o[0] for o in outs[False]] == [_hf_greedy(hf, p, 1)[0] for p in prompts]
+    assert [o[0] for o in outs[False]] == [hf_greedy(hf, p, 1)[0] for p in prompts]
 
 
 @pytest.mark.parametrize("normal_loop", LOOPS)
@@ -115,7 +96,7 @@ def test_ngram_speculation_is_exact(tmp_path, normal_loop):
                     log_level="warning") as engine:
             outs[spec] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
             again[spec] = engine.generate(input_ids=prompts[2], sampling_params=params)
-            _conserved(engine)
+            assert_engine_conserved(engine)
     assert outs["ngram"] == outs["none"]
     assert again["ngram"]["output_ids"] == again["none"]["output_ids"] == outs["none"][2]
     assert again["ngram"]["meta_info"]["spec_accepted_tokens"] >= 16, again["ngram"]["meta_info"]
@@ -130,12 +111,12 @@ def test_gemma3_hybrid_pool_equals_transformers(tmp_path, page_size):
 
     hf = make_tiny_gemma3(tmp_path).to("cuda")
     prompts = _shared_prefix_prompts()
-    expected = [_hf_greedy(hf, p, 12) for p in prompts]
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
     params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     with Engine(model_path=str(tmp_path), dtype="float32", device="cuda", max_total_tokens=1024, page_size=page_size,
                 chunked_prefill_size=8, swa_full_tokens_ratio=0.01, log_level="warning") as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params)
-        _conserved(engine)
+        assert_engine_conserved(engine)
     assert [r["output_ids"] for r in outs] == expected
 
 
@@ -148,13 +129,13 @@ def test_multi_lora_batch_equals_merged_models(tmp_path_factory):
     root, base, merged = tiny_peft_models(tmp_path_factory)
     prompt = _prompts([14], seed=9)[0]
     names = [None] + [spec.name for spec in SPECS]
-    expected = [_hf_greedy((base if n is None else merged[n]).to("cuda"), prompt, 6) for n in names]
+    expected = [hf_greedy((base if n is None else merged[n]).to("cuda"), prompt, 6) for n in names]
     paths = [f"{spec.name}={root / spec.name}" for spec in SPECS]
     with Engine(str(root / "base"), dtype="float32", device="cuda", max_total_tokens=1024, lora_paths=paths,
                 max_loras_per_batch=4, log_level="warning") as engine:
         outs = engine.generate(input_ids=[prompt] * len(names), lora_path=names,
                                sampling_params={"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True})
-        _conserved(engine)
+        assert_engine_conserved(engine)
     assert [r["output_ids"] for r in outs] == expected
 
 
@@ -204,7 +185,7 @@ def test_structured_outputs_on_the_gpu(real_tokenizer_model):
         shaped = engine.generate(["Reply in JSON.", "Another."],
                                  sampling_params={"json_schema": json.dumps(schema), "max_new_tokens": 64,
                                                   "temperature": 0.8, "seed": 3})
-        _conserved(engine)
+        assert_engine_conserved(engine)
     assert picked["text"] in ("yes", "no")
     for out in shaped:
         if out["meta_info"]["finish_reason"]["type"] == "stop":

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from test_model_support import assert_engine_conserved
 
 from radixserve import Engine, SamplingParams
 from radixserve.sampling_params import SamplingParamsError
@@ -47,9 +48,7 @@ def engine():
 def _conserved(request):
     yield
     if "engine" in request.fixturenames:
-        state = request.getfixturevalue("engine").get_internal_state()
-        assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
-        assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
+        assert_engine_conserved(request.getfixturevalue("engine"))
 
 
 def test_generate_shapes_and_meta(engine):

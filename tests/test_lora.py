@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 from lora_support import SPECS, AdapterSpec, hf_greedy, make_peft_adapter, tiny_peft_models
-from test_model_support import one_torch_thread
+from test_model_support import assert_engine_conserved, one_torch_thread
 
 from radixserve import Engine
 
@@ -47,13 +47,7 @@ def _conserved(request):
         if name in request.fixturenames:
             value = request.getfixturevalue(name)
             for engine in value if isinstance(value, list) else [value]:
-                _assert_conserved(engine)
-
-
-def _assert_conserved(engine: Engine) -> None:
-    state = engine.get_internal_state()
-    assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
-    assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
+                assert_engine_conserved(engine)
 
 
 def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -194,7 +188,7 @@ def test_max_loras_per_batch_is_kept_and_every_request_is_right(models):
         assert max(seen) == 2
         assert len(manager.loaded_slots()) <= 2
         assert manager.packs >= 3  # NOTE: three adapters through two slots: at least one was packed again
-        _assert_conserved(engine)
+        assert_engine_conserved(engine)
     finally:
         engine.shutdown()
 
@@ -216,7 +210,7 @@ def test_speculative_verify_rows_and_retraction_keep_each_adapter(models, overla
             assert out["output_ids"] == hf_greedy(base if name is None else merged[name], ids, 12), name
         state = engine.get_internal_state()
         assert state["spec_draft_tokens"] > 0 and state["num_retractions"] > 0, state
-        _assert_conserved(engine)
+        assert_engine_conserved(engine)
     finally:
         engine.shutdown()
 
@@ -295,6 +289,6 @@ def test_an_adapter_blocked_by_the_limit_is_not_starved(models):
         chat_at = next(i for i, names in enumerate(extends) if names[0] == "chat")
         sql_total = sum(len(names) for names in extends[:chat_at] if names[0] == "sql")
         assert sql_total <= len(early), extends  # NOTE: no late request ran before the blocked adapter
-        _assert_conserved(engine)
+        assert_engine_conserved(engine)
     finally:
         engine.shutdown()

@@ -30,6 +30,13 @@ def tiny_hf_config(arch: str):
     raise ValueError(arch)
 
 
+def assert_engine_conserved(engine) -> None:
+    """After an Engine's requests: the conservation identity holds and nothing holds KV."""
+    state = engine.get_internal_state()
+    assert state["kv_conservation"] is not None and "error" not in state["kv_conservation"], state
+    assert state["protected_tokens"] == 0 and state["num_running_reqs"] == 0
+
+
 def save_tiny_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -147,7 +147,7 @@ def test_overlap_parity_on_cuda_streams():
     from radixserve.models.loader import load_model
 
     # NOTE: RADIXSERVE_TEST_CUDA_MODEL names another model folder where the embedded one is not installed (a GPU
-    # machine that cannot fetch it: scripts/cuda_check.sh writes a random one of its shape)
+    # machine that cannot fetch it: scripts/cuda_check.sh writes a random model with its tokenizer)
     cuda_loaded = load_model(os.environ.get("RADIXSERVE_TEST_CUDA_MODEL"), torch.float32, "cuda")
     work = mixed_requests(64)
     normal, _ = run_scheduler(cuda_loaded, work, overlap=False, device="cuda", **PRESSURE)
