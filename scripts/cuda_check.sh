@@ -6,7 +6,8 @@
 #
 # Optional: WHEELS=<folder of wheels> installs them first (a machine with no package index); TOKENIZER=<folder
 # with SmolLM2's config.json and tokenizer files> where the embedded model is not installed; OUT=<folder> for the
-# logs. Each part has its own time limit, so the script ends and reports even when one hangs.
+# logs; TESTS=<pytest ids> runs only those (WORKERS=0: in one process, so that a crash prints its stack). Each part
+# has its own time limit, so the script ends and reports even when one hangs.
 set -o pipefail
 OUT=${OUT:-/tmp/radixserve_cuda_check}
 mkdir -p "$OUT"
@@ -48,8 +49,8 @@ fi
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${PER_TEST_LIMIT:-150}" --timeout-method thread)
 timeout -s INT "${TEST_LIMIT:-300}" python3 -m pytest -v -rfEs --tb=short -m cuda -p no:cacheprovider -p no:benchmark \
-  -n "${WORKERS:-4}" "${per_test[@]}" --junitxml="$OUT/cuda_tests.xml" tests/test_cuda.py tests/test_lifecycle.py \
-  tests/test_overlap_parity.py tests/test_overlap_utils.py 2>&1 | tee "$OUT/cuda_tests.log"
+  -n "${WORKERS:-4}" "${per_test[@]}" --junitxml="$OUT/cuda_tests.xml" ${TESTS:-tests/test_cuda.py tests/test_lifecycle.py \
+  tests/test_overlap_parity.py tests/test_overlap_utils.py} 2>&1 | tee "$OUT/cuda_tests.log"
 tests_rc=${PIPESTATUS[0]}
 rm -rf "$OUT/smollm2-random"
 for shape in ${SHAPES:-qwen2.5-0.5b qwen2.5-1.5b}; do

@@ -159,3 +159,44 @@ def test_overlap_parity_on_cuda_streams():
     overlapped, overlap_sched = run_scheduler(cuda_loaded, work, overlap=True, device="cuda", **PRESSURE)
     assert_same_outputs(normal, overlapped, work)
     assert overlap_sched.pipeline_counters.corrupted_reads == 0
+
+
+def test_grammar_rows_on_a_forward_stream_that_runs_on_the_caller(loaded):
+    """CUDA streams launch a forward on the scheduler's own thread; a grammar batch's sampling must not wait for a
+    mask that only a result processed after the launch would fill (it hung on the H200). Here the overlap loop
+    runs on CPU streams arranged as CUDA's are: greedy grammar outputs equal the normal loop's, in regex."""
+    import threading
+
+    from radixserve.managers.forward_pipeline import ForwardPipeline
+    from radixserve.managers.overlap_streams import InlineStream
+    from radixserve.managers.overlap_utils import DeviceStreams
+
+    rng = random.Random(3)
+    work = [(f"g{i}", [rng.choice(range(1000, 9000)) for _ in range(rng.randrange(5, 20))],
+             SamplingParams(max_new_tokens=12, temperature=0.0, regex="[a-z]{2,6}( [a-z]{2,6}){1,3}"))
+            for i in range(6)]
+    normal, _ = run_scheduler(loaded, work, overlap=False)
+    args = ServerArgs(dtype="float32", device="cpu", disable_overlap_schedule=False)
+    outputs: dict[str, list[int]] = {}
+    sched = Scheduler(args, ModelRunner(args, loaded),
+                      output_sink=lambda out: [outputs.setdefault(o.rid, []).extend(o.new_token_ids)
+                                               for o in out.outputs])
+    forward = InlineStream("forward")
+    assert forward.runs_on_caller
+    debug = OverlapDebug()
+    sched.pipelines.overlap = ForwardPipeline(sched.model_runner, DeviceStreams(forward, InlineStream("schedule"),
+                                                                                forward, debug),
+                                              1, debug, sched.pipelines.counters)
+    for rid, prompt, params in work:
+        sched.input_queue.put(TokenizedGenerateReqInput(rid, prompt, params))
+    done = threading.Event()
+
+    def drive() -> None:
+        sched.run_until_idle_overlap(2_000)
+        done.set()
+
+    threading.Thread(target=drive, daemon=True).start()
+    assert done.wait(120), "the overlap loop hung on a grammar batch"
+    sched.close_overlap()
+    check_conservation(sched.token_to_kv_pool_allocator, sched.tree_cache, sched.req_to_token_pool, [])
+    assert {rid: ids for rid, ids in outputs.items()} == {rid: rec["ids"] for rid, rec in normal.items()}

@@ -61,6 +61,9 @@ class Stream(ABC):
     """Work runs in launch order; `wait_event` makes later work wait for a point in another stream."""
 
     name: str
+    # NOTE: True where `launch` runs the callable on the caller's thread before returning (inline, CUDA): a
+    # launched callable must then never wait for something the caller does after launching it
+    runs_on_caller: bool = True
 
     @abstractmethod
     def launch(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
@@ -151,6 +154,8 @@ class StreamStats:
 
 class WorkerStream(Stream):
     """A CPU stream: one daemon thread running enqueued callables in order, under inference mode."""
+
+    runs_on_caller = False
 
     def __init__(self, name: str, delay_s: float = 0.0) -> None:
         self.name = name
@@ -355,3 +360,9 @@ class CudaStream(Stream):
 
     def context(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.raw)
+
+    def close(self) -> None:
+        # NOTE: what the stream has queued (the scheduler's writes of the allocator's and the request rows'
+        # tensors) is done before anyone reads them from another stream: a read on the default stream would
+        # otherwise see memory that a queued kernel has yet to write.
+        self.raw.synchronize()

@@ -21,6 +21,7 @@ A request's lifecycle transitions are `Req`'s methods (req.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -217,6 +218,10 @@ class Scheduler:
             attach_drafts(info, verify, self.device)
         pipeline = pipeline or self.normal_pipeline()
         self.grammars.attach(info, reqs)
+        if pipeline.pending and pipeline.streams.forward.runs_on_caller and getattr(info, "grammar_mask", None):
+            # NOTE: a forward launched on this thread (CUDA streams) samples before `launch` returns, so its mask
+            # cannot wait for a result processed after it: process the results in flight first
+            self._process_in_flight()
         if not pipeline.pending:
             self.grammars.fill(info)  # NOTE: every earlier result is processed: the rows' grammars are current
         return pipeline.launch(batch, info, logprob_top_k(reqs))
@@ -366,7 +371,10 @@ class Scheduler:
                 return n
             step(block_when_idle=False)
             if on_step is not None:
-                on_step()
+                # NOTE: on the schedule stream, where the scheduler's device writes are queued: a check that reads
+                # the pools from another CUDA stream would race them
+                with pipeline.streams.schedule.context():
+                    on_step()
         raise RuntimeError(f"not idle after {max_steps} steps")
 
     # ---- state and checks -----------------------------------------------------------------------
@@ -393,8 +401,10 @@ class Scheduler:
         """The conservation identity over the pool; raises ConservationError with the leaked slot ids."""
         from radixserve.mem_cache.conservation import check_conservation
 
-        return check_conservation(self.token_to_kv_pool_allocator, self.tree_cache, self.req_to_token_pool,
-                                  [r.kv for r in self.active_requests()])
+        overlap = self.pipelines.overlap
+        with overlap.streams.schedule.context() if overlap is not None else contextlib.nullcontext():
+            return check_conservation(self.token_to_kv_pool_allocator, self.tree_cache, self.req_to_token_pool,
+                                      [r.kv for r in self.active_requests()])
 
     def check_memory(self, strict: bool | None = None) -> dict[str, Any]:
         """The conservation identity's terms, or {"error": ...}; logs a failure, raises it under strict
