@@ -135,6 +135,58 @@ def test_choice_measured_once_then_cached(tmp_path, monkeypatch):
     assert len(measured) == 4
 
 
+def test_a_shape_only_lm_heads_have_is_timed_at_decode_rows(tmp_path, monkeypatch):
+    """The LM head multiplies one row per sampled sequence, so its shape is timed at 1 and 32 rows, not 512 (on a
+    vocabulary-sized weight that point was most of a first start's timing); a shape it shares with another layer
+    keeps all three counts."""
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    counts: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def fake_measure(shape, names, dtype, token_counts=linear_tuning.TOKEN_COUNTS):
+        counts[shape] = tuple(token_counts)
+        return [Timing(n, t, 1.0 if n == names[-1] else 2.0) for n in names for t in token_counts]
+
+    monkeypatch.setattr(linear_tuning, "measure", fake_measure)
+    monkeypatch.setattr(linear_tuning, "candidates", lambda device, dtype: ["dense", "onednn"])
+
+    class Tiny(nn.Module):
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.proj, self.up = LinearBase(32, 64), LinearBase(32, 48)
+            self.lm_head = LinearBase(32, vocab)
+
+    linear_tuning.plan_linear_methods(Tiny(500), CPU, torch.float32)
+    assert counts == {(64, 32): (1, 32, 512), (48, 32): (1, 32, 512), (500, 32): (1, 32)}
+    counts.clear()
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "other"))
+    linear_tuning.plan_linear_methods(Tiny(64), CPU, torch.float32)  # the head's shape is also proj's
+    assert counts == {(64, 32): (1, 32, 512), (48, 32): (1, 32, 512)}
+
+
+def test_timing_gives_a_slow_product_fewer_calls_and_a_vocabulary_weight_its_first_rows(monkeypatch):
+    """A method stops being called at a point once it has spent POINT_BUDGET_S there (after MIN_CALLS timed calls),
+    and a weight wider than TIMED_OUT_FEATURES rows is timed on that many: a first start's timing of an LM head
+    took most of a minute before."""
+    import time
+
+    calls: dict[str, list[int]] = {"slow": [], "fast": []}
+
+    class Fake(LinearMethod):
+        def apply(self, layer, x):
+            calls[self.name].append(layer.weight.shape[0])
+            if self.name == "slow":
+                time.sleep(0.12)
+            return x.new_zeros(x.shape[0], layer.out_features)
+
+    monkeypatch.setitem(LINEAR_METHODS, "slow", type("Slow", (Fake,), {"name": "slow"}))
+    monkeypatch.setitem(LINEAR_METHODS, "fast", type("Fast", (Fake,), {"name": "fast"}))
+    timings = linear_tuning.measure((40000, 8), ["slow", "fast"], torch.float32, token_counts=(1,))
+    # warm-up, MIN_CALLS timed calls, then one more while under the budget (0.24 s spent), then none
+    assert len(calls["slow"]) == 2 + linear_tuning.MIN_CALLS and len(calls["fast"]) == linear_tuning.CALLS_PER_POINT + 1
+    assert set(calls["slow"]) == set(calls["fast"]) == {linear_tuning.TIMED_OUT_FEATURES}
+    assert {t.method for t in timings} == {"slow", "fast"} and min(t.seconds for t in timings if t.method == "slow") > 0.1
+
+
 def test_large_rows_are_where_the_large_product_wins_by_the_margin():
     timings = [Timing("onednn", 64, 1.0), Timing("amx_large", 64, 0.5), Timing("onednn", 128, 1.0),
                Timing("amx_large", 128, 0.99), Timing("onednn", 192, 1.0), Timing("amx_large", 192, 2.0)]

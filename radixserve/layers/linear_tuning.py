@@ -37,7 +37,16 @@ from radixserve.layers.linear import (
 logger = logging.getLogger(__name__)
 
 TOKEN_COUNTS = (1, 32, 512)  # batch-1 decode, batch-32 decode, a prefill chunk
+# NOTE: the LM head multiplies one row per sampled sequence (a prefill computes the last token's logits only), so
+# a shape that only LM heads have is timed at decode's counts: at 512 rows the vocabulary-sized product was ~90% of
+# a first start's timing (34 s of 37 on Qwen2.5-0.5B's 151936x896 in bf16 on a 2-core Zen 4)
+LM_HEAD_TOKEN_COUNTS = (1, 32)
 CALLS_PER_POINT = 9
+# NOTE: a method stops being called at a point once it has spent this long there (after at least MIN_CALLS timed
+# calls): a vocabulary-sized weight's calls take 50-300 ms each, and their minimum settles in two or three
+POINT_BUDGET_S = 0.3
+MIN_CALLS = 2
+TIMED_OUT_FEATURES = 32768
 CACHE_FILE = "linear_methods.json"
 Shape = tuple[int, int]  # (out_features, in_features)
 
@@ -46,7 +55,7 @@ Shape = tuple[int, int]  # (out_features, in_features)
 class Timing:
     method: str
     tokens: int
-    seconds: float  # fastest of CALLS_PER_POINT calls
+    seconds: float  # fastest of CALLS_PER_POINT calls (fewer where they take long: POINT_BUDGET_S)
 
     def gflops(self, shape: Shape) -> float:
         return 2 * self.tokens * shape[0] * shape[1] / self.seconds / 1e9
@@ -65,7 +74,7 @@ def plan_linear_methods(model: torch.nn.Module, device: torch.device, dtype: tor
     """The method of each float weight shape of `model`: `requested`, or the fastest measured here (auto)."""
     shapes = sorted({layer.shape for _, layer in tunable_layers(model)})
     if requested == AUTO:
-        return choose_methods(shapes, device, dtype)
+        return choose_methods(shapes, device, dtype, lm_head_only_shapes(model))
     if requested not in LINEAR_METHODS:
         raise ValueError(f"unknown linear method {requested!r}; available: {', '.join(sorted(LINEAR_METHODS))}")
     if not LINEAR_METHODS[requested].supports(device, dtype):
@@ -138,7 +147,17 @@ def candidates(device: torch.device, dtype: torch.dtype) -> list[str]:
     return [name for name, cls in LINEAR_METHODS.items() if not cls.rounds_weights and cls.supports(device, dtype)]
 
 
-def choose_methods(shapes: list[Shape], device: torch.device, dtype: torch.dtype) -> dict[Shape, str]:
+def lm_head_only_shapes(model: torch.nn.Module) -> frozenset[Shape]:
+    """The weight shapes that no layer but an LM head has (timed at decode's row counts only)."""
+    heads, others = set(), set()
+    for name, layer in tunable_layers(model):
+        (heads if name.rsplit(".", 1)[-1] == "lm_head" else others).add(layer.shape)
+    return frozenset(heads - others)
+
+
+def choose_methods(shapes: list[Shape], device: torch.device, dtype: torch.dtype,
+                   decode_only: frozenset[Shape] = frozenset()) -> dict[Shape, str]:
+    """The fastest method of each shape, measured here once (cached); `decode_only` shapes at decode's rows."""
     names = candidates(device, dtype)
     if len(names) <= 1 or device.type != "cpu":
         return dict.fromkeys(shapes, names[0] if names else DenseLinearMethod.name)
@@ -150,7 +169,7 @@ def choose_methods(shapes: list[Shape], device: torch.device, dtype: torch.dtype
         if timings is None or {t.method for t in timings} != set(names):
             logger.info("measuring linear methods %s for weight %dx%d (%s; first start only)",
                         "/".join(names), shape[0], shape[1], str(dtype).removeprefix("torch."))
-            timings = measure(shape, names, dtype)
+            timings = measure(shape, names, dtype, LM_HEAD_TOKEN_COUNTS if shape in decode_only else TOKEN_COUNTS)
             cache.put(key, timings)
         chosen[shape] = best_method(timings)
     return chosen
@@ -183,7 +202,9 @@ def measure(shape: Shape, names: list[str], dtype: torch.dtype,
     """The fastest of CALLS_PER_POINT calls of each method at each token count, the methods' calls
     interleaved so that load from other processes hits them alike."""
     out_features, in_features = shape
-    weight = (torch.randn(out_features, in_features) * 0.02).to(dtype)
+    # NOTE: every candidate tiles over the output features, so a vocabulary-sized weight is timed on its first
+    # TIMED_OUT_FEATURES rows: the same comparison, for a fifth of the set-up (random weight, packing, copies)
+    weight = torch.randn(min(out_features, TIMED_OUT_FEATURES), in_features, dtype=dtype) * 0.02
     layers = {name: _layer_with(name, weight) for name in names}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -200,12 +221,17 @@ def _interleaved(layers: dict[str, LinearBase], names: list[str], in_features: i
         for tokens in token_counts:
             x = torch.randn(tokens, in_features).to(dtype)
             best = dict.fromkeys(names, float("inf"))
+            spent = dict.fromkeys(names, 0.0)
             for round_ in range(CALLS_PER_POINT + 1):
                 for name, layer in layers.items():
+                    if round_ > MIN_CALLS and spent[name] > POINT_BUDGET_S:
+                        continue
                     start = time.perf_counter()
                     layer(x)
+                    took = time.perf_counter() - start
                     if round_:  # NOTE: round 0 warms up (first-call setup, caches)
-                        best[name] = min(best[name], time.perf_counter() - start)
+                        best[name] = min(best[name], took)
+                        spent[name] += took
             timings += [Timing(name, tokens, best[name]) for name in names]
     return timings
 

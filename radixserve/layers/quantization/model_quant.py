@@ -89,10 +89,12 @@ def tile_packed_weights(model: nn.Module) -> int:
     from radixserve.kernels.quant_tiled import load_tiled_kernel
     from radixserve.layers.quantization.tiled import TiledWeight, tile_weight
 
-    if load_tiled_kernel() is None:
+    holders = packed_holders(model)
+    # NOTE: a float model never builds the tiled kernels (a first start waited ~4 s for them)
+    if not holders or load_tiled_kernel() is None:
         return 0
     tiled: dict[int, TiledWeight] = {}
-    for holder in packed_holders(model):
+    for holder in holders:
         packed = holder.packed
         if isinstance(packed, PackedWeight):
             if id(packed) not in tiled:
