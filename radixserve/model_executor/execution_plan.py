@@ -140,7 +140,7 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
     from radixserve.layers.linear import LINEAR_METHODS, DenseLinearMethod, linear_layers
     from radixserve.layers.linear_tuning import lm_head_only_shapes
 
-    tuned = ("the fastest of the candidates timed here at {rows} rows (cached per machine)"
+    tuned = ("the fastest of the candidates timed here at {rows} (cached per machine)"
              if requested == "auto" else "--dtype auto: bf16 weights, float32 compute" if by_dtype
              else f"--linear-method {requested}")
     counts: Counter[tuple[str, str, str]] = Counter()
@@ -149,7 +149,8 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
         if layer.method.chosen_by_format:
             method, reason = layer.method, "the weight format (--quantization, or the GGUF file's type)"
         else:
-            rows = "1 and 32 (an LM head: one row per sampled sequence)" if layer.shape in head_only else "1, 32 and 512"
+            rows = ("1 and 32 rows (an LM head: one row per sampled sequence)" if layer.shape in head_only
+                    else "1, 32 and 512 rows")
             method = LINEAR_METHODS[methods.get(layer.shape, DenseLinearMethod.name)]()
             reason = tuned.format(rows=rows)
         rows = method.row_kernels(layer.in_features, large.get(layer.shape, frozenset()))
