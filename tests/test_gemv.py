@@ -108,7 +108,8 @@ def test_method_routes_rows_to_gemv_amx_and_onednn(tokens, in_features, out_feat
     shape = (out_features, in_features)
     process_weights_after_loading(layer, {shape: "onednn_gemv"})
     assert layer.method.name == "onednn_gemv" and layer.weight.numel() == 0
-    assert layer.weight_nbytes() >= 2 * out_features * in_features * 2  # both forms are kept
+    forms = 1 if layer.method.shares_onednn_buffer else 2  # one where oneDNN's layout is the GEMV's, else both
+    assert layer.weight_nbytes() >= forms * out_features * in_features * 2
     calls = []
     for attr, name in (("kernel", "gemv"), ("amx", "amx")):
         fn = getattr(layer.method, attr)
@@ -120,6 +121,32 @@ def test_method_routes_rows_to_gemv_amx_and_onednn(tokens, in_features, out_feat
     process_weights_after_loading(layer, {shape: "dense"})  # back to one dense copy
     assert layer.method.name == "dense" and layer.method.own_weight() is None
     assert torch.allclose(layer(x).float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="needs the GEMV kernel")
+@pytest.mark.parametrize("shape", [(160, 96), (4864, 896), (576, 1536), (100, 64)])
+def test_the_gemv_reads_onednns_buffer_when_the_bytes_are_its_layout(shape):
+    """Where oneDNN's packed bytes equal the GEMV's tile layout (AB16b64a2b on AVX512-BF16 CPUs without AMX), the
+    method keeps one copy of the weight, not two; it shares only then, and the shared form reads as the packing."""
+    import ctypes
+
+    out_features, in_features = shape
+    layer = _layer(in_features, out_features, bias=False)
+    dense = layer.weight.detach().clone()
+    process_weights_after_loading(layer, {shape: "onednn_gemv"})
+    method = layer.method
+    packed = method.packed_weight
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    onednn_bytes = bytes((ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed)))
+    want = gemv_kernels.pack_gemv_weight(dense)
+    same = onednn_bytes == want.view(torch.uint8).numpy().tobytes()
+    assert method.shares_onednn_buffer == same
+    assert torch.equal(method.gemv_weight, want)
+    if same:
+        assert method.gemv_weight.data_ptr() == torch.ops.mkldnn.data_ptr(packed)
+        assert layer.weight_nbytes() == nbytes
+    x = torch.randn(3, in_features).bfloat16()
+    assert torch.allclose(layer(x).float(), x.float() @ dense.float().T, rtol=2e-2, atol=0.1)
 
 
 def test_offered_only_for_bf16_on_avx512_bf16(monkeypatch):

@@ -13,6 +13,8 @@ Larger batches and prefill keep oneDNN's prepacked weight, so the layer keeps tw
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from radixserve import envs
@@ -73,7 +75,12 @@ class GemvLinearMethod(OneDNNLinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         super().process_weights_after_loading(layer)
-        self.gemv_weight = pack_gemv_weight(layer.weight.detach())
+        gemv = pack_gemv_weight(layer.weight.detach())
+        # NOTE: where oneDNN's blocked layout is byte for byte our tile layout (on AVX512-BF16 without AMX it picks
+        # AB16b64a2b, which is [N/64][K/2][64][2]), the GEMV reads oneDNN's buffer and the model keeps one copy of
+        # its weights instead of two; elsewhere (another layout, another ISA) it keeps its own
+        self.gemv_weight = onednn_alias(self.packed_weight, gemv)
+        self.shares_onednn_buffer = self.gemv_weight is not gemv
         self.kernel = load_gemv_kernel()
         amx = load_amx_kernel() if layer.in_features % 32 == 0 else None
         self.amx, self.amx_max_rows = amx, AMX_MAX_ROWS if amx is not None else 0
@@ -112,7 +119,23 @@ class GemvLinearMethod(OneDNNLinearMethod):
 
     def own_forms(self) -> dict[int, int]:
         gemv = self.gemv_weight
-        return {**super().own_forms(), **({} if gemv is None else {id(gemv): gemv.numel() * gemv.element_size()})}
+        if gemv is None or getattr(self, "shares_onednn_buffer", False):
+            return super().own_forms()
+        return {**super().own_forms(), id(gemv): gemv.numel() * gemv.element_size()}
+
+
+def onednn_alias(packed: torch.Tensor | None, gemv: torch.Tensor) -> torch.Tensor:
+    """A tensor of `gemv`'s shape over oneDNN's packed buffer when its bytes equal `gemv`'s, else `gemv` itself.
+
+    NOTE: the alias does not own the memory: the oneDNN tensor must outlive it (both stay on the one method)."""
+    if packed is None or not packed.is_mkldnn:
+        return gemv
+    nbytes = gemv.numel() * gemv.element_size()
+    if torch.ops.mkldnn._nbytes(packed) != nbytes:
+        return gemv
+    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    alias = torch.frombuffer(buffer, dtype=gemv.dtype).view(gemv.shape)
+    return alias if torch.equal(alias, gemv) else gemv
 
 
 register_linear_method(GemvLinearMethod)
