@@ -185,3 +185,17 @@ def _built_f32(level: str) -> F32Gemv | None:
     lib = load_library(F32_SOURCE, f"f32-gemv-{level}", rs_platform.ISA_FLAGS[level], "float32 GEMV kernel",
                        "float32 layers use F.linear alone", F32_HEADERS)
     return None if lib is None else F32Gemv(lib, level)
+
+
+def onednn_alias(packed: torch.Tensor | None, gemv: torch.Tensor) -> torch.Tensor:
+    """A tensor of `gemv`'s shape over oneDNN's packed buffer when its bytes equal `gemv`'s, else `gemv` itself.
+
+    NOTE: the alias does not own the memory: the oneDNN tensor must outlive it (both stay on the one method)."""
+    if packed is None or not packed.is_mkldnn:
+        return gemv
+    nbytes = gemv.numel() * gemv.element_size()
+    if torch.ops.mkldnn._nbytes(packed) != nbytes:
+        return gemv
+    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    alias = torch.frombuffer(buffer, dtype=gemv.dtype).view(gemv.shape)
+    return alias if torch.equal(alias, gemv) else gemv

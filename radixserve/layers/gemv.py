@@ -13,8 +13,6 @@ Larger batches and prefill keep oneDNN's prepacked weight, so the layer keeps tw
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from radixserve import envs
@@ -23,6 +21,7 @@ from radixserve.kernels.gemv import (
     load_amx_kernel,
     load_amx_large_kernel,
     load_gemv_kernel,
+    onednn_alias,
     pack_gemv_weight,
 )
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
@@ -122,20 +121,6 @@ class GemvLinearMethod(OneDNNLinearMethod):
         if gemv is None or getattr(self, "shares_onednn_buffer", False):
             return super().own_forms()
         return {**super().own_forms(), id(gemv): gemv.numel() * gemv.element_size()}
-
-
-def onednn_alias(packed: torch.Tensor | None, gemv: torch.Tensor) -> torch.Tensor:
-    """A tensor of `gemv`'s shape over oneDNN's packed buffer when its bytes equal `gemv`'s, else `gemv` itself.
-
-    NOTE: the alias does not own the memory: the oneDNN tensor must outlive it (both stay on the one method)."""
-    if packed is None or not packed.is_mkldnn:
-        return gemv
-    nbytes = gemv.numel() * gemv.element_size()
-    if torch.ops.mkldnn._nbytes(packed) != nbytes:
-        return gemv
-    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
-    alias = torch.frombuffer(buffer, dtype=gemv.dtype).view(gemv.shape)
-    return alias if torch.equal(alias, gemv) else gemv
 
 
 register_linear_method(GemvLinearMethod)
