@@ -230,6 +230,21 @@ def test_logprobs_are_the_adapters_own(engines, models):
     assert max(abs(a - b) for a, b in zip(got_in, ref_in, strict=True)) < 1e-4
 
 
+def _generate_together(engine, prompts, params, names, monkeypatch) -> list[dict]:
+    """The requests enter the scheduler's queue in one step. NOTE: `generate` queues them one by one, and the
+    scheduler may start on the first before the last is in: then no decode batch holds them all (it flaked so)."""
+    sent: list = []
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "_send", sent.append)
+        handles = [engine.submit(ids, params, lora_path=name) for ids, name in zip(prompts, names, strict=True)]
+    queue = engine.scheduler.input_queue
+    with queue.mutex:
+        queue.queue.extend(sent)
+        queue.unfinished_tasks += len(sent)
+        queue.not_empty.notify()
+    return [handle.result() for handle in handles]
+
+
 def test_cascade_shares_a_prefix_only_within_one_adapter(engines, models, monkeypatch):
     """16 requests over one long prefix: under one adapter the decode attends the shared prefix once (cascade);
     split over two adapters nothing is shared across them, so no cascade; the tokens equal PEFT's either way."""
@@ -253,7 +268,7 @@ def test_cascade_shares_a_prefix_only_within_one_adapter(engines, models, monkey
             engine.generate(input_ids=prefix, sampling_params={**GREEDY, "max_new_tokens": 1}, lora_path=name)
         plans.clear()
         prompts = [prefix + t for t in tails]
-        outs = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 4}, lora_path=names)
+        outs = _generate_together(engine, prompts, {**GREEDY, "max_new_tokens": 4}, names, monkeypatch)
         for name, ids, out in zip(names, prompts, outs, strict=True):
             assert out["output_ids"] == hf_greedy(merged[name], ids, 4), name
         if len(set(names)) == 1:
