@@ -70,6 +70,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
     def __init__(self) -> None:
         super().__init__()
         self.gemv_weight: torch.Tensor | None = None  # the tile-interleaved copy our kernels read
+        self.shares_onednn_buffer = False  # True: `gemv_weight` is a view of oneDNN's packed buffer, not a copy
         self.gemv_max_rows = gemv_max_rows()
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
@@ -118,7 +119,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
 
     def own_forms(self) -> dict[int, int]:
         gemv = self.gemv_weight
-        if gemv is None or getattr(self, "shares_onednn_buffer", False):
+        if gemv is None or self.shares_onednn_buffer:
             return super().own_forms()
         return {**super().own_forms(), id(gemv): gemv.numel() * gemv.element_size()}
 

@@ -149,10 +149,10 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
         if layer.method.chosen_by_format:
             method, reason = layer.method, "the weight format (--quantization, or the GGUF file's type)"
         else:
-            rows = ("1 and 32 rows (an LM head: one row per sampled sequence)" if layer.shape in head_only
-                    else "1, 32 and 512 rows")
+            timed_at = ("1 and 32 rows (an LM head: one row per sampled sequence)" if layer.shape in head_only
+                        else "1, 32 and 512 rows")
             method = LINEAR_METHODS[methods.get(layer.shape, DenseLinearMethod.name)]()
-            reason = tuned.format(rows=rows)
+            reason = tuned.format(rows=timed_at)
         rows = method.row_kernels(layer.in_features, large.get(layer.shape, frozenset()))
         counts[(f"{layer.out_features}x{layer.in_features}", method.describe(), f"{reason}; {rows}")] += 1
     return [PlanEntry(f"linear {shape}", f"{method} x{n}", reason)
