@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-model", default="", help="the embedded model as an HF folder, for vLLM")
     p.add_argument("--class", dest="cpu_class", default="",
                    help="force a lower CPU class for our workers (avx2, avx512, ...), as bench_cpu_support.py does")
+    p.add_argument("--section", default="", help="a name of its own for this run's docs section and plot (e.g. bs8)")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -174,18 +175,25 @@ def main() -> None:
     differ = sorted(f"{name} bs={bs}" for (name, bs), seen in digests.items() if len(seen) > 1)
     if differ:
         print(f"OUTPUTS DIFFER with and without speculation (or between rounds): {', '.join(differ)}", flush=True)
-    body = doc_body(args, med, load, names, sizes, differ)
+    body = doc_body(args, med, load, names, sizes, differ, round_ratios(runs))
     print(body)
     if not args.no_docs:
         from radixserve.bench.docs import write_doc_section
 
-        tag = f"_{args.cpu_class}" if args.cpu_class else ""
+        tag = "".join(f"_{t}" for t in (args.cpu_class, args.section) if t)
         write_doc_section(DOCS, BEGIN.replace(":begin", f"{tag}:begin"), END.replace(":end", f"{tag}:end"), body)
         plot(med, names, sizes, PLOT.with_name(f"bench_speculative{tag}.png"))
 
 
+def round_ratios(runs: dict) -> dict[tuple[str, int], list[float]]:
+    """Per workload and batch, the speed-up of each round on its own (both modes of a round ran back to back)."""
+    return {(name, bs): [on[0] / off[0] for off, on in zip(runs[(name, bs, "off")], runs[(name, bs, "ngram")],
+                                                           strict=True)]
+            for (name, bs, mode) in runs if mode == "off"}
+
+
 def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list[str], sizes: list[int],
-             differ: list[str]) -> str:
+             differ: list[str], by_round: dict[tuple[str, int], list[float]]) -> str:
     import torch
 
     from radixserve.bench.docs import cpu_header, peer_version, resolved_dtype
@@ -196,7 +204,11 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
     for name in names:
         for bs in sizes:
             off, on = med[(name, bs, "off")], med[(name, bs, "ngram")]
-            row = f"| {name} | {bs} | {off[0]:.1f} | {on[0]:.1f} | **{on[0] / off[0]:.2f}x** | {on[1]:.2f} | {on[2]:.2f} |"
+            ratios = by_round[(name, bs)]
+            spread = (f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1
+                      else f"{ratios[0]:.2f}x")
+            row = (f"| {name} | {bs} | {off[0]:.1f} | {on[0]:.1f} | **{on[0] / off[0]:.2f}x** | {spread} | {on[1]:.2f} | "
+                   f"{on[2]:.2f} |")
             if peer:
                 v_off, v_on = med[(name, bs, "vllm off")][0], med[(name, bs, "vllm ngram")][0]
                 row += f" {v_off:.1f} | {v_on:.1f} | {v_on / v_off:.2f}x | **{on[0] / v_on:.2f}x** |"
@@ -207,7 +219,8 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
            f"--batch-sizes {args.batch_sizes} --num-draft-tokens {args.num_draft_tokens} --dtype {args.dtype}"
            + (f" --vllm-python {args.vllm_python} --vllm-model {args.vllm_model}" if peer else "")
            + (f" --class {args.cpu_class}" if args.cpu_class else "")
-           + (f" --max-verify-rows {args.max_verify_rows}" if args.max_verify_rows is not None else ""))
+           + (f" --max-verify-rows {args.max_verify_rows}" if args.max_verify_rows is not None else "")
+           + (f" --section {args.section}" if args.section else ""))
     vllm_line = ""
     if peer:
         version = peer_version(args.vllm_python)
@@ -216,7 +229,8 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
                      f"{args.num_draft_tokens}, prompt_lookup_min: 2, prompt_lookup_max: 8}}` (ours: the same draft "
                      "length and match lengths); vLLM turns off its async scheduling with n-gram drafts.")
     return "\n".join([
-        f"## Speculative decoding: n-gram drafts{f' ({args.cpu_class} class)' if args.cpu_class else ''} "
+        f"## Speculative decoding: n-gram drafts{f' ({args.cpu_class} class)' if args.cpu_class else ''}"
+        f"{f', batch {args.batch_sizes} over {args.rounds} rounds' if args.section else ''} "
         "(`benchmarks/bench_speculative.py`)",
         "",
         f"{cpu_header(args.dtype)} torch {torch.__version__}. Load average {load[0]:.1f} at start, {load[1]:.1f} at "
@@ -229,11 +243,14 @@ def doc_body(args: argparse.Namespace, med: dict, load: list[float], names: list
         "",
         f"Command: `flock /tmp/radixserve-bench.lock {cmd}`",
         "",
-        "| workload | batch | off tok/s | ngram tok/s | speed-up | accept rate | tokens per verify |" + vllm_head,
-        "|---|---:|---:|---:|---:|---:|---:|" + vllm_rule,
+        "| workload | batch | off tok/s | ngram tok/s | speed-up | by round: median (range) | accept rate | "
+        "tokens per verify |" + vllm_head,
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + vllm_rule,
         *rows,
         "",
-        f"![speculative decoding](bench_speculative{f'_{args.cpu_class}' if args.cpu_class else ''}.png)",
+        "Speed-up: of the medians; by round: each round's ngram over off (the two ran back to back).",
+        "",
+        f"![speculative decoding](bench_speculative{''.join(f'_{t}' for t in (args.cpu_class, args.section) if t)}.png)",
         "",
     ])
 

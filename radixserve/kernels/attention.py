@@ -189,7 +189,12 @@ def _check_buffers(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) ->
         raise ValueError("attention kernels need contiguous K/V buffers of the query's dtype")
 
 
+OUT_OF_MEMORY = 2  # decode_attention.c: the parts' scratch could not be allocated
+
+
 def _check_status(status: int, q: torch.Tensor, k_buf: torch.Tensor) -> None:
+    if status == OUT_OF_MEMORY:
+        raise MemoryError("the decode attention kernel could not allocate its scratch for a long context's parts")
     if status != 0:
         raise ValueError(f"attention kernel rejected shapes heads={q.shape[1]} kv_heads={k_buf.shape[1]} "
                          f"dim={q.shape[2]}")

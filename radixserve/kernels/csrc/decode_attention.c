@@ -13,7 +13,11 @@
  * head dim runs across the lanes, bf16 widened to float32 as it is loaded; otherwise the portable loop
  * of attention_common.h.
  */
+#include <stdlib.h>
+
 #include "simd.h"
+
+#define MAX_PARTS 32 /* parts of one context at most (decode units below) */
 
 #define DEFINE_DECODE(NAME, T, ATTEND_ROWS)                                                              \
     static int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,               \
@@ -37,29 +41,92 @@ DEFINE_DECODE(decode_rows_bf16, uint16_t, attend_rows_bf16)
 DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
 
 #define MAX_HEADS 64 /* query heads a whole-request unit holds (else (request, kv head) units) */
+#define PART_TOKENS 1024 /* a long context is attended in parts of at least this many tokens, then merged */
 
-/* A unit's work is one request's kv heads [h0, h1) and their group query heads each; q, seed and out
- * point at the unit's first query row, rows (h - h0) * group + g. Splits a batch into units: whole
- * requests when there are enough of them (each request's slots streamed once, every head of a token
- * read together), else (request, kv head) pairs so that a lone request still uses every thread. */
-#define DEFINE_DECODE_UNITS(NAME, T, REQUEST)                                                            \
+/* The parts of a context of `len` tokens and their length: PART_TOKENS each, longer when MAX_PARTS would not do. */
+static inline int64_t context_parts(int64_t len) {
+    const int64_t parts = (len + PART_TOKENS - 1) / PART_TOKENS;
+    return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
+}
+static inline int64_t part_tokens(int64_t len) {
+    const int64_t parts = context_parts(len);
+    return parts == 1 ? (len > 0 ? len : 0) : (len + parts - 1) / parts;
+}
+
+/* Every row's softmax over several parts merged: out = sum_p exp(lse_p - L) out_p / sum_p exp(lse_p - L), the parts
+ * in order (part_out [parts][rows][dim], part_lse [parts][rows]; a part with lse -inf holds nothing). */
+#define DEFINE_MERGE_PARTS(NAME, T, LOAD, STORE)                                                         \
+    static void NAME(const T *part_out, const float *part_lse, int64_t parts, int64_t rows, int64_t dim, \
+                     T *out, int num_threads) {                                                          \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * parts * dim >= 65536)")    \
+        for (int64_t i = 0; i < rows; i++) {                                                             \
+            float top = -INFINITY, weight[MAX_PARTS], total = 0.0f, acc[MAX_DIM];                        \
+            for (int64_t p = 0; p < parts; p++) top = part_lse[p * rows + i] > top ? part_lse[p * rows + i] : top; \
+            for (int64_t p = 0; p < parts; p++) {                                                        \
+                weight[p] = top > -INFINITY ? expf(part_lse[p * rows + i] - top) : 0.0f;                 \
+                total += weight[p];                                                                      \
+            }                                                                                            \
+            for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;                                             \
+            for (int64_t p = 0; p < parts; p++)                                                          \
+                if (weight[p] > 0.0f)                                                                    \
+                    for (int64_t d = 0; d < dim; d++) acc[d] += weight[p] * LOAD(part_out[(p * rows + i) * dim + d]); \
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;                                        \
+            for (int64_t d = 0; d < dim; d++) out[i * dim + d] = STORE(acc[d] * inv);                    \
+        }                                                                                                \
+    }
+
+/* A unit's work is one request's kv heads [h0, h1) and their group query heads each, over one part of its
+ * context; q, seed and out point at the unit's first query row, rows (h - h0) * group + g. Splits a batch
+ * into units: whole requests when there are enough of them (each request's slots streamed once, every head
+ * of a token read together), else (request, kv head) pairs so that a lone request still uses every thread.
+ * NOTE: a context longer than PART_TOKENS is split into parts whose bounds depend on its own length only
+ * (context_parts, part_tokens), never on the batch or the thread count: a long request at batch 1 keeps
+ * every thread busy (a model with fewer kv heads than threads would else leave some idle), and a row's
+ * result never depends on what else the batch holds. Parts are merged by their log-sum-exp, in order; the
+ * seed (cascade) enters part 0. */
+#define DEFINE_DECODE_UNITS(NAME, T, REQUEST, MERGE)                                                     \
     static int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,               \
                     const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,   \
                     int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,          \
                     int num_threads) {                                                                   \
         const int64_t group = heads / kv_heads;                                                          \
         const int64_t split = bs >= num_threads && heads <= MAX_HEADS ? 1 : kv_heads;                    \
+        int64_t parts = 1;                                                                               \
+        for (int64_t b = 0; b < bs; b++) parts = context_parts(seq_lens[b]) > parts ? context_parts(seq_lens[b]) : parts; \
+        T *part_out = parts > 1 ? malloc(sizeof(T) * (size_t)(parts * bs * heads * dim)) : NULL;         \
+        float *part_lse = parts > 1 ? malloc(sizeof(float) * (size_t)(parts * bs * heads)) : NULL;        \
+        if (parts > 1 && (!part_out || !part_lse)) {                                                     \
+            free(part_out);                                                                              \
+            free(part_lse);                                                                              \
+            return 2;                                                                                    \
+        }                                                                                                \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")                        \
-        for (int64_t unit = 0; unit < bs * split; unit++) {                                              \
-            const int64_t b = unit / split, h0 = (unit % split) * (kv_heads / split);                    \
+        for (int64_t unit = 0; unit < bs * split * parts; unit++) {                                      \
+            const int64_t p = unit % parts, b = unit / parts / split, h0 = (unit / parts % split) * (kv_heads / split); \
             const int64_t h1 = split == 1 ? kv_heads : h0 + 1;                                           \
             const int64_t first = b * heads + h0 * group; /* row id of the unit's first query head */    \
-            REQUEST(q + first * dim, k_buf, v_buf, kv_indices + b * max_len, seq_lens[b], kv_heads, h0, h1, \
-                    dim, group, scale, seed_lse == NULL ? NULL : seed_out + first * dim,                 \
-                    seed_lse == NULL ? NULL : seed_lse + first, out + first * dim);                      \
+            const int64_t part_len = parts == 1 ? seq_lens[b] : part_tokens(seq_lens[b]), t0 = p * part_len, left = seq_lens[b] - t0; \
+            const int64_t n = left < 0 ? 0 : left < part_len ? left : part_len;                          \
+            const int seeded = seed_lse != NULL && p == 0;                                               \
+            if (parts > 1 && n == 0 && !seeded) {                                                        \
+                for (int64_t r = 0; r < (h1 - h0) * group; r++) part_lse[p * bs * heads + first + r] = -INFINITY; \
+                continue;                                                                                \
+            }                                                                                            \
+            REQUEST(q + first * dim, k_buf, v_buf, kv_indices + b * max_len + t0, n, kv_heads, h0, h1, dim, \
+                    group, scale, seeded ? seed_out + first * dim : NULL, seeded ? seed_lse + first : NULL, \
+                    parts > 1 ? part_out + (p * bs * heads + first) * dim : out + first * dim,           \
+                    parts > 1 ? part_lse + p * bs * heads + first : NULL);                               \
         }                                                                                                \
+        if (parts > 1) MERGE(part_out, part_lse, parts, bs * heads, dim, out, num_threads);              \
+        free(part_out);                                                                                  \
+        free(part_lse);                                                                                  \
         return 0;                                                                                        \
     }
+
+#if SIMD_WIDTH == 8 || SIMD_WIDTH == 16
+DEFINE_MERGE_PARTS(merge_parts_f32, float, f32_id, f32_id)
+DEFINE_MERGE_PARTS(merge_parts_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+#endif
 
 #if SIMD_WIDTH == 8 /* AVX2; AVX-512 runs decode_avx512.h */
 #define DECODE_TOKENS 8   /* tokens scored together; their 8 dot products are reduced in one step */
@@ -69,7 +136,7 @@ DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
 #define DEFINE_DECODE_REQUEST_DIM(NAME, T, LOADV, LOAD, STORE)                                           \
     static void NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, int64_t len,      \
                      int64_t kv_heads, int64_t h0, int64_t h1, int64_t dim, int64_t group, float scale,  \
-                     const T *seed_out, const float *seed_lse, T *out) {                                 \
+                     const T *seed_out, const float *seed_lse, T *out, float *out_lse) {                 \
         const int64_t nv = dim / SIMD_WIDTH, rows = (h1 - h0) * group, width = (h1 - h0) * dim;          \
         vf qv[MAX_HEADS][MAX_DIM / SIMD_WIDTH];                                                          \
         float acc[MAX_HEADS][MAX_DIM], score[MAX_HEADS][CHUNK], run_max[MAX_HEADS], run_sum[MAX_HEADS];  \
@@ -125,13 +192,14 @@ DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
         for (int64_t r = 0; r < rows; r++) {                                                             \
             const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;                              \
             for (int64_t d = 0; d < dim; d++) out[r * dim + d] = STORE(acc[r][d] * inv);                 \
+            if (out_lse != NULL) out_lse[r] = run_sum[r] > 0.0f ? run_max[r] + logf(run_sum[r]) : -INFINITY; \
         }                                                                                                \
     }
 
 DEFINE_DECODE_REQUEST_DIM(decode_request_dim_f32, float, vf_load, f32_id, f32_id)
 DEFINE_DECODE_REQUEST_DIM(decode_request_dim_bf16, uint16_t, vf_load_bf16, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE_UNITS(decode_dim_f32, float, decode_request_dim_f32)
-DEFINE_DECODE_UNITS(decode_dim_bf16, uint16_t, decode_request_dim_bf16)
+DEFINE_DECODE_UNITS(decode_dim_f32, float, decode_request_dim_f32, merge_parts_f32)
+DEFINE_DECODE_UNITS(decode_dim_bf16, uint16_t, decode_request_dim_bf16, merge_parts_bf16)
 #endif
 
 #if SIMD_WIDTH == 16
@@ -140,18 +208,18 @@ DEFINE_DECODE_UNITS(decode_dim_bf16, uint16_t, decode_request_dim_bf16)
 #define DEFINE_REQUEST_512(NAME, T, UNIT)                                                                \
     static void NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, int64_t len,      \
                      int64_t kv_heads, int64_t h0, int64_t h1, int64_t dim, int64_t group, float scale,  \
-                     const T *seed_out, const float *seed_lse, T *out) {                                 \
+                     const T *seed_out, const float *seed_lse, T *out, float *out_lse) {                 \
         DECODE_SHAPES(UNIT, group, dim / 16, q, k_buf, v_buf, slots, len, kv_heads, h0, h1, scale,      \
-                      seed_out, seed_lse, out)                                                           \
+                      seed_out, seed_lse, out, out_lse)                                                  \
     }
 
 DEFINE_REQUEST_512(decode_request_512_f32, float, decode_unit_f32)
 DEFINE_REQUEST_512(decode_request_512_bf16w, uint16_t, decode_unit_bf16w)
-DEFINE_DECODE_UNITS(decode_512_f32, float, decode_request_512_f32)
-DEFINE_DECODE_UNITS(decode_512_bf16w, uint16_t, decode_request_512_bf16w)
+DEFINE_DECODE_UNITS(decode_512_f32, float, decode_request_512_f32, merge_parts_f32)
+DEFINE_DECODE_UNITS(decode_512_bf16w, uint16_t, decode_request_512_bf16w, merge_parts_bf16)
 #ifdef HAVE_AVX512_BF16
 DEFINE_REQUEST_512(decode_request_512_bf16dp, uint16_t, decode_unit_bf16dp)
-DEFINE_DECODE_UNITS(decode_512_bf16dp, uint16_t, decode_request_512_bf16dp)
+DEFINE_DECODE_UNITS(decode_512_bf16dp, uint16_t, decode_request_512_bf16dp, merge_parts_bf16)
 #endif
 #endif
 

@@ -26,7 +26,7 @@
     static inline __attribute__((always_inline)) void NAME(                                               \
         const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, int64_t len, int64_t kv_heads,  \
         int64_t h0, int64_t h1, float scale, const T *seed_out, const float *seed_lse, T *out,            \
-        const int64_t group, const int64_t nv) {                                                          \
+        float *out_lse, const int64_t group, const int64_t nv) {                                          \
         const int64_t dim = nv * 16, rows = (h1 - h0) * group, steps = QSTEPS(nv);                        \
         const int64_t vcols = VCOLS(group, nv), row_bytes = (h1 - h0) * dim * (int64_t)sizeof(T);         \
         QV qv[MAX_HEADS][MAX_DIM / 16];                                                                   \
@@ -90,6 +90,7 @@
         for (int64_t r = 0; r < rows; r++) {                                                              \
             const float inv = run_sum[r] > 0.0f ? 1.0f / run_sum[r] : 0.0f;                               \
             for (int64_t d = 0; d < dim; d++) out[r * dim + d] = STORE(acc[r][d] * inv);                  \
+            if (out_lse != NULL) out_lse[r] = run_sum[r] > 0.0f ? run_max[r] + logf(run_sum[r]) : -INFINITY; \
         }                                                                                                 \
     }
 
