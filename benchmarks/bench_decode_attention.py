@@ -53,8 +53,8 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def repeated(fn: Fn) -> Fn:
-    """fn called enough times per sample that one sample lasts about MIN_CALL_SECONDS."""
+def repeated(fn: Fn) -> tuple[Fn, int]:
+    """fn called enough times per sample that one sample lasts about MIN_CALL_SECONDS, and that count."""
     fn()
     start = time.perf_counter()
     fn()
@@ -64,13 +64,12 @@ def repeated(fn: Fn) -> Fn:
         for _ in range(reps):
             fn()
 
-    run.reps = reps  # type: ignore[attr-defined]
-    return run
+    return run, reps
 
 
 def case(batch: int, context: int, head: tuple[int, int, int], dtype: torch.dtype, kernel: attn.DecodeKernel,
-         baseline: ctypes.CDLL) -> dict[str, Fn]:
-    """name -> fn running one decode batch; asserts that both kernels agree first."""
+         baseline: ctypes.CDLL) -> dict[str, tuple[Fn, int]]:
+    """name -> (fn running one decode batch that many times); asserts that both kernels agree first."""
     dim, heads, kv_heads = head
     g = torch.Generator().manual_seed(0)
     slots = batch * context + 64
@@ -110,9 +109,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[Key, dict[str, float]]:
             for head in args.heads.split(","):
                 for name in args.cases.split(","):
                     fns = case(*CASES[name], HEADS[head], getattr(torch, dtype_name), kernel, baseline)
-                    times = median_times(fns, args.rounds)
+                    times = median_times({n: fn for n, (fn, _) in fns.items()}, args.rounds)
                     key = (isa, dtype_name, head, name)
-                    results[key] = {n: 1e6 * t / fns[n].reps for n, t in times.items()}  # type: ignore[attr-defined]
+                    results[key] = {n: 1e6 * t / fns[n][1] for n, t in times.items()}
                     print(" ".join(key) + ": " + ", ".join(f"{n} {t:.1f} us" for n, t in results[key].items())
                           + f", before / now {results[key]['before'] / results[key]['now']:.2f}x", flush=True)
     return results

@@ -17,8 +17,6 @@
 
 #include "simd.h"
 
-#define MAX_PARTS 32 /* parts of one context at most (decode units below) */
-
 #define DEFINE_DECODE(NAME, T, ATTEND_ROWS)                                                              \
     static int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,               \
                     const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,   \
@@ -42,16 +40,14 @@ DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
 
 #define MAX_HEADS 64 /* query heads a whole-request unit holds (else (request, kv head) units) */
 #define PART_TOKENS 1024 /* a long context is attended in parts of at least this many tokens, then merged */
+#define MAX_PARTS 32     /* parts of one context at most (longer parts past that) */
 
 /* The parts of a context of `len` tokens and their length: PART_TOKENS each, longer when MAX_PARTS would not do. */
 static inline int64_t context_parts(int64_t len) {
     const int64_t parts = (len + PART_TOKENS - 1) / PART_TOKENS;
     return parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
 }
-static inline int64_t part_tokens(int64_t len) {
-    const int64_t parts = context_parts(len);
-    return parts == 1 ? (len > 0 ? len : 0) : (len + parts - 1) / parts;
-}
+static inline int64_t part_tokens(int64_t len) { return (len + context_parts(len) - 1) / context_parts(len); }
 
 /* Every row's softmax over several parts merged: out = sum_p exp(lse_p - L) out_p / sum_p exp(lse_p - L), the parts
  * in order (part_out [parts][rows][dim], part_lse [parts][rows]; a part with lse -inf holds nothing). */
@@ -92,7 +88,10 @@ static inline int64_t part_tokens(int64_t len) {
         const int64_t group = heads / kv_heads;                                                          \
         const int64_t split = bs >= num_threads && heads <= MAX_HEADS ? 1 : kv_heads;                    \
         int64_t parts = 1;                                                                               \
-        for (int64_t b = 0; b < bs; b++) parts = context_parts(seq_lens[b]) > parts ? context_parts(seq_lens[b]) : parts; \
+        for (int64_t b = 0; b < bs; b++) {                                                               \
+            const int64_t own = context_parts(seq_lens[b]);                                              \
+            parts = own > parts ? own : parts;                                                           \
+        }                                                                                                \
         T *part_out = parts > 1 ? malloc(sizeof(T) * (size_t)(parts * bs * heads * dim)) : NULL;         \
         float *part_lse = parts > 1 ? malloc(sizeof(float) * (size_t)(parts * bs * heads)) : NULL;        \
         if (parts > 1 && (!part_out || !part_lse)) {                                                     \
@@ -105,7 +104,7 @@ static inline int64_t part_tokens(int64_t len) {
             const int64_t p = unit % parts, b = unit / parts / split, h0 = (unit / parts % split) * (kv_heads / split); \
             const int64_t h1 = split == 1 ? kv_heads : h0 + 1;                                           \
             const int64_t first = b * heads + h0 * group; /* row id of the unit's first query head */    \
-            const int64_t part_len = parts == 1 ? seq_lens[b] : part_tokens(seq_lens[b]), t0 = p * part_len, left = seq_lens[b] - t0; \
+            const int64_t part_len = part_tokens(seq_lens[b]), t0 = p * part_len, left = seq_lens[b] - t0; \
             const int64_t n = left < 0 ? 0 : left < part_len ? left : part_len;                          \
             const int seeded = seed_lse != NULL && p == 0;                                               \
             if (parts > 1 && n == 0 && !seeded) {                                                        \
