@@ -12,6 +12,7 @@ from radixserve.speculative.config import ALGORITHMS as SPECULATIVE_ALGORITHMS
 from radixserve.speculative.config import SpecConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float32")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -33,6 +34,10 @@ class ServerArgs:
     served_model_name: str | None = _opt(None, "name reported by /v1/models (default: derived from the model path)")
     dtype: str = _opt("auto", "compute dtype; auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls, "
                               "else float32", DTYPES)
+    kv_cache_dtype: str = _opt("auto", "dtype of the KV cache; bfloat16 (bf16) under float32 compute halves the "
+                                       "bytes decode reads and doubles the tokens the pool holds; auto: the compute "
+                                       "dtype, or bf16 where --dtype auto keeps bf16 weights under float32 compute "
+                                       "(docs/kv_cache_dtype.md)", KV_CACHE_DTYPES)
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when present)")
     quantization: str = _opt("none", "packed linear weights on the CPU (GGUF tensors keep their nearest format)",
                              QUANTIZATIONS)
@@ -110,7 +115,10 @@ class ServerArgs:
     log_interval: int = _opt(40, "decode steps between decode log lines")
 
     def __post_init__(self) -> None:
-        for name in ("dtype", "quantization", "schedule_policy", "radix_eviction_policy", "tool_call_parser",
+        if self.kv_cache_dtype.startswith(("fp8", "fp4")):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the attention kernels read "
+                             "bfloat16 or float32 K/V; bfloat16 is the smaller cache")
+        for name in ("kv_cache_dtype", "dtype", "quantization", "schedule_policy", "radix_eviction_policy", "tool_call_parser",
                      "speculative_algorithm"):
             choices = _choices(name)
             if getattr(self, name) not in choices:

@@ -34,6 +34,10 @@ SOURCES = (CSRC / "decode_attention.c", CSRC / "prefix_attention.c", CSRC / "ext
 HEADERS = (CSRC / "attention_common.h", CSRC / "simd.h", CSRC / "attention_lanes.h", CSRC / "decode_avx512.h")
 MAX_DIM, MAX_GROUP = 256, 16
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# (query dtype, KV cache dtype) -> the C functions' suffix: the KV cache is in the compute dtype, or bf16 under
+# float32 compute (--kv-cache-dtype bfloat16: half the bytes a decode step reads, widened as they are loaded)
+_PAIR_SUFFIX = {(torch.bfloat16, torch.bfloat16): "bf16", (torch.float32, torch.float32): "f32",
+                (torch.float32, torch.bfloat16): "f32_bf16kv"}
 KERNELS = ("decode", "extend", "prefix")
 # (kernel class, dtype) -> the kernels that measured faster than torch's op at SmolLM2-135M's shapes on
 # that class of CPU (`platform.kernel_class()`; benchmarks/bench_kernels.py, 1 thread; docs/attention.md,
@@ -61,36 +65,38 @@ class DecodeKernel:
     def __init__(self, lib: ctypes.CDLL, isa: str, kernel_class: str | None = None) -> None:
         self.isa = isa  # the kernel level whose code this object calls
         self.kernel_class = kernel_class or isa  # what SELECTED is keyed by: the level, or amx
-        self._fns = {dtype: _bind(lib, f"decode_attention_{suffix}_{isa}", pointers=8, sizes=5)
-                     for dtype, suffix in _DTYPE_SUFFIX.items()}
-        self._prefix_fns = {dtype: _bind(lib, f"prefix_attention_{suffix}_{isa}", pointers=7, sizes=5)
-                            for dtype, suffix in _DTYPE_SUFFIX.items()}
-        self._extend_fns = {dtype: _bind(lib, f"extend_attention_{suffix}_{isa}", pointers=9, sizes=5)
-                            for dtype, suffix in _DTYPE_SUFFIX.items()}
+        self._fns = {pair: _bind(lib, f"decode_attention_{suffix}_{isa}", pointers=8, sizes=5)
+                     for pair, suffix in _PAIR_SUFFIX.items()}
+        self._prefix_fns = {pair: _bind(lib, f"prefix_attention_{suffix}_{isa}", pointers=7, sizes=5)
+                            for pair, suffix in _PAIR_SUFFIX.items()}
+        self._extend_fns = {pair: _bind(lib, f"extend_attention_{suffix}_{isa}", pointers=9, sizes=5)
+                            for pair, suffix in _PAIR_SUFFIX.items()}
         width = getattr(lib, f"attention_simd_width_{isa}")
         width.restype, width.argtypes = ctypes.c_int, []
         self.simd_width = int(width())  # float32 lanes of the level's vector code; 1: portable loops only
 
-    def decode_address(self, dtype: torch.dtype) -> int:
-        """The decode kernel's C function in `dtype` (for C code that calls it itself: models/decode_step.py)."""
-        return ctypes.cast(self._fns[dtype], ctypes.c_void_p).value
+    def decode_address(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
+        """The decode kernel's C function for `dtype` queries over a `kv_dtype` cache (default: the same) (for C
+        code that calls it itself: models/decode_step.py)."""
+        return ctypes.cast(self._fns[dtype, kv_dtype or dtype], ctypes.c_void_p).value
 
-    def supports(self, q: torch.Tensor, num_kv_heads: int) -> bool:
-        """Whether this kernel can run decode attention of `q` (shape and dtype)."""
+    def supports(self, q: torch.Tensor, num_kv_heads: int, kv_dtype: torch.dtype | None = None) -> bool:
+        """Whether this kernel can run decode attention of `q` (shape and dtype) over a `kv_dtype` cache (default:
+        q's dtype)."""
         heads, dim = q.shape[1], q.shape[2]
-        return (q.device.type == "cpu" and q.dtype in self._fns and dim <= MAX_DIM
+        return (q.device.type == "cpu" and (q.dtype, kv_dtype or q.dtype) in self._fns and dim <= MAX_DIM
                 and heads % num_kv_heads == 0 and heads // num_kv_heads <= MAX_GROUP)
 
     def extend_supports(self, q: torch.Tensor, k_buf: torch.Tensor) -> bool:
         """Whether this kernel can run extend attention of `q` over `k_buf` (shape and dtype)."""
         heads, dim = q.shape[1], q.shape[2]
-        return (q.device.type == "cpu" and q.dtype in self._extend_fns and k_buf.dtype == q.dtype
+        return (q.device.type == "cpu" and (q.dtype, k_buf.dtype) in self._extend_fns
                 and heads % k_buf.shape[1] == 0 and dim <= MAX_DIM)
 
-    def prefix_supports(self, q: torch.Tensor, num_kv_heads: int) -> bool:
-        """Whether this kernel can run cascade's part (a) (`shared_prefix`) for `q`."""
+    def prefix_supports(self, q: torch.Tensor, num_kv_heads: int, kv_dtype: torch.dtype | None = None) -> bool:
+        """Whether this kernel can run cascade's part (a) (`shared_prefix`) for `q` over a `kv_dtype` cache."""
         heads, dim = q.shape[1], q.shape[2]
-        return (q.device.type == "cpu" and q.dtype in self._prefix_fns and dim <= MAX_DIM
+        return (q.device.type == "cpu" and (q.dtype, kv_dtype or q.dtype) in self._prefix_fns and dim <= MAX_DIM
                 and heads % num_kv_heads == 0)
 
     def __call__(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
@@ -108,7 +114,7 @@ class DecodeKernel:
         out = torch.empty_like(q)
         bs, heads, dim = q.shape
         status = call_profiled(
-            "radixserve::decode_attention_cpu", self._fns[q.dtype],
+            "radixserve::decode_attention_cpu", self._fns[q.dtype, k_buf.dtype],
             q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), seq_lens.data_ptr(),
             _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), bs, max_len, heads, k_buf.shape[1], dim, scale,
             torch.get_num_threads())
@@ -132,7 +138,7 @@ class DecodeKernel:
         out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32)
         n, heads, dim = q.shape
         status = call_profiled(
-            "radixserve::prefix_attention_cpu", self._prefix_fns[q.dtype],
+            "radixserve::prefix_attention_cpu", self._prefix_fns[q.dtype, k_buf.dtype],
             q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(), _ptr(first), out.data_ptr(),
             lse.data_ptr(), n, slots.shape[0], heads, k_buf.shape[1], dim, scale, torch.get_num_threads())
         _check_status(status, q, k_buf)
@@ -156,7 +162,7 @@ class DecodeKernel:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32) if with_lse else None
         status = call_profiled(
-            "radixserve::extend_attention_cpu", self._extend_fns[q.dtype],
+            "radixserve::extend_attention_cpu", self._extend_fns[q.dtype, k_buf.dtype],
             q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), reqs.data_ptr(),
             _ptr(seed_out), _ptr(seed_lse), out.data_ptr(), _ptr(lse), reqs.shape[0], q.shape[1], k_buf.shape[1],
             q.shape[2], max(window, 0), scale, torch.get_num_threads())
@@ -185,8 +191,10 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _check_buffers(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
-    if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.dtype == v_buf.dtype == q.dtype):
-        raise ValueError("attention kernels need contiguous K/V buffers of the query's dtype")
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.dtype == v_buf.dtype
+            and (q.dtype, k_buf.dtype) in _PAIR_SUFFIX):
+        raise ValueError("attention kernels need contiguous K/V buffers of the query's dtype (or bf16 under float32 "
+                         f"queries); got {q.dtype} queries over {k_buf.dtype} / {v_buf.dtype}")
 
 
 OUT_OF_MEMORY = 2  # decode_attention.c: the parts' scratch could not be allocated

@@ -28,7 +28,8 @@ F32_LEVELS = ("avx512_bf16", "avx512", "avx2")  # the kernel levels with a float
 
 class ModelStruct(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in ("num_layers", "hidden", "heads", "kv_heads", "head_dim",
-                                                      "intermediate", "max_position", "num_groups", "style")),
+                                                      "intermediate", "max_position", "num_groups", "style",
+                                                      "kv_bf16")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layers", ctypes.c_void_p)]
 
 

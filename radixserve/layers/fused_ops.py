@@ -5,7 +5,7 @@ definition, compiled here or run eagerly there, so the results follow the same r
 
 - `add_rmsnorm`: x + residual, then RMSNorm of the sum; returns (normed, sum).
 - `rotary_kv`: splits a fused qkv row into q, k, v, rotates q and k, and writes k and v into this
-  layer's KV buffers at the forward's slots; returns (q, k, v).
+  layer's KV buffers at the forward's slots (rounded to the cache's dtype: --kv-cache-dtype); returns (q, k, v).
 - `silu_and_mul`: SiLU(gate) * up of a fused [gate | up] row.
 
 Each is exported with a dynamic token count and compiled by inductor's C++ backend into a shared
@@ -57,8 +57,8 @@ class RotaryKV(nn.Module):
         qk = apply_rotary(qkv[:, : qk_heads * self.head_dim].view(tokens, qk_heads, self.head_dim), cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_heads * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
-        k_cache.index_put_((loc,), k)
-        v_cache.index_put_((loc,), v)
+        k_cache.index_put_((loc,), k.to(k_cache.dtype))
+        v_cache.index_put_((loc,), v.to(v_cache.dtype))
         return q.contiguous(), k.contiguous(), v.contiguous()
 
 
@@ -78,19 +78,21 @@ class FusedOps:
     rotary_kv: AotOp | None
 
 
-def load_fused_ops(config, dtype: torch.dtype, device: torch.device) -> FusedOps | None:
-    """The model's fused ops, compiled on first use and cached; None off the CPU or if compiling fails."""
+def load_fused_ops(config, dtype: torch.dtype, device: torch.device,
+                   kv_dtype: torch.dtype | None = None) -> FusedOps | None:
+    """The model's fused ops (`rotary_kv` writing a `kv_dtype` cache, default `dtype`), compiled on first use and
+    cached; None off the CPU or if compiling fails."""
     if device.type != "cpu":
         return None
     try:
-        return _load(config, dtype)
+        return _load(config, dtype, kv_dtype or dtype)
     except Exception as e:  # a missing compiler, an inductor error: the eager layers still work
         logger.warning("fused CPU ops unavailable (%s: %s); the layers run their eager code",
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
 
 
-def _load(config, dtype: torch.dtype) -> FusedOps:
+def _load(config, dtype: torch.dtype, kv_dtype: torch.dtype) -> FusedOps:
     tokens = 5  # NOTE: example inputs only; the token count is exported as dynamic (at least 1)
     hidden, heads, kv_heads, dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
 
@@ -110,7 +112,8 @@ def _load(config, dtype: torch.dtype) -> FusedOps:
         rotary_kv = compile_aot_op(
             f"rotary_kv-h{heads}-kv{kv_heads}-d{dim}", RotaryKV(heads, kv_heads, dim),
             (rand(tokens, (heads + 2 * kv_heads) * dim), torch.arange(tokens), table, table.clone(),
-             rand(slots, kv_heads, dim), rand(slots, kv_heads, dim), torch.arange(1, tokens + 1, dtype=SLOT_DTYPE)),
+             rand(slots, kv_heads, dim).to(kv_dtype), rand(slots, kv_heads, dim).to(kv_dtype),
+             torch.arange(1, tokens + 1, dtype=SLOT_DTYPE)),
             dynamic={0: ("tokens", 0), 1: ("tokens", 0), 2: ("positions", 0), 3: ("positions", 0),
                      4: ("slots", 0), 5: ("slots", 0), 6: ("tokens", 0)})
     return FusedOps(dtype, add_rmsnorm, silu_and_mul, rotary_kv)

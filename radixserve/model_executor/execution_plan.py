@@ -1,6 +1,7 @@
 """How one forward runs on this machine: every choice made once at start-up, before anything is prepared.
 
-`plan_execution` decides, in one place and each with its reason: the dtype (platform.choose_dtype), each
+`plan_execution` decides, in one place and each with its reason: the dtype (platform.choose_dtype), the KV
+cache's dtype (`resolve_kv_dtype`), each
 float linear weight shape's method and, for the GEMV method, the row counts where its large AMX product wins
 (layers/linear_tuning.py, measured here and cached), the fused ops (compiled ahead of time and cached), which
 decoder runs decode batches (the Python layers or the C decode step over the model's exported weight view),
@@ -51,6 +52,7 @@ class PlanEntry:
 @dataclass(frozen=True)
 class ExecutionPlan:
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's: the compute dtype, or bf16 under float32 compute (--kv-cache-dtype)
     linear_methods: Mapping[Shape, str]  # float weight shape -> method name (packed layers keep their format's)
     large_rows: Mapping[Shape, frozenset[int]]  # onednn_gemv shapes -> row counts for the large AMX product
     fused_ops: FusedOps | None  # the compiled passes between products; None: eager torch
@@ -77,6 +79,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     from radixserve.layers.linear_tuning import plan_large_rows, plan_linear_methods
 
     dtype = getattr(torch, dtype_choice.dtype)
+    kv_dtype, kv_reason = resolve_kv_dtype(args.kv_cache_dtype, dtype, dtype_choice.weights)
     requested = _requested_linear_method(args.linear_method, dtype_choice, device)
     methods = plan_linear_methods(model, device, dtype, requested)
     large = plan_large_rows(model, methods, dtype)
@@ -87,14 +90,15 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
         # attention kernels build while the fused ops compile, instead of after them
         build_in_background()
     fused = not args.disable_fused_ops and getattr(model, "uses_fused_ops", True)
-    ops = load_fused_ops(model.config, dtype, device) if fused else None
-    refusal = _decoder_refusal(model, device, dtype, ops, methods)
+    ops = load_fused_ops(model.config, dtype, device, kv_dtype) if fused else None
+    refusal = _decoder_refusal(model, device, dtype, ops, methods, kv_dtype)
     windows = getattr(model.config, "windows", ())
     cap = getattr(model.config, "attn_logit_softcapping", None)
     # NOTE: no cascade path caps scores: a model with capped layers (Gemma 2) plans none (layers/attention/softcap.py)
     attention = plan_attention(args.attention_backend, device,
                                cascade=not args.disable_cascade_attention and cap is None, windows=windows)
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
+               PlanEntry("kv cache", str(kv_dtype).removeprefix("torch."), kv_reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
                *_attention_entries(attention, dtype, args, cap),
                *_window_entries(windows, not args.disable_hybrid_swa_memory, attention.cascade),
@@ -102,8 +106,28 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
                          refusal or _c_decoder_reason(dtype, methods))]
-    return ExecutionPlan(dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
+    return ExecutionPlan(dtype, kv_dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
                          tuple(entries))
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, weights: str | None = None) -> tuple[torch.dtype, str]:
+    """--kv-cache-dtype under compute `dtype` (`weights`: "bfloat16" where `--dtype auto` keeps the linear weights in
+    bf16 under float32 compute): the cache's dtype and why. The attention paths read a cache in the compute dtype,
+    or a bf16 cache under float32 compute (widened to float32 as it is loaded); nothing else."""
+    if name == "auto" and dtype == torch.float32 and weights == "bfloat16":
+        # NOTE: what `--dtype auto` does for the weights it does for the cache: bf16 storage, float32 math
+        return torch.bfloat16, ("--kv-cache-dtype auto with --dtype auto on a CPU without bf16 products: K/V kept in "
+                                "bf16 like the weights (half the bytes per token), widened to float32 as attention "
+                                "loads them")
+    if name == "auto" or getattr(torch, {"bf16": "bfloat16"}.get(name, name)) == dtype:
+        return dtype, "the compute dtype" + (" (--kv-cache-dtype auto)" if name == "auto" else "")
+    kv_dtype = getattr(torch, {"bf16": "bfloat16"}.get(name, name))
+    if kv_dtype == torch.bfloat16 and dtype == torch.float32:
+        return kv_dtype, ("--kv-cache-dtype: K/V stored in bf16 and widened to float32 as attention loads them "
+                          "(half the bytes per token)")
+    compute = str(dtype).removeprefix("torch.")
+    raise ValueError(f"--kv-cache-dtype {name} under {compute} compute is not supported: the KV cache is in the "
+                     "compute dtype, or bfloat16 under float32 compute")
 
 
 def _requested_linear_method(requested: str, dtype_choice: DtypeChoice, device: torch.device) -> str:
@@ -118,14 +142,14 @@ def _requested_linear_method(requested: str, dtype_choice: DtypeChoice, device: 
 
 
 def _decoder_refusal(model: Any, device: torch.device, dtype: torch.dtype, ops: FusedOps | None,
-                     methods: Mapping[Shape, str]) -> str | None:
+                     methods: Mapping[Shape, str], kv_dtype: torch.dtype) -> str | None:
     from radixserve.models.decode_step import decode_step_refusal
 
     if not hasattr(model, "decoder_weights"):
         return "this model has no decoder seam"
     if device.type != "cpu":
         return "the C decode step runs on the CPU only"
-    return decode_step_refusal(model.decoder_weights(), dtype, ops, methods)
+    return decode_step_refusal(model.decoder_weights(), dtype, ops, methods, kv_dtype)
 
 
 def _op_names(ops: FusedOps | None) -> tuple[str, ...]:

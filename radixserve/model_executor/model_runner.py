@@ -80,6 +80,7 @@ class ModelRunner:
         # NOTE: every choice of how a forward runs is made here, once; the parts then receive theirs
         self.execution_plan = plan_execution(self.model, self.device, self.dtype_choice, server_args)
         self.device_setup = setup_model_for_device(self.model, self.device, self.execution_plan)
+        self.kv_dtype = self.execution_plan.kv_dtype  # the KV pool's (--kv-cache-dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.context_len = self._context_len()
@@ -195,9 +196,9 @@ class ModelRunner:
         """KV bytes one full-pool token costs, with its share of the window pool on a hybrid model."""
         cfg = self.model_config
         if self.swa_window is None:
-            return MHATokenToKVPool.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.dtype)
+            return MHATokenToKVPool.bytes_per_token(cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, self.kv_dtype)
         full, windowed = SWAKVPool.split_bytes_per_token(cfg.num_kv_heads, cfg.head_dim, cfg.layer_windows,
-                                                         self.dtype)
+                                                         self.kv_dtype)
         return full + self.server_args.swa_full_tokens_ratio * windowed
 
     def window_pool_size(self) -> int:
@@ -222,11 +223,11 @@ class ModelRunner:
             self.token_to_kv_pool_allocator = SWATokenToKVPoolAllocator(
                 self.max_total_num_tokens, self.page_size, self.window_pool_size(), self.device)
             self.token_to_kv_pool = SWAKVPool(
-                self.max_total_num_tokens, self.window_pool_size(), self.page_size, self.dtype, cfg.num_kv_heads,
+                self.max_total_num_tokens, self.window_pool_size(), self.page_size, self.kv_dtype, cfg.num_kv_heads,
                 cfg.head_dim, cfg.layer_windows, self.token_to_kv_pool_allocator.full_to_window, self.device)
             return
         self.token_to_kv_pool = MHATokenToKVPool(
-            self.max_total_num_tokens, self.page_size, self.dtype, cfg.num_kv_heads, cfg.head_dim,
+            self.max_total_num_tokens, self.page_size, self.kv_dtype, cfg.num_kv_heads, cfg.head_dim,
             cfg.num_layers, self.device)
         if self.page_size == 1:
             self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens, self.device)
@@ -240,6 +241,7 @@ class ModelRunner:
         kernels = None if attention.level is None else {"level": attention.level, "class": attention.kernel_class,
                                                         "used": attention.used(self.dtype)}
         return {"dtype": self.dtype_choice.dtype, "dtype_reason": self.dtype_choice.reason,
+                "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "attention_kernels": kernels, "cpu": platform.describe(), "malloc_tuned": self.malloc_tuned,
                 "execution_plan": self.execution_plan.as_dict()}
 
@@ -254,11 +256,11 @@ class ModelRunner:
         kernels = self.platform_info()["attention_kernels"]
         used = "torch only" if kernels is None else f"C {', '.join(kernels['used']) or 'none'} ({kernels['class']})"
         logger.info(
-            "model %s | dtype %s (%s) | device %s | KV pool %d tokens (%.2f GiB) | page size %d | "
+            "model %s | dtype %s (%s) | device %s | KV pool %d tokens (%s, %.2f GiB) | page size %d | "
             "max running requests %d | max context %d | speculative %s | attention %s, %s | quantization %s: %s | %s | "
             "malloc %s | CPU: %s",
             self.loaded.name, self.dtype_choice.dtype, self.dtype_choice.reason, self.device,
-            self.max_total_num_tokens, gib, self.page_size, self.max_running_requests, self.context_len,
+            self.max_total_num_tokens, str(self.kv_dtype).removeprefix("torch."), gib, self.page_size, self.max_running_requests, self.context_len,
             self.server_args.speculative_algorithm,
             self.server_args.attention_backend, used, self.server_args.quantization, weight_summary(self.model),
             self.device_setup.describe(), "kept" if self.malloc_tuned else "default", platform.summary_line())

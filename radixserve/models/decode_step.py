@@ -82,11 +82,12 @@ class DecodeStep:
                           for i in range(config.num_layers)]
         self._struct = ModelStruct(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
                                    config.head_dim, config.intermediate_size, max_position, 1 + len(self._windows),
-                                   STYLES[weights.style], config.rms_norm_eps, weights.attention_scale, None)
+                                   STYLES[weights.style], 0, config.rms_norm_eps, weights.attention_scale, None)
         self._group_slots = [0] * (1 + len(self._windows))  # rows of each group's K/V buffers (_bind_pool)
         self._work_per_row = kernel.work_size(self._struct, 1)
         self._pool = None  # the KV pool whose buffers the layer table points at
-        self._attention: tuple[object, int | None] = (None, None)  # (backend, its bf16 decode function)
+        # (backend, KV cache dtype) -> the decode attention function the step calls
+        self._attention: tuple[object, int | None] = (None, None)
         self._lora = StepLora(weights, self.dtype)  # the forward's LoRA rows (the manager's segments)
 
     def takes(self, fb) -> bool:
@@ -96,13 +97,14 @@ class DecodeStep:
         return (fb.batch_size <= self.max_rows and getattr(backend, "decode_meta", None) is not None
                 and (not self._windows or (hasattr(backend, "window_decode_meta") and all(
                     isinstance(m, WindowDecodeMetadata) for m in backend.window_decode_meta.values())))
-                and self._attention_fn(backend) is not None and self._lora.refusal() is None)
+                and self._attention_fn(backend, fb.token_to_kv_pool.dtype) is not None
+                and self._lora.refusal() is None)
 
     def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden]; Gemma's
         layers add their last output into the stream themselves (the first is then scratch)."""
         bs, meta = hidden.shape[0], fb.attn_backend.decode_meta
-        attention = self._attention_fn(fb.attn_backend)
+        attention = self._attention_fn(fb.attn_backend, fb.token_to_kv_pool.dtype)
         if attention is None or meta is None or bs > self.max_rows:
             raise ValueError("the C decode step does not take this forward (check `takes` first)")
         if fb.token_to_kv_pool is not self._pool:
@@ -136,16 +138,23 @@ class DecodeStep:
                            wmeta.max_len))
         return attention_groups([(*table, rows) for table, rows in zip(tables, self._group_slots, strict=True)])
 
-    def _attention_fn(self, backend) -> int | None:
-        """The decode attention function (this build's dtype) the backend's plan runs for the model's heads, or None."""
-        if backend is not self._attention[0]:
+    def _attention_fn(self, backend, kv_dtype: torch.dtype) -> int | None:
+        """The decode attention function (this build's dtype over a `kv_dtype` cache) the backend's plan runs for
+        the model's heads, or None."""
+        if (backend, kv_dtype) != self._attention[0]:
             cfg = self._config
             q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
-            kernel = backend.decode_kernel_for(q, cfg.num_kv_heads) if hasattr(backend, "decode_kernel_for") else None
-            self._attention = (backend, None if kernel is None else kernel.decode_address(self.dtype))
+            kernel = (backend.decode_kernel_for(q, cfg.num_kv_heads, kv_dtype)
+                      if hasattr(backend, "decode_kernel_for") else None)
+            self._attention = ((backend, kv_dtype),
+                               None if kernel is None else kernel.decode_address(self.dtype, kv_dtype))
         return self._attention[1]
 
     def _bind_pool(self, pool) -> None:
+        if pool.dtype not in (self.dtype, torch.bfloat16):
+            raise ValueError(f"the C decode step writes a {self.dtype} or bf16 KV cache, not {pool.dtype}")
+        # NOTE: the f32 build rounds the new K/V to bf16 as it writes them (decode_loop.h's rotary_kv_row)
+        self._struct.kv_bf16 = int(pool.dtype != self.dtype)
         rows, fns = [], iter(self._fns)
         slots: list[list[int]] = [[] for _ in self._group_slots]
         for i, layer in enumerate(self._weights.layers):
@@ -201,13 +210,16 @@ def c_silu_and_mul(ops: Any) -> SiluAndMul:
 
 
 def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops: Any,
-                        methods: Mapping[tuple[int, int], str]) -> str | None:
+                        methods: Mapping[tuple[int, int], str], kv_dtype: torch.dtype | None = None) -> str | None:
     """Why decode batches of the model with this weight view (to run the fused ops `ops`, its float linear shapes
-    planned on `methods`) run the decoder layers in Python rather than in one C call; None if C."""
+    planned on `methods`, over a `kv_dtype` cache, default `dtype`) run the decoder layers in Python rather than in
+    one C call; None if C."""
     if not envs.DECODE_STEP.get():
         return f"{envs.DECODE_STEP.name}=0"
     if dtype not in LINEAR_OF_BUILD:
         return f"the C decode step is bfloat16 and float32 only (dtype {str(dtype).removeprefix('torch.')})"
+    if kv_dtype not in (None, dtype, torch.bfloat16):
+        return f"the C decode step writes a KV cache in the compute dtype or bf16, not {kv_dtype}"
     if not is_x86():
         return "the C decode step is x86 only"
     if weights is None:

@@ -64,9 +64,9 @@ static inline float row_lse(float run_max, float run_sum) {
  * non-NULL `limits`, row r sees only slots[0..limits[r]) (a causal mask; each limit >= 1 or a seed);
  * with a non-NULL `lows` only from slots[lows[r]] on (a sliding window; a row may see no slot at all).
  * With a non-NULL seed_lse each row starts from the partial result (seed_out, seed_lse) of the same
- * row id; lse (output) may be NULL. */
-#define DEFINE_ATTEND_ROWS(NAME, T, LOAD, STORE)                                                         \
-    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int64_t *ids, int64_t nr,         \
+ * row id; lse (output) may be NULL. T: the query and output type, KT: the K/V buffers' (LOADK widens it). */
+#define DEFINE_ATTEND_ROWS(NAME, T, KT, LOAD, LOADK, STORE)                                              \
+    static void NAME(const T *q, const KT *k_buf, const KT *v_buf, const int64_t *ids, int64_t nr,       \
                      const int32_t *slots, int64_t len, const int32_t *limits, const int32_t *lows,      \
                      int64_t kv_heads, int64_t h, int64_t dim, float scale, const T *seed_out,           \
                      const float *seed_lse, T *out, float *lse) {                                        \
@@ -83,8 +83,8 @@ static inline float row_lse(float run_max, float run_sum) {
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                    \
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \
             for (int64_t t = 0; t < n; t++) {                                                            \
-                const T *krow = k_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim;                   \
-                for (int64_t d = 0; d < dim; d++) row[d] = LOAD(krow[d]);                                \
+                const KT *krow = k_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim;                  \
+                for (int64_t d = 0; d < dim; d++) row[d] = LOADK(krow[d]);                               \
                 for (int64_t r = 0; r < nr; r++) {                                                       \
                     float dot = 0.0f;                                                                    \
                     _Pragma("omp simd reduction(+ : dot)")                                               \
@@ -108,8 +108,8 @@ static inline float row_lse(float run_max, float run_sum) {
                 run_max[r] = chunk_max;                                                                  \
             }                                                                                            \
             for (int64_t t = 0; t < n; t++) {                                                            \
-                const T *vrow = v_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim;                   \
-                for (int64_t d = 0; d < dim; d++) row[d] = LOAD(vrow[d]);                                \
+                const KT *vrow = v_buf + ((int64_t)slots[t0 + t] * kv_heads + h) * dim;                  \
+                for (int64_t d = 0; d < dim; d++) row[d] = LOADK(vrow[d]);                               \
                 for (int64_t r = 0; r < nr; r++) {                                                       \
                     const float p = score[r][t];                                                         \
                     _Pragma("omp simd")                                                                  \
@@ -125,7 +125,9 @@ static inline float row_lse(float run_max, float run_sum) {
         }                                                                                                \
     }
 
-DEFINE_ATTEND_ROWS(attend_rows_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ATTEND_ROWS(attend_rows_f32, float, f32_id, f32_id)
+DEFINE_ATTEND_ROWS(attend_rows_bf16, uint16_t, uint16_t, bf16_to_f32, bf16_to_f32, f32_to_bf16)
+DEFINE_ATTEND_ROWS(attend_rows_f32, float, float, f32_id, f32_id, f32_id)
+/* float32 queries and output over a bf16 KV cache (--kv-cache-dtype bfloat16 under float32 compute) */
+DEFINE_ATTEND_ROWS(attend_rows_f32_bf16kv, float, uint16_t, f32_id, bf16_to_f32, f32_id)
 
 #endif

@@ -314,6 +314,9 @@ DEFINE_ATTEND_LANES(attend_lanes_f32, float, float, lv, load_q_f32, score_chunk_
                     f32_id)
 DEFINE_ATTEND_LANES(attend_lanes_bf16_wide, uint16_t, uint16_t, lv, load_q_bf16_wide, score_chunk_bf16_wide,
                     accumulate_chunk_bf16_wide, bf16_to_f32, f32_to_bf16)
+/* float32 queries and output over a bf16 KV cache (--kv-cache-dtype bfloat16), widened chunk by chunk */
+DEFINE_ATTEND_LANES(attend_lanes_f32_bf16kv, float, uint16_t, lv, load_q_f32, score_chunk_bf16_wide,
+                    accumulate_chunk_bf16_wide, f32_id, f32_id)
 /* bf16 queries and output over K/V already widened to float32 (extend_attention.c's scratch copy) */
 DEFINE_ATTEND_LANES(attend_lanes_bf16_f32kv, uint16_t, float, lv, load_q_bf16_wide, score_chunk_f32,
                     accumulate_chunk_f32, bf16_to_f32, f32_to_bf16)

@@ -17,8 +17,8 @@
 
 #include "simd.h"
 
-#define DEFINE_DECODE(NAME, T, ATTEND_ROWS)                                                              \
-    static int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,               \
+#define DEFINE_DECODE(NAME, T, KT, ATTEND_ROWS)                                                          \
+    static int NAME(const T *q, const KT *k_buf, const KT *v_buf, const int32_t *kv_indices,             \
                     const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,   \
                     int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,          \
                     int num_threads) {                                                                   \
@@ -35,8 +35,9 @@
         return 0;                                                                                        \
     }
 
-DEFINE_DECODE(decode_rows_bf16, uint16_t, attend_rows_bf16)
-DEFINE_DECODE(decode_rows_f32, float, attend_rows_f32)
+DEFINE_DECODE(decode_rows_bf16, uint16_t, uint16_t, attend_rows_bf16)
+DEFINE_DECODE(decode_rows_f32, float, float, attend_rows_f32)
+DEFINE_DECODE(decode_rows_f32_bf16kv, float, uint16_t, attend_rows_f32_bf16kv)
 
 #define MAX_HEADS 64 /* query heads a whole-request unit holds (else (request, kv head) units) */
 #define PART_TOKENS 1024 /* a long context is attended in parts of at least this many tokens, then merged */
@@ -80,8 +81,8 @@ static inline int64_t part_tokens(int64_t len) { return (len + context_parts(len
  * every thread busy (a model with fewer kv heads than threads would else leave some idle), and a row's
  * result never depends on what else the batch holds. Parts are merged by their log-sum-exp, in order; the
  * seed (cascade) enters part 0. */
-#define DEFINE_DECODE_UNITS(NAME, T, REQUEST, MERGE)                                                     \
-    static int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *kv_indices,               \
+#define DEFINE_DECODE_UNITS(NAME, T, KT, REQUEST, MERGE)                                                 \
+    static int NAME(const T *q, const KT *k_buf, const KT *v_buf, const int32_t *kv_indices,             \
                     const int64_t *seq_lens, const T *seed_out, const float *seed_lse, T *out, int64_t bs,   \
                     int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,          \
                     int num_threads) {                                                                   \
@@ -132,17 +133,17 @@ DEFINE_MERGE_PARTS(merge_parts_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #define PREFETCH_AHEAD 16 /* tokens between a K/V row's prefetch and its scoring */
 
 /* One unit (see DEFINE_DECODE_UNITS), the head dim across the lanes (dim % SIMD_WIDTH == 0). */
-#define DEFINE_DECODE_REQUEST_DIM(NAME, T, LOADV, LOAD, STORE)                                           \
-    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, int64_t len,      \
+#define DEFINE_DECODE_REQUEST_DIM(NAME, T, KT, QLOADV, LOADV, LOAD, STORE)                               \
+    static void NAME(const T *q, const KT *k_buf, const KT *v_buf, const int32_t *slots, int64_t len,    \
                      int64_t kv_heads, int64_t h0, int64_t h1, int64_t dim, int64_t group, float scale,  \
                      const T *seed_out, const float *seed_lse, T *out, float *out_lse) {                 \
         const int64_t nv = dim / SIMD_WIDTH, rows = (h1 - h0) * group, width = (h1 - h0) * dim;          \
         vf qv[MAX_HEADS][MAX_DIM / SIMD_WIDTH];                                                          \
         float acc[MAX_HEADS][MAX_DIM], score[MAX_HEADS][CHUNK], run_max[MAX_HEADS], run_sum[MAX_HEADS];  \
-        const T *vrow[CHUNK];                                                                            \
+        const KT *vrow[CHUNK];                                                                           \
         for (int64_t r = 0; r < rows; r++) {                                                             \
             for (int64_t c = 0; c < nv; c++)                                                             \
-                qv[r][c] = vf_mul(LOADV(q + r * dim + c * SIMD_WIDTH), vf_set1(scale));                  \
+                qv[r][c] = vf_mul(QLOADV(q + r * dim + c * SIMD_WIDTH), vf_set1(scale));                 \
             for (int64_t d = 0; d < dim; d++) acc[r][d] = seed_lse != NULL ? LOAD(seed_out[r * dim + d]) : 0.0f; \
             run_max[r] = seed_lse != NULL ? seed_lse[r] : -INFINITY;                                     \
             run_sum[r] = seed_lse != NULL && seed_lse[r] > -INFINITY ? 1.0f : 0.0f;                      \
@@ -151,11 +152,11 @@ DEFINE_MERGE_PARTS(merge_parts_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                       \
             for (int64_t t = 0; t < n; t += DECODE_TOKENS) {                                             \
                 for (int64_t i = t0 + t + PREFETCH_AHEAD; i < t0 + t + PREFETCH_AHEAD + DECODE_TOKENS && i < len; i++) { \
-                    prefetch_row(k_buf + ((int64_t)slots[i] * kv_heads + h0) * dim, width * (int64_t)sizeof(T)); \
-                    prefetch_row(v_buf + ((int64_t)slots[i] * kv_heads + h0) * dim, width * (int64_t)sizeof(T)); \
+                    prefetch_row(k_buf + ((int64_t)slots[i] * kv_heads + h0) * dim, width * (int64_t)sizeof(KT)); \
+                    prefetch_row(v_buf + ((int64_t)slots[i] * kv_heads + h0) * dim, width * (int64_t)sizeof(KT)); \
                 }                                                                                        \
                 for (int64_t h = h0; h < h1; h++) {                                                      \
-                    const T *krow[DECODE_TOKENS];                                                        \
+                    const KT *krow[DECODE_TOKENS];                                                       \
                     for (int64_t i = 0; i < DECODE_TOKENS; i++)                                          \
                         krow[i] = k_buf + ((int64_t)slots[t0 + (t + i < n ? t + i : n - 1)] * kv_heads + h) * dim; \
                     for (int64_t r = (h - h0) * group; r < (h - h0 + 1) * group; r++) {                 \
@@ -195,30 +196,35 @@ DEFINE_MERGE_PARTS(merge_parts_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
         }                                                                                                \
     }
 
-DEFINE_DECODE_REQUEST_DIM(decode_request_dim_f32, float, vf_load, f32_id, f32_id)
-DEFINE_DECODE_REQUEST_DIM(decode_request_dim_bf16, uint16_t, vf_load_bf16, bf16_to_f32, f32_to_bf16)
-DEFINE_DECODE_UNITS(decode_dim_f32, float, decode_request_dim_f32, merge_parts_f32)
-DEFINE_DECODE_UNITS(decode_dim_bf16, uint16_t, decode_request_dim_bf16, merge_parts_bf16)
+DEFINE_DECODE_REQUEST_DIM(decode_request_dim_f32, float, float, vf_load, vf_load, f32_id, f32_id)
+DEFINE_DECODE_REQUEST_DIM(decode_request_dim_bf16, uint16_t, uint16_t, vf_load_bf16, vf_load_bf16, bf16_to_f32,
+                          f32_to_bf16)
+DEFINE_DECODE_REQUEST_DIM(decode_request_dim_f32_bf16kv, float, uint16_t, vf_load, vf_load_bf16, f32_id, f32_id)
+DEFINE_DECODE_UNITS(decode_dim_f32, float, float, decode_request_dim_f32, merge_parts_f32)
+DEFINE_DECODE_UNITS(decode_dim_bf16, uint16_t, uint16_t, decode_request_dim_bf16, merge_parts_bf16)
+DEFINE_DECODE_UNITS(decode_dim_f32_bf16kv, float, uint16_t, decode_request_dim_f32_bf16kv, merge_parts_f32)
 #endif
 
 #if SIMD_WIDTH == 16
 #include "decode_avx512.h"
 
-#define DEFINE_REQUEST_512(NAME, T, UNIT)                                                                \
-    static void NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, int64_t len,      \
+#define DEFINE_REQUEST_512(NAME, T, KT, UNIT)                                                            \
+    static void NAME(const T *q, const KT *k_buf, const KT *v_buf, const int32_t *slots, int64_t len,    \
                      int64_t kv_heads, int64_t h0, int64_t h1, int64_t dim, int64_t group, float scale,  \
                      const T *seed_out, const float *seed_lse, T *out, float *out_lse) {                 \
         DECODE_SHAPES(UNIT, group, dim / 16, q, k_buf, v_buf, slots, len, kv_heads, h0, h1, scale,      \
                       seed_out, seed_lse, out, out_lse)                                                  \
     }
 
-DEFINE_REQUEST_512(decode_request_512_f32, float, decode_unit_f32)
-DEFINE_REQUEST_512(decode_request_512_bf16w, uint16_t, decode_unit_bf16w)
-DEFINE_DECODE_UNITS(decode_512_f32, float, decode_request_512_f32, merge_parts_f32)
-DEFINE_DECODE_UNITS(decode_512_bf16w, uint16_t, decode_request_512_bf16w, merge_parts_bf16)
+DEFINE_REQUEST_512(decode_request_512_f32, float, float, decode_unit_f32)
+DEFINE_REQUEST_512(decode_request_512_bf16w, uint16_t, uint16_t, decode_unit_bf16w)
+DEFINE_REQUEST_512(decode_request_512_f32_bf16kv, float, uint16_t, decode_unit_f32_bf16kv)
+DEFINE_DECODE_UNITS(decode_512_f32, float, float, decode_request_512_f32, merge_parts_f32)
+DEFINE_DECODE_UNITS(decode_512_bf16w, uint16_t, uint16_t, decode_request_512_bf16w, merge_parts_bf16)
+DEFINE_DECODE_UNITS(decode_512_f32_bf16kv, float, uint16_t, decode_request_512_f32_bf16kv, merge_parts_f32)
 #ifdef HAVE_AVX512_BF16
-DEFINE_REQUEST_512(decode_request_512_bf16dp, uint16_t, decode_unit_bf16dp)
-DEFINE_DECODE_UNITS(decode_512_bf16dp, uint16_t, decode_request_512_bf16dp, merge_parts_bf16)
+DEFINE_REQUEST_512(decode_request_512_bf16dp, uint16_t, uint16_t, decode_unit_bf16dp)
+DEFINE_DECODE_UNITS(decode_512_bf16dp, uint16_t, uint16_t, decode_request_512_bf16dp, merge_parts_bf16)
 #endif
 #endif
 
@@ -242,6 +248,26 @@ int EXPORT(decode_attention_f32)(const float *q, const float *k_buf, const float
 #endif
     return decode_rows_f32(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
                            kv_heads, dim, scale, num_threads);
+}
+
+/* float32 queries and output over a bf16 KV cache (--kv-cache-dtype bfloat16 under float32 compute): the
+ * float32 kernel's paths, with each K and V row widened to float32 as it is loaded. */
+int EXPORT(decode_attention_f32_bf16kv)(const float *q, const uint16_t *k_buf, const uint16_t *v_buf,
+                                        const int32_t *kv_indices, const int64_t *seq_lens, const float *seed_out,
+                                        const float *seed_lse, float *out, int64_t bs, int64_t max_len, int64_t heads,
+                                        int64_t kv_heads, int64_t dim, float scale, int num_threads) {
+    if (bad_shape(heads, kv_heads, dim)) return 1;
+#if SIMD_WIDTH == 16
+    if (dim % 16 == 0)
+        return decode_512_f32_bf16kv(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len,
+                                     heads, kv_heads, dim, scale, num_threads);
+#elif SIMD_WIDTH == 8
+    if (dim % SIMD_WIDTH == 0)
+        return decode_dim_f32_bf16kv(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len,
+                                     heads, kv_heads, dim, scale, num_threads);
+#endif
+    return decode_rows_f32_bf16kv(q, k_buf, v_buf, kv_indices, seq_lens, seed_out, seed_lse, out, bs, max_len, heads,
+                                  kv_heads, dim, scale, num_threads);
 }
 
 int EXPORT(decode_attention_bf16)(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,

@@ -19,16 +19,17 @@
 
 #define VCOLS(group, nv) ((group) * (nv) <= 24 ? (nv) : ((24 / (group)) > 0 ? 24 / (group) : 1))
 
-/* NAME(..., group, nv): one unit; T the pool's element type, QV the type of a query's pre-loaded vectors
- * (QSTEPS(nv) of them), QLOAD(p, c) its c-th vector from the query row p (scaled by `scale` when
- * SCALE_Q), KDOT(acc, qv, krow, c) one step of the dot product, LOADV(p) 16 values widened to float. */
-#define DEFINE_DECODE_512(NAME, T, QV, QSTEPS, QLOAD, SCALE_Q, KDOT, LOADV, LOAD, STORE)                  \
+/* NAME(..., group, nv): one unit; T the query and output element type, KT the pool's, QV the type of a
+ * query's pre-loaded vectors (QSTEPS(nv) of them), QLOAD(p, c) its c-th vector from the query row p (scaled
+ * by `scale` when SCALE_Q), KDOT(acc, qv, krow, c) one step of the dot product, LOADV(p) 16 pool values
+ * widened to float. */
+#define DEFINE_DECODE_512(NAME, T, KT, QV, QSTEPS, QLOAD, SCALE_Q, KDOT, LOADV, LOAD, STORE)              \
     static inline __attribute__((always_inline)) void NAME(                                               \
-        const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, int64_t len, int64_t kv_heads,  \
+        const T *q, const KT *k_buf, const KT *v_buf, const int32_t *slots, int64_t len, int64_t kv_heads, \
         int64_t h0, int64_t h1, float scale, const T *seed_out, const float *seed_lse, T *out,            \
         float *out_lse, const int64_t group, const int64_t nv) {                                          \
         const int64_t dim = nv * 16, rows = (h1 - h0) * group, steps = QSTEPS(nv);                        \
-        const int64_t vcols = VCOLS(group, nv), row_bytes = (h1 - h0) * dim * (int64_t)sizeof(T);         \
+        const int64_t vcols = VCOLS(group, nv), row_bytes = (h1 - h0) * dim * (int64_t)sizeof(KT);        \
         QV qv[MAX_HEADS][MAX_DIM / 16];                                                                   \
         float acc[MAX_HEADS][MAX_DIM], score[MAX_HEADS][CHUNK], run_max[MAX_HEADS], run_sum[MAX_HEADS];   \
         const float post = SCALE_Q ? 1.0f : scale;                                                        \
@@ -40,7 +41,7 @@
         }                                                                                                 \
         for (int64_t t0 = 0; t0 < len; t0 += CHUNK) {                                                     \
             const int64_t n = len - t0 < CHUNK ? len - t0 : CHUNK;                                        \
-            const T *rows_k[CHUNK], *rows_v[CHUNK];                                                       \
+            const KT *rows_k[CHUNK], *rows_v[CHUNK];                                                      \
             for (int64_t t = 0; t < CHUNK; t++) {                                                         \
                 const int64_t base = (int64_t)slots[t0 + (t < n ? t : n - 1)] * kv_heads + h0;            \
                 rows_k[t] = k_buf + base * dim; /* past n: the last token again, masked by softmax_chunk */ \
@@ -75,7 +76,7 @@
                     for (int64_t g = 0; g < group; g++)                                                   \
                         for (int64_t c = 0; c < cols; c++) a[g * vcols + c] = _mm512_loadu_ps(acc[r0 + g] + 16 * (c0 + c)); \
                     for (int64_t t = 0; t < n; t++) {                                                     \
-                        const T *vrow = rows_v[t] + h * dim + 16 * c0;                                    \
+                        const KT *vrow = rows_v[t] + h * dim + 16 * c0;                                   \
                         for (int64_t c = 0; c < cols; c++) {                                              \
                             const __m512 v = LOADV(vrow + 16 * c);                                        \
                             for (int64_t g = 0; g < group; g++)                                           \
@@ -118,16 +119,20 @@
 #define BF16W_QLOAD(p, c, scale) _mm512_mul_ps(vf_load_bf16((p) + 16 * (c)), _mm512_set1_ps(scale))
 #define BF16W_KDOT(acc, qc, krow, c) _mm512_fmadd_ps(qc, vf_load_bf16((krow) + 16 * (c)), acc)
 
-DEFINE_DECODE_512(decode_unit_f32, float, __m512, F32_STEPS, F32_QLOAD, 1, F32_KDOT, _mm512_loadu_ps, f32_id, f32_id)
-DEFINE_DECODE_512(decode_unit_bf16w, uint16_t, __m512, F32_STEPS, BF16W_QLOAD, 1, BF16W_KDOT, vf_load_bf16,
+DEFINE_DECODE_512(decode_unit_f32, float, float, __m512, F32_STEPS, F32_QLOAD, 1, F32_KDOT, _mm512_loadu_ps, f32_id,
+                  f32_id)
+DEFINE_DECODE_512(decode_unit_bf16w, uint16_t, uint16_t, __m512, F32_STEPS, BF16W_QLOAD, 1, BF16W_KDOT, vf_load_bf16,
                   bf16_to_f32, f32_to_bf16)
+/* float32 queries over a bf16 KV cache (--kv-cache-dtype bfloat16): K and V widened as they are loaded */
+DEFINE_DECODE_512(decode_unit_f32_bf16kv, float, uint16_t, __m512, F32_STEPS, F32_QLOAD, 1, BF16W_KDOT, vf_load_bf16,
+                  f32_id, f32_id)
 
 #ifdef HAVE_AVX512_BF16
 /* bf16 pairs of q and k multiplied exactly by vdpbf16ps (q unscaled: the scale is applied to the sums). */
 #define BF16_STEPS(nv) ((nv) / 2)
 #define BF16_QLOAD(p, c, scale) ((__m512bh)_mm512_loadu_si512((p) + 32 * (c)))
 #define BF16_KDOT(acc, qc, krow, c) _mm512_dpbf16_ps(acc, qc, (__m512bh)_mm512_loadu_si512((krow) + 32 * (c)))
-DEFINE_DECODE_512(decode_unit_bf16dp, uint16_t, __m512bh, BF16_STEPS, BF16_QLOAD, 0, BF16_KDOT, vf_load_bf16,
+DEFINE_DECODE_512(decode_unit_bf16dp, uint16_t, uint16_t, __m512bh, BF16_STEPS, BF16_QLOAD, 0, BF16_KDOT, vf_load_bf16,
                   bf16_to_f32, f32_to_bf16)
 #endif
 

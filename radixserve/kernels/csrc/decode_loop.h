@@ -33,7 +33,9 @@
 // layout, or a small descriptor of one), opaque here.
 typedef int (*linear_fn)(const void *weights, const elem_t *x, const elem_t *bias, elem_t *y, int64_t m, int64_t n,
                          int64_t k, int nthreads);
-typedef int (*attention_fn)(const elem_t *q, const elem_t *k_buf, const elem_t *v_buf, const int32_t *kv_indices,
+// k_buf / v_buf: the cache's element type (elem_t, or bf16 where decode_model.kv_bf16: the f32 build's
+// decode_attention_f32_bf16kv)
+typedef int (*attention_fn)(const elem_t *q, const void *k_buf, const void *v_buf, const int32_t *kv_indices,
                             const int64_t *seq_lens, const elem_t *seed_out, const float *seed_lse, elem_t *out,
                             int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                             int nthreads);
@@ -71,6 +73,7 @@ typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     int64_t max_position, num_groups; // rows of every rotary table; attention groups
     int64_t style;                    // STYLE_LLAMA or STYLE_GEMMA
+    int64_t kv_bf16;                  // 1: the KV cache is bf16 under float32 elements (--kv-cache-dtype); else elem_t
     float eps, scale;
     const int64_t *layers; // [num_layers][LAYER_POINTERS]
 } decode_model;
@@ -79,8 +82,20 @@ static void rotary_kv_row(const decode_model *m, const int64_t *layer, const ele
                           int64_t slot, elem_t *q) {
     const int64_t dim = m->head_dim, half = dim / 2, kv = m->kv_heads;
     const float *cos = (const float *)layer[COS] + position * half, *sin = (const float *)layer[SIN] + position * half;
-    elem_t *k_cache = (elem_t *)layer[K_CACHE] + slot * kv * dim, *v_cache = (elem_t *)layer[V_CACHE] + slot * kv * dim;
     for (int64_t h = 0; h < m->heads; h++) rotate_head(qkv + h * dim, cos, sin, q + h * dim, half);
+#ifdef DECODE_KV_BF16
+    if (m->kv_bf16) { // NOTE: rounded to nearest even, as torch's .to(bfloat16) of the Python path's write
+        uint16_t *k_cache = (uint16_t *)layer[K_CACHE] + slot * kv * dim, *v_cache = (uint16_t *)layer[V_CACHE] + slot * kv * dim;
+        elem_t k[MAX_DIM];
+        for (int64_t h = 0; h < kv; h++) {
+            rotate_head(qkv + (m->heads + h) * dim, cos, sin, k, half);
+            for (int64_t d = 0; d < dim; d++) k_cache[h * dim + d] = f32_to_bf16(k[d]);
+        }
+        for (int64_t i = 0; i < kv * dim; i++) v_cache[i] = f32_to_bf16(qkv[(m->heads + kv) * dim + i]);
+        return;
+    }
+#endif
+    elem_t *k_cache = (elem_t *)layer[K_CACHE] + slot * kv * dim, *v_cache = (elem_t *)layer[V_CACHE] + slot * kv * dim;
     for (int64_t h = 0; h < kv; h++) rotate_head(qkv + (m->heads + h) * dim, cos, sin, k_cache + h * dim, half);
     memcpy(v_cache, qkv + (m->heads + kv) * dim, (size_t)(kv * dim) * sizeof(elem_t));
 }
@@ -121,7 +136,7 @@ static int attend_and_project(const decode_model *m, attention_fn attention, con
                               const attention_group *grp, const step_buffers *b, elem_t *out, int64_t bs,
                               int nthreads) {
     const int64_t q_size = m->heads * m->head_dim;
-    if (attention(b->q, (const elem_t *)w[K_CACHE], (const elem_t *)w[V_CACHE], grp->kv_indices, grp->seq_lens,
+    if (attention(b->q, (const void *)w[K_CACHE], (const void *)w[V_CACHE], grp->kv_indices, grp->seq_lens,
                   NULL, NULL, b->attn, bs, grp->max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
         return 2;
     return LINEAR(w, O)((const void *)w[O], b->attn, NULL, out, bs, m->hidden, q_size, nthreads) ? 3 : 0;

@@ -20,6 +20,7 @@
 #endif
 
 typedef float elem_t;
+#define DECODE_KV_BF16 /* decode_loop.h: the KV cache may be bf16 (decode_model.kv_bf16) */
 
 // exp(x) for any x: the attention kernels' polynomial (simd.h), valid above 0 too; inf above ~88.7.
 static inline vf exp_any(vf x) { return vf_exp_nonpositive(vf_min(x, vf_set1(89.0f))); }

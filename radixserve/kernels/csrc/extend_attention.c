@@ -117,6 +117,7 @@ static void unit_setup(unit_t *u, int64_t unit, const plan_t *plan, const int64_
 DEFINE_EXTEND(extend_f32, float, float, attend_lanes_f32)
 DEFINE_EXTEND(extend_bf16, uint16_t, uint16_t, attend_lanes_bf16_wide)
 DEFINE_EXTEND(extend_bf16_f32kv, uint16_t, float, attend_lanes_bf16_f32kv)
+DEFINE_EXTEND(extend_f32_bf16kv, float, uint16_t, attend_lanes_f32_bf16kv)
 
 /* Every request's context rows (all kv heads) widened to float32, request b's from row ctx[b] on: one
  * buffer, K's rows then V's; NULL when over WIDE_SCRATCH_BYTES (or no memory). */
@@ -143,6 +144,7 @@ static float *widen_context(const uint16_t *k_buf, const uint16_t *v_buf, const 
 #else
 DEFINE_EXTEND(extend_f32, float, float, attend_rows_f32)
 DEFINE_EXTEND(extend_bf16, uint16_t, uint16_t, attend_rows_bf16)
+DEFINE_EXTEND(extend_f32_bf16kv, float, uint16_t, attend_rows_f32_bf16kv)
 #endif
 #ifdef HAVE_AVX512_BF16
 DEFINE_EXTEND(extend_bf16_dp, uint16_t, uint16_t, attend_lanes_bf16_dp)
@@ -194,6 +196,35 @@ int EXPORT(extend_attention_f32)(const float *q, const float *k_buf, const float
     if (bad_heads(heads, kv_heads, dim) || plan_units(&plan, reqs, bs, kv_heads, heads / kv_heads)) return 1;
     extend_f32(q, k_buf, v_buf, kv_indices, NULL, &plan, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads,
                dim, window, scale, num_threads);
+    free(plan.first);
+    return 0;
+}
+
+/* float32 queries and output over a bf16 KV cache (--kv-cache-dtype bfloat16 under float32 compute): with a
+ * vector level the context is widened to float32 once per call (as for bf16 queries without vdpbf16ps) and the
+ * float32 kernel runs over the copy; past WIDE_SCRATCH_BYTES each unit widens the chunks it reads. */
+int EXPORT(extend_attention_f32_bf16kv)(const float *q, const uint16_t *k_buf, const uint16_t *v_buf,
+                                        const int32_t *kv_indices, const int64_t *reqs, const float *seed_out,
+                                        const float *seed_lse, float *out, float *lse, int64_t bs, int64_t heads,
+                                        int64_t kv_heads, int64_t dim, int64_t window, float scale, int num_threads) {
+    plan_t plan;
+    if (bad_heads(heads, kv_heads, dim) || plan_units(&plan, reqs, bs, kv_heads, heads / kv_heads)) return 1;
+#ifdef SIMD_WIDTH
+    float *wide = widen_context(k_buf, v_buf, kv_indices, reqs, &plan, bs, kv_heads * dim, num_threads);
+    int32_t *iota = wide != NULL ? malloc((size_t)plan.ctx[bs] * sizeof *iota) : NULL;
+    if (iota != NULL) {
+        for (int64_t i = 0; i < plan.ctx[bs]; i++) iota[i] = (int32_t)i;
+        extend_f32(q, wide, wide + plan.ctx[bs] * kv_heads * dim, kv_indices, iota, &plan, reqs, seed_out, seed_lse,
+                   out, lse, bs, heads, kv_heads, dim, window, scale, num_threads);
+        free(iota);
+        free(wide);
+        free(plan.first);
+        return 0;
+    }
+    free(wide);
+#endif
+    extend_f32_bf16kv(q, k_buf, v_buf, kv_indices, NULL, &plan, reqs, seed_out, seed_lse, out, lse, bs, heads,
+                      kv_heads, dim, window, scale, num_threads);
     free(plan.first);
     return 0;
 }

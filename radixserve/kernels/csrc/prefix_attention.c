@@ -37,8 +37,8 @@ static inline int64_t unit_lows(int32_t *lows, const int32_t *first, int64_t j0,
     return start;
 }
 
-#define DEFINE_PREFIX(NAME, T, ATTEND)                                                                   \
-    static int NAME(const T *q, const T *k_buf, const T *v_buf, const int32_t *slots, const int32_t *first, \
+#define DEFINE_PREFIX(NAME, T, KT, ATTEND)                                                               \
+    static int NAME(const T *q, const KT *k_buf, const KT *v_buf, const int32_t *slots, const int32_t *first, \
                     T *out, float *lse, int64_t num_tokens, int64_t prefix_len, int64_t heads,           \
                     int64_t kv_heads, int64_t dim, float scale, int num_threads) {                       \
         const int64_t group = heads / kv_heads, rows = num_tokens * (heads / kv_heads);                  \
@@ -61,14 +61,16 @@ static inline int64_t unit_lows(int32_t *lows, const int32_t *first, int64_t j0,
     }
 
 #ifdef SIMD_WIDTH
-DEFINE_PREFIX(prefix_f32, float, attend_lanes_f32)
-DEFINE_PREFIX(prefix_bf16, uint16_t, attend_lanes_bf16_wide)
+DEFINE_PREFIX(prefix_f32, float, float, attend_lanes_f32)
+DEFINE_PREFIX(prefix_bf16, uint16_t, uint16_t, attend_lanes_bf16_wide)
+DEFINE_PREFIX(prefix_f32_bf16kv, float, uint16_t, attend_lanes_f32_bf16kv)
 #else
-DEFINE_PREFIX(prefix_f32, float, attend_rows_f32)
-DEFINE_PREFIX(prefix_bf16, uint16_t, attend_rows_bf16)
+DEFINE_PREFIX(prefix_f32, float, float, attend_rows_f32)
+DEFINE_PREFIX(prefix_bf16, uint16_t, uint16_t, attend_rows_bf16)
+DEFINE_PREFIX(prefix_f32_bf16kv, float, uint16_t, attend_rows_f32_bf16kv)
 #endif
 #ifdef HAVE_AVX512_BF16
-DEFINE_PREFIX(prefix_bf16_dp, uint16_t, attend_lanes_bf16_dp)
+DEFINE_PREFIX(prefix_bf16_dp, uint16_t, uint16_t, attend_lanes_bf16_dp)
 #endif
 
 int EXPORT(prefix_attention_f32)(const float *q, const float *k_buf, const float *v_buf, const int32_t *slots,
@@ -76,6 +78,15 @@ int EXPORT(prefix_attention_f32)(const float *q, const float *k_buf, const float
                                  int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) {
     return prefix_f32(q, k_buf, v_buf, slots, first, out, lse, num_tokens, prefix_len, heads, kv_heads, dim, scale,
                       num_threads);
+}
+
+/* float32 queries over a bf16 KV cache (--kv-cache-dtype bfloat16) */
+int EXPORT(prefix_attention_f32_bf16kv)(const float *q, const uint16_t *k_buf, const uint16_t *v_buf,
+                                        const int32_t *slots, const int32_t *first, float *out, float *lse,
+                                        int64_t num_tokens, int64_t prefix_len, int64_t heads, int64_t kv_heads,
+                                        int64_t dim, float scale, int num_threads) {
+    return prefix_f32_bf16kv(q, k_buf, v_buf, slots, first, out, lse, num_tokens, prefix_len, heads, kv_heads, dim,
+                             scale, num_threads);
 }
 
 int EXPORT(prefix_attention_bf16)(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf,

@@ -14,6 +14,19 @@ if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
 
 
+def gather_kv(buffer: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `indices` of a pool buffer in the compute `dtype` (a bf16 cache under float32 compute is widened here:
+    --kv-cache-dtype)."""
+    return buffer.index_select(0, indices).to(dtype)
+
+
+def as_cached(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """New K or V as attention reads them back from a `kv_dtype` cache: rounded through it, in x's dtype.
+    NOTE: every path attends over the cached values, so a prompt gives the same result whether its prefix was a
+    cache hit (read back from the pool) or computed in this forward."""
+    return x if x.dtype == kv_dtype else x.to(kv_dtype).to(x.dtype)
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """What a backend is told when it is built: its name, whether it may run cascade attention, the model's

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers.attention.base import gather_kv
+
 if TYPE_CHECKING:
     from radixserve.kernels.attention import DecodeKernel
     from radixserve.model_executor.forward_batch import ForwardBatch
@@ -185,8 +187,8 @@ def cascade_decode(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, me
     if kernel is not None:  # the decode kernel starts each row from part (a): the merge is free
         return kernel(q, k_all, v_all, meta.suffix_indices, meta.suffix_lens, meta.suffix_max_len, scaling, part_a)
     bs, kv_heads, dim = q.shape[0], k_all.shape[1], q.shape[2]
-    keys = k_all.index_select(0, meta.suffix_indices).view(bs, meta.suffix_max_len, kv_heads, dim).transpose(1, 2)
-    values = v_all.index_select(0, meta.suffix_indices).view(bs, meta.suffix_max_len, kv_heads, dim).transpose(1, 2)
+    keys = gather_kv(k_all, meta.suffix_indices, q.dtype).view(bs, meta.suffix_max_len, kv_heads, dim).transpose(1, 2)
+    values = gather_kv(v_all, meta.suffix_indices, q.dtype).view(bs, meta.suffix_max_len, kv_heads, dim).transpose(1, 2)
     bias = None if meta.suffix_mask is None else _additive(meta.suffix_mask, q.dtype).view(bs, 1, 1, -1)
     out_b, lse_b = attention_with_lse(q.unsqueeze(2), keys, values, scaling, bias)
     return merge_partials(*part_a, out_b.squeeze(2), lse_b.squeeze(2)).to(q.dtype)
@@ -202,7 +204,7 @@ def cascade_extend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, me
     if extend_kernel is not None:  # part (b) starts each row from part (a): the merge is free
         return extend_kernel.extend(q, k_all, v_all, meta.suffix_indices, meta.suffix_reqs, scaling,
                                     seed=(out_a, lse_a), window=meta.window)[0]
-    keys, values = k_all.index_select(0, meta.suffix_indices), v_all.index_select(0, meta.suffix_indices)
+    keys, values = gather_kv(k_all, meta.suffix_indices, q.dtype), gather_kv(v_all, meta.suffix_indices, q.dtype)
     out_b = torch.empty_like(q)
     lse_b = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     for s in meta.slices:
@@ -275,7 +277,7 @@ def _rows(bias: torch.Tensor | None, start: int, rows: int, length: int) -> torc
 def _prefix_torch(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, slots: torch.Tensor,
                   scaling: float, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Part (a) in torch: q [n, heads, dim] -> (out [n, heads, dim], lse [n, heads]); bias [n, S] or None."""
-    keys, values = _heads_first(k_all.index_select(0, slots)), _heads_first(v_all.index_select(0, slots))
+    keys, values = _heads_first(gather_kv(k_all, slots, q.dtype)), _heads_first(gather_kv(v_all, slots, q.dtype))
     out, lse = attention_with_lse(_heads_first(q), keys, values, scaling, bias)
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 

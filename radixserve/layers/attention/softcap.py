@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from radixserve.layers.attention import window
+from radixserve.layers.attention.base import as_cached, gather_kv
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.torch_backend import TorchAttnBackend
@@ -64,8 +65,8 @@ def decode_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, 
     bs, heads, dim = q.shape
     kv_heads = k_all.shape[1]
     group = heads // kv_heads
-    keys = k_all.index_select(0, kv_indices).view(bs, max_len, kv_heads, dim)
-    values = v_all.index_select(0, kv_indices).view(bs, max_len, kv_heads, dim)
+    keys = gather_kv(k_all, kv_indices, q.dtype).view(bs, max_len, kv_heads, dim)
+    values = gather_kv(v_all, kv_indices, q.dtype).view(bs, max_len, kv_heads, dim)
     queries = q.view(bs, kv_heads, group, dim)
     scores = cap_scores(torch.matmul(queries, keys.permute(0, 2, 3, 1)), scaling, cap)  # [bs, kv, group, len]
     if mask is not None:
@@ -132,14 +133,15 @@ def forward_extend(backend: TorchAttnBackend, q: torch.Tensor, k: torch.Tensor, 
     if windowed is not None and not isinstance(windowed, window.WindowExtendMetadata):  # see forward_decode
         windowed = window.extend_metadata(fb, layer.sliding_window, _translate(fb))
     if windowed is not None:
-        keys, values = k_all.index_select(0, windowed.kv_indices), v_all.index_select(0, windowed.kv_indices)
+        keys, values = gather_kv(k_all, windowed.kv_indices, q.dtype), gather_kv(v_all, windowed.kv_indices, q.dtype)
         return extend_attention(q, keys, values, windowed.slices, layer.scaling, layer.logit_cap)
     meta = backend.extend_meta
     if meta is None:  # cascade was planned for this batch (see forward_decode)
         meta = window.extend_metadata(fb, _hides_nothing(fb))
     if meta.kv_indices is not None:
-        k, v = k_all.index_select(0, meta.kv_indices), v_all.index_select(0, meta.kv_indices)
-    # NOTE: without kv_indices nothing is cached: the contexts are the new K/V, in the slices' order
+        k, v = gather_kv(k_all, meta.kv_indices, q.dtype), gather_kv(v_all, meta.kv_indices, q.dtype)
+    else:  # NOTE: without kv_indices nothing is cached: the contexts are the new K/V (as the pool holds them)
+        k, v = as_cached(k, k_all.dtype), as_cached(v, v_all.dtype)
     return extend_attention(q, k, v, meta.slices, layer.scaling, layer.logit_cap)
 
 

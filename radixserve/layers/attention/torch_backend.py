@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from radixserve import envs
 from radixserve.layers.attention import cascade, softcap, window, window_cascade
-from radixserve.layers.attention.base import AttentionBackend, AttentionPlan
+from radixserve.layers.attention.base import AttentionBackend, AttentionPlan, as_cached, gather_kv
 
 if TYPE_CHECKING:
     from radixserve.kernels.attention import DecodeKernel
@@ -157,19 +157,22 @@ class TorchAttnBackend(AttentionBackend):
         self.cascade_forwards[mode] += meta is not None
         return meta
 
-    def decode_kernel_for(self, q: torch.Tensor, num_kv_heads: int) -> DecodeKernel | None:
-        """The C decode kernel where the plan uses it in q's dtype and it takes q's shape (the C decode step
-        asks too); None: torch."""
+    def decode_kernel_for(self, q: torch.Tensor, num_kv_heads: int,
+                          kv_dtype: torch.dtype | None = None) -> DecodeKernel | None:
+        """The C decode kernel where the plan uses it in q's dtype and it takes q's shape over a `kv_dtype` cache
+        (default q's; the C decode step asks too); None: torch."""
         kernel = self.decode_kernel
-        ok = kernel is not None and self.plan.uses("decode", q.dtype) and kernel.supports(q, num_kv_heads)
+        ok = (kernel is not None and self.plan.uses("decode", q.dtype)
+              and kernel.supports(q, num_kv_heads, kv_dtype or q.dtype))
         return kernel if ok else None
 
-    def _kernel_for(self, q: torch.Tensor, layer: RadixAttention) -> DecodeKernel | None:
-        return self.decode_kernel_for(q, layer.num_kv_heads)
+    def _kernel_for(self, q: torch.Tensor, layer: RadixAttention, k_all: torch.Tensor) -> DecodeKernel | None:
+        return self.decode_kernel_for(q, layer.num_kv_heads, k_all.dtype)
 
-    def _prefix_kernel_for(self, q: torch.Tensor, layer: RadixAttention) -> DecodeKernel | None:
+    def _prefix_kernel_for(self, q: torch.Tensor, layer: RadixAttention, k_all: torch.Tensor) -> DecodeKernel | None:
         kernel = self.decode_kernel
-        ok = kernel is not None and self.plan.uses("prefix", q.dtype) and kernel.prefix_supports(q, layer.num_kv_heads)
+        ok = (kernel is not None and self.plan.uses("prefix", q.dtype)
+              and kernel.prefix_supports(q, layer.num_kv_heads, k_all.dtype))
         return kernel if ok else None
 
     def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | None:
@@ -192,14 +195,14 @@ class TorchAttnBackend(AttentionBackend):
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, self.kv_write_loc(layer, fb), k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
-        kernel = self._kernel_for(q, layer)
+        kernel = self._kernel_for(q, layer, k_all)
         windowed = self._window_meta(layer, self.window_decode_meta)
         if isinstance(windowed, window.WindowDecodeMetadata):
             return self._decode_window(q, k_all, v_all, layer, windowed, kernel)
         cascaded = windowed if windowed is not None else self.cascade_decode_meta  # a window's own, or the batch's
         if cascaded is not None:
             out = cascade.cascade_decode(q, k_all, v_all, cascaded, layer.scaling, kernel,
-                                         self._prefix_kernel_for(q, layer))
+                                         self._prefix_kernel_for(q, layer, k_all))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.decode_meta
         if kernel is not None:
@@ -229,7 +232,7 @@ class TorchAttnBackend(AttentionBackend):
         cascaded = windowed if windowed is not None else self.cascade_extend_meta  # a window's own, or the batch's
         if cascaded is not None:
             out = cascade.cascade_extend(q, k_all, v_all, cascaded, layer.scaling,
-                                         self._prefix_kernel_for(q, layer), self._extend_kernel_for(q, k_all))
+                                         self._prefix_kernel_for(q, layer, k_all), self._extend_kernel_for(q, k_all))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         extend_kernel = self._plain_extend_kernel_for(q, k_all)
         meta = self.extend_meta
@@ -237,7 +240,9 @@ class TorchAttnBackend(AttentionBackend):
             out, _ = extend_kernel.extend(q, k_all, v_all, meta.kernel_indices, meta.kernel_reqs, layer.scaling)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         if meta.kv_indices is not None:
-            k, v = k_all.index_select(0, meta.kv_indices), v_all.index_select(0, meta.kv_indices)
+            k, v = gather_kv(k_all, meta.kv_indices, q.dtype), gather_kv(v_all, meta.kv_indices, q.dtype)
+        else:  # NOTE: nothing cached: the contexts are the new K/V, as the pool holds them
+            k, v = as_cached(k, k_all.dtype), as_cached(v, v_all.dtype)
         out = torch.empty(q.shape[0], layer.num_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         for s in meta.slices:
             out[s.q_start : s.q_start + s.q_len] = _causal_sdpa(
@@ -301,8 +306,8 @@ def decode_block_diagonal(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Ten
     bs, heads, dim = q.shape
     kv_heads = k_all.shape[1]
     group, width = heads // kv_heads, kv_heads * dim
-    keys = k_all.view(-1, width).index_select(0, meta.kv_indices).view(bs, meta.max_len, width)
-    values = v_all.view(-1, width).index_select(0, meta.kv_indices).view(bs, meta.max_len, width)
+    keys = gather_kv(k_all.view(-1, width), meta.kv_indices, q.dtype).view(bs, meta.max_len, width)
+    values = gather_kv(v_all.view(-1, width), meta.kv_indices, q.dtype).view(bs, meta.max_len, width)
     q_wide = q.new_zeros(bs, kv_heads, group, kv_heads, dim)
     torch.diagonal(q_wide, dim1=1, dim2=3).copy_(q.view(bs, kv_heads, group, dim).permute(0, 2, 3, 1))
     scores = torch.bmm(q_wide.view(bs, heads, width), keys.transpose(1, 2)).float().mul_(scaling)
@@ -319,8 +324,8 @@ def decode_head_major(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
     bs, heads, dim = q.shape
     kv_heads = k_all.shape[1]
     group = heads // kv_heads
-    keys = _gather_head_major(k_all, meta.kv_indices).view(kv_heads * bs, meta.max_len, dim)
-    values = _gather_head_major(v_all, meta.kv_indices).view(kv_heads * bs, meta.max_len, dim)
+    keys = _gather_head_major(k_all, meta.kv_indices).view(kv_heads * bs, meta.max_len, dim).to(q.dtype)
+    values = _gather_head_major(v_all, meta.kv_indices).view(kv_heads * bs, meta.max_len, dim).to(q.dtype)
     queries = q.view(bs, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads * bs, group, dim)
     scores = torch.bmm(queries, keys.transpose(1, 2)).float().mul_(scaling)
     if meta.mask is not None:

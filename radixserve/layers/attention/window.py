@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from radixserve.layers.attention.base import gather_kv
+
 if TYPE_CHECKING:
     from radixserve.model_executor.forward_batch import ForwardBatch
 
@@ -116,7 +118,7 @@ def extend_metadata(fb: ForwardBatch, window: int, translate: torch.Tensor | Non
 def extend_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: WindowExtendMetadata,
                      scaling: float) -> torch.Tensor:
     """q [tokens, heads, dim] (new K/V already in the pool) -> [tokens, heads, dim], banded per request."""
-    keys, values = k_all.index_select(0, meta.kv_indices), v_all.index_select(0, meta.kv_indices)
+    keys, values = gather_kv(k_all, meta.kv_indices, q.dtype), gather_kv(v_all, meta.kv_indices, q.dtype)
     out = torch.empty_like(q)
     for s in meta.slices:
         qs, ks = slice(s.q_start, s.q_start + s.q_len), slice(s.kv_start, s.kv_start + s.kv_len)
