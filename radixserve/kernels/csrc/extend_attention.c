@@ -141,6 +141,29 @@ static float *widen_context(const uint16_t *k_buf, const uint16_t *v_buf, const 
     }
     return wide;
 }
+
+/* EXTEND (queries of type T over float32 K/V) run over the batch's bf16 context widened once (widen_context);
+ * returns 0, or 1 when the copy is over WIDE_SCRATCH_BYTES (or no memory) and nothing ran. */
+#define DEFINE_OVER_WIDENED(NAME, T, EXTEND)                                                             \
+    static int NAME(const T *q, const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *kv_indices, \
+                    const plan_t *plan, const int64_t *reqs, const T *seed_out, const float *seed_lse,   \
+                    T *out, float *lse, int64_t bs, int64_t heads, int64_t kv_heads, int64_t dim,        \
+                    int64_t window, float scale, int num_threads) {                                      \
+        float *wide = widen_context(k_buf, v_buf, kv_indices, reqs, plan, bs, kv_heads * dim, num_threads); \
+        int32_t *iota = wide != NULL ? malloc((size_t)plan->ctx[bs] * sizeof *iota) : NULL;              \
+        if (iota == NULL) {                                                                              \
+            free(wide);                                                                                  \
+            return 1;                                                                                    \
+        }                                                                                                \
+        for (int64_t i = 0; i < plan->ctx[bs]; i++) iota[i] = (int32_t)i;                                \
+        EXTEND(q, wide, wide + plan->ctx[bs] * kv_heads * dim, kv_indices, iota, plan, reqs, seed_out,   \
+               seed_lse, out, lse, bs, heads, kv_heads, dim, window, scale, num_threads);                \
+        free(iota);                                                                                      \
+        free(wide);                                                                                      \
+        return 0;                                                                                        \
+    }
+DEFINE_OVER_WIDENED(extend_bf16_over_widened, uint16_t, extend_bf16_f32kv)
+DEFINE_OVER_WIDENED(extend_f32_over_widened, float, extend_f32)
 #else
 DEFINE_EXTEND(extend_f32, float, float, attend_rows_f32)
 DEFINE_EXTEND(extend_bf16, uint16_t, uint16_t, attend_rows_bf16)
@@ -169,18 +192,11 @@ int EXPORT(extend_attention_bf16)(const uint16_t *q, const uint16_t *k_buf, cons
     }
 #endif
 #ifdef SIMD_WIDTH
-    float *wide = widen_context(k_buf, v_buf, kv_indices, reqs, &plan, bs, kv_heads * dim, num_threads);
-    int32_t *iota = wide != NULL ? malloc((size_t)plan.ctx[bs] * sizeof *iota) : NULL;
-    if (iota != NULL) {
-        for (int64_t i = 0; i < plan.ctx[bs]; i++) iota[i] = (int32_t)i;
-        extend_bf16_f32kv(q, wide, wide + plan.ctx[bs] * kv_heads * dim, kv_indices, iota, &plan, reqs, seed_out,
-                          seed_lse, out, lse, bs, heads, kv_heads, dim, window, scale, num_threads);
-        free(iota);
-        free(wide);
+    if (extend_bf16_over_widened(q, k_buf, v_buf, kv_indices, &plan, reqs, seed_out, seed_lse, out, lse, bs, heads,
+                                 kv_heads, dim, window, scale, num_threads) == 0) {
         free(plan.first);
         return 0;
     }
-    free(wide);
 #endif
     extend_bf16(q, k_buf, v_buf, kv_indices, NULL, &plan, reqs, seed_out, seed_lse, out, lse, bs, heads, kv_heads,
                 dim, window, scale, num_threads);
@@ -210,18 +226,11 @@ int EXPORT(extend_attention_f32_bf16kv)(const float *q, const uint16_t *k_buf, c
     plan_t plan;
     if (bad_heads(heads, kv_heads, dim) || plan_units(&plan, reqs, bs, kv_heads, heads / kv_heads)) return 1;
 #ifdef SIMD_WIDTH
-    float *wide = widen_context(k_buf, v_buf, kv_indices, reqs, &plan, bs, kv_heads * dim, num_threads);
-    int32_t *iota = wide != NULL ? malloc((size_t)plan.ctx[bs] * sizeof *iota) : NULL;
-    if (iota != NULL) {
-        for (int64_t i = 0; i < plan.ctx[bs]; i++) iota[i] = (int32_t)i;
-        extend_f32(q, wide, wide + plan.ctx[bs] * kv_heads * dim, kv_indices, iota, &plan, reqs, seed_out, seed_lse,
-                   out, lse, bs, heads, kv_heads, dim, window, scale, num_threads);
-        free(iota);
-        free(wide);
+    if (extend_f32_over_widened(q, k_buf, v_buf, kv_indices, &plan, reqs, seed_out, seed_lse, out, lse, bs, heads,
+                                kv_heads, dim, window, scale, num_threads) == 0) {
         free(plan.first);
         return 0;
     }
-    free(wide);
 #endif
     extend_f32_bf16kv(q, k_buf, v_buf, kv_indices, NULL, &plan, reqs, seed_out, seed_lse, out, lse, bs, heads,
                       kv_heads, dim, window, scale, num_threads);
