@@ -285,3 +285,32 @@ def test_dtype_auto_without_bf16_products_keeps_the_cache_in_bf16(monkeypatch):
         assert len(out[0]["output_ids"]) == 4
         assert plan["kv cache"]["choice"] == str(expected).removeprefix("torch.")
         assert ("like the weights" in plan["kv cache"]["reason"]) == (requested == "auto")
+
+
+CASCADE_BACKENDS = ["torch", "torch-math", "cpu", "cpu-avx2", "cpu-portable"]
+
+
+@pytest.mark.parametrize("name", CASCADE_BACKENDS)
+def test_cascade_over_a_bf16_pool_matches_attention_without_it(name, monkeypatch):
+    """Cascade (the shared prefix attended once, then each request's own part) over a bf16 pool with float32 queries
+    gives what attention without cascade gives; on the CPU backend a decode batch's shared prefix runs in the C
+    prefix kernel even where the plan leaves prefixes to torch, whose path would widen a copy of it per call."""
+    from test_cascade_attention import _backends, _both, _decode_batch, _extend_batch, _path
+
+    from radixserve.layers.radix_attention import RadixAttention
+
+    _path(name, monkeypatch)
+    on, off = _backends(name)
+    calls = []
+    if on.decode_kernel is not None:
+        shared_prefix = on.decode_kernel.shared_prefix
+        monkeypatch.setattr(on.decode_kernel, "shared_prefix", lambda *a, **kw: calls.append(1) or shared_prefix(*a, **kw))
+    layer = RadixAttention(0, 6, 2, 32, 32**-0.5)
+    q, k, v, fb = _decode_batch(40, [3, 9, 1, 20], 2, 6, 32, torch.bfloat16)
+    got, want = _both(on, off, (q.float(), k.float(), v.float(), fb), layer)
+    assert on.cascade_forwards["decode"] == 1 and got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=2e-5)
+    assert bool(calls) == name.startswith("cpu")
+    q, k, v, fb = _extend_batch(40, [40, 45, 52], [6, 1, 9], 2, 6, 32, torch.bfloat16)
+    got, want = _both(on, off, (q.float(), k.float(), v.float(), fb), layer)
+    assert on.cascade_forwards["extend"] == 1 and torch.allclose(got, want, atol=2e-5)

@@ -169,9 +169,14 @@ class TorchAttnBackend(AttentionBackend):
     def _kernel_for(self, q: torch.Tensor, layer: RadixAttention, k_all: torch.Tensor) -> DecodeKernel | None:
         return self.decode_kernel_for(q, layer.num_kv_heads, k_all.dtype)
 
-    def _prefix_kernel_for(self, q: torch.Tensor, layer: RadixAttention, k_all: torch.Tensor) -> DecodeKernel | None:
+    def _prefix_kernel_for(self, q: torch.Tensor, layer: RadixAttention, k_all: torch.Tensor,
+                           decode: bool = False) -> DecodeKernel | None:
         kernel = self.decode_kernel
-        ok = (kernel is not None and self.plan.uses("prefix", q.dtype)
+        # NOTE: over a cache narrower than q (bf16 under float32), torch's path widens a copy of the prefix per call,
+        # which at decode sizes costs more than the attention (32 queries x 1,000 keys, AVX2 class: torch 1.82 ms,
+        # the C kernel 0.68 ms; float32 cache 0.89 ms): a decode batch's part (a) then runs where decode runs in C
+        widened = decode and k_all.dtype != q.dtype and self.plan.uses("decode", q.dtype)
+        ok = (kernel is not None and (self.plan.uses("prefix", q.dtype) or widened)
               and kernel.prefix_supports(q, layer.num_kv_heads, k_all.dtype))
         return kernel if ok else None
 
@@ -202,7 +207,7 @@ class TorchAttnBackend(AttentionBackend):
         cascaded = windowed if windowed is not None else self.cascade_decode_meta  # a window's own, or the batch's
         if cascaded is not None:
             out = cascade.cascade_decode(q, k_all, v_all, cascaded, layer.scaling, kernel,
-                                         self._prefix_kernel_for(q, layer, k_all))
+                                         self._prefix_kernel_for(q, layer, k_all, decode=True))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.decode_meta
         if kernel is not None:
