@@ -134,3 +134,42 @@ def test_decode_all_matches_the_tokenizer_s_decode() -> None:
     for _ in range(300):
         ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(0, 60))]
         assert decode_all(tokenizer, ids) == tokenizer.decode(ids), ids
+
+
+def test_worker_processes_exit_when_the_http_process_dies_without_shutting_them_down() -> None:
+    """A process pool's workers block on their call queue and never see their parent go; a server killed after its
+    grace period left them running for good. Each worker now watches its parent and exits when it is gone."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import asyncio, os\n"
+        "from radixserve.frontend.fair_work import FairWork\n"
+        "work = FairWork(2, 8, 'test', processes=True)\n"
+        "asyncio.run(work.warm('json'))\n"
+        "print(' '.join(map(str, work._pool._processes)), flush=True)\n"
+        "os._exit(0)  # no shutdown, as a killed server\n")
+    # NOTE: not subprocess.run: workers left behind would hold its output pipe open, and run would wait for them
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as proc:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert proc.wait(120) == 0
+    assert len(pids) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        # NOTE: an exited child of another parent is reaped by init; a zombie still answers kill(0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, 9)
+    assert not left

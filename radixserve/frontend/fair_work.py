@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
@@ -27,6 +28,24 @@ from typing import Any, TypeVar
 from radixserve.frontend.fair_admission import queue_share
 
 T = TypeVar("T")
+
+
+PARENT_POLL_S = 1.0  # how often a worker process looks whether the HTTP process still exists
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker process's initializer: exit once the HTTP process is gone. NOTE: a pool worker blocks on its call
+    queue, whose pipe it holds both ends of, so it never sees the parent go; a server stopped without shutting the
+    pool down (killed after its grace period) left its workers behind for good."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="radixserve-parent-watch", daemon=True).start()
 
 
 def _import(modules: tuple[str, ...]) -> None:
@@ -127,7 +146,8 @@ class FairWork:
         if not self.processes:
             return ThreadPoolExecutor(self.threads, thread_name_prefix=f"radixserve-{self.name}")
         # NOTE: spawned, not forked: the HTTP process has threads (ZMQ, executors) a fork would copy mid-state.
-        return ProcessPoolExecutor(self.threads, mp_context=multiprocessing.get_context("spawn"))
+        return ProcessPoolExecutor(self.threads, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_exit_with_parent, initargs=(os.getpid(),))
 
     async def warm(self, *modules: str) -> None:
         """Starts every worker now and imports `modules` in it (a spawned process takes a second or two), so the
