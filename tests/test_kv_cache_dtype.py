@@ -314,3 +314,27 @@ def test_cascade_over_a_bf16_pool_matches_attention_without_it(name, monkeypatch
     q, k, v, fb = _extend_batch(40, [40, 45, 52], [6, 1, 9], 2, 6, 32, torch.bfloat16)
     got, want = _both(on, off, (q.float(), k.float(), v.float(), fb), layer)
     assert on.cascade_forwards["extend"] == 1 and torch.allclose(got, want, atol=2e-5)
+
+
+def test_speculative_greedy_over_a_bf16_cache_equals_plain_greedy(loaded):
+    """n-gram speculation under float32 compute over a bf16 cache: verify rows write and read the cache as plain
+    decode steps do, so the greedy tokens are the same with and without it, and drafts were accepted."""
+    from test_model_support import assert_engine_conserved
+    from test_speculative_model import CODE
+
+    from radixserve import Engine
+
+    prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": f"Repeat this code exactly:\n\n{CODE}"}],
+                                                  tokenize=False, add_generation_prompt=True)
+    results = {}
+    for algo in ("none", "ngram"):
+        engine = Engine(loaded_model=loaded, dtype="float32", device="cpu", max_total_tokens=2048,
+                        kv_cache_dtype="bfloat16", speculative_algorithm=algo, log_level="warning")
+        try:
+            assert engine.model_runner.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16
+            results[algo] = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 48})
+            assert_engine_conserved(engine)
+        finally:
+            engine.shutdown()
+    assert results["ngram"]["output_ids"] == results["none"]["output_ids"]
+    assert results["ngram"]["meta_info"]["spec_accepted_tokens"] > 0
