@@ -65,8 +65,13 @@ class ServerArgs:
                                          "own for a template without tools), hermes (also Qwen 2.5), llama3, "
                                          "mistral, smollm2", TOOL_CALL_PARSERS)
     speculative_algorithm: str = _opt("none", "speculative decoding: ngram drafts from the request's own prompt "
-                                              "and output, verified exactly by the model (docs/speculative.md)",
-                                      SPECULATIVE_ALGORITHMS)
+                                              "and output, or standalone: a smaller draft model's, verified "
+                                              "exactly by the model (docs/speculative.md)", SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: str | None = _opt(None, "the draft model of --speculative-algorithm standalone "
+                                                          "(same vocabulary); none: the embedded SmolLM2-135M")
+    speculative_draft_model_quantization: str = _opt("none", "packed weights for the draft model (as "
+                                                             "--quantization): a quantized copy of the served "
+                                                             "model is a cheap draft of it", QUANTIZATIONS)
     speculative_num_draft_tokens: int = _opt(6, "most draft tokens a request proposes per step")
     speculative_ngram_min_match: int = _opt(2, "shortest suffix (tokens) an n-gram draft may match")
     speculative_ngram_max_match: int = _opt(8, "longest suffix (tokens) an n-gram draft tries first")
@@ -118,7 +123,7 @@ class ServerArgs:
         if self.kv_cache_dtype.startswith(("fp8", "fp4")):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the attention kernels read "
                              "bfloat16 or float32 K/V; bfloat16 is the smaller cache")
-        for name in ("kv_cache_dtype", "dtype", "quantization", "schedule_policy", "radix_eviction_policy", "tool_call_parser",
+        for name in ("kv_cache_dtype", "dtype", "quantization", "speculative_draft_model_quantization", "schedule_policy", "radix_eviction_policy", "tool_call_parser",
                      "speculative_algorithm"):
             choices = _choices(name)
             if getattr(self, name) not in choices:

@@ -75,6 +75,11 @@ class DecodePlanner:
             return None
         return drafts
 
+    def on_idle(self) -> None:
+        """Nothing runs: the drafter lets go of what it keeps per request (a draft model's KV)."""
+        if self.drafter is not None:
+            self.drafter.release_all()
+
     def may_draft(self, batch: ScheduleBatch) -> bool:
         """Whether the next decode step of `batch` could verify drafts (a row left beside its requests)."""
         return self.drafter is not None and len(batch.reqs) < self.drafter.config.max_verify_rows

@@ -63,7 +63,7 @@ from radixserve.mem_cache.kv_manager import KVManager
 from radixserve.mem_cache.swa_radix_cache import make_tree_cache
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.config import SpecConfig
-from radixserve.speculative.ngram import NgramDrafter
+from radixserve.speculative.drafter import make_drafter
 from radixserve.speculative.verify import attach_drafts
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Scheduler:
         spec = SpecConfig.of(args)
         # NOTE: optional in SchedulerRunner (the tests' fakes have no fast path)
         fast_rows = getattr(self.model_runner, "fast_decode_rows", None)
-        drafter = NgramDrafter(spec, self.context_len, self.tree_cache, fast_rows) if spec is not None else None
+        drafter = make_drafter(spec, self.context_len, self.tree_cache, fast_rows, args, self.model_runner)
         self.output = OutputProcessor(self.kv_manager, self.queue, self.prefill, self.stats, self.tokenizer,
                                       lambda out: self.output_sink(out), args.log_interval, pool, jump,
                                       drafter.cost if drafter is not None else None)
@@ -341,6 +341,7 @@ class Scheduler:
     def on_idle(self) -> None:
         self.new_token_ratio.reset()
         self.output.decode_throughput.take()  # NOTE: idle time must not dilute the next decode log's throughput
+        self.decode.on_idle()
         if not self._idle_checked:
             self._idle_checked = True
             self.check_memory()

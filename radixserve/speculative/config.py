@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ALGORITHMS = ("none", "ngram")
+ALGORITHMS = ("none", "ngram", "standalone")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """`num_draft_tokens`: the most draft tokens a request proposes per step (K). A draft comes from the
-    longest match of the request's last n tokens, n from `max_match` down to `min_match`. `max_verify_rows`:
+    longest match of the request's last n tokens, n from `max_match` down to `min_match` (ngram), or from
+    `draft_model_path`'s greedy decoding (standalone; None: the embedded SmolLM2). `max_verify_rows`:
     the most rows a verify step runs (requests plus draft tokens): past a few dozen rows a CPU step is no
     longer bound by reading the weights, and a rejected draft token costs real time."""
 
@@ -20,6 +21,8 @@ class SpecConfig:
     min_match: int = 2
     max_match: int = 8
     max_verify_rows: int = 32
+    draft_model_path: str | None = None
+    draft_quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -39,4 +42,5 @@ class SpecConfig:
             return None
         return cls(args.speculative_algorithm, args.speculative_num_draft_tokens,
                    args.speculative_ngram_min_match, args.speculative_ngram_max_match,
-                   args.speculative_max_verify_rows)
+                   args.speculative_max_verify_rows, args.speculative_draft_model_path,
+                   args.speculative_draft_model_quantization)

@@ -5,9 +5,9 @@ The decode planner asks `batch_drafts` before a decode step, which asks `propose
 request, keeps the drafts whose rows pay (cost.py) and cuts them to the row limit; a non-empty answer makes
 the step a verify step (verify.py). Everything after the draft is shared by every drafter: the verify
 rows, acceptance (greedy or speculative sampling), the KV of rejected tokens, the figures on `req.spec`
-(a `SpecState`, which the output processor records into). `NgramDrafter` (ngram.py) is the one shipped; an
-EAGLE head or a small draft model would keep its own KV (its own pool and tree; an EAGLE draft's tree in the
-bigram view, `RadixCache(is_eagle=True)`) and draft from its forward.
+(a `SpecState`, which the output processor records into). Two are shipped: `NgramDrafter` (ngram.py) and
+`DraftModelDrafter` (draft_model.py: a smaller model of the same vocabulary, with its own KV pool). An EAGLE
+head would plug in like the draft model (its KV keyed by the bigram view, `RadixCache(is_eagle=True)`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,15 @@ from typing import Any, Protocol
 class Drafter(Protocol):
     config: Any  # a SpecConfig: the decode planner reads max_verify_rows
     cost: Any  # a StepCost (cost.py): the output processor records each decode step's rows and time
+
+    def prepare(self, reqs: Sequence[Any]) -> None:
+        """Called once per verify-eligible decode step before the batch's `propose` calls: a drafter that runs a
+        model drafts the whole batch here, in batched forwards over its own KV (draft_model.py)."""
+        ...
+
+    def release_all(self) -> None:
+        """The scheduler went idle: release whatever the drafter keeps per request (a draft model's KV)."""
+        ...
 
     def propose(self, req: Any) -> list[int]:
         """Up to the request's draft length of tokens to verify after its last one; [] for none. Must leave
@@ -40,6 +49,7 @@ def batch_drafts(drafter: Drafter, reqs: Sequence[Any]) -> list[list[int]]:
     (`row_limit`), else `max_verify_rows`."""
     cost = drafter.cost
     threshold = cost.row_value_threshold(len(reqs))
+    drafter.prepare(reqs)
     drafts = [worth_rows(drafter.propose(r), r, threshold) for r in reqs]
     return fit_rows(drafts, reqs, row_limit(cost, drafts, reqs, drafter.config.max_verify_rows))
 
@@ -111,3 +121,18 @@ def _rate(req: Any) -> float:
     """The share of the request's draft tokens lately accepted (UNKNOWN_RATE before any was verified)."""
     rate = req.spec.budget.rate
     return UNKNOWN_RATE if rate < 0 else rate
+
+
+def make_drafter(config: Any, context_len: int, tree: Any, fast_rows: int | None, args: Any, runner: Any) -> Any:
+    """The drafter `config` asks for (None when speculation is off): n-gram drafts over the radix tree, or a draft
+    model loaded beside `runner` (the target's ModelRunner) with pools of its own."""
+    if config is None:
+        return None
+    if config.algorithm == "standalone":
+        from radixserve.speculative.draft_model import DraftModelDrafter, load_draft_runner
+
+        return DraftModelDrafter(config, context_len, load_draft_runner(args, runner, config), fast_rows)
+    from radixserve.speculative.ngram import NgramDrafter
+
+    return NgramDrafter(config, context_len, tree, fast_rows)
+

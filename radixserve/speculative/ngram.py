@@ -94,9 +94,10 @@ class DraftBudget:
 
 @dataclass
 class SpecState:
-    """What speculation keeps on a request (`req.spec`): its index, its budget, its counters."""
+    """What speculation keeps on a request (`req.spec`): its budget, its n-gram index (None for a draft model's
+    drafts), its counters."""
 
-    index: NgramIndex
+    index: NgramIndex | None
     budget: DraftBudget
     seen: int = 0  # tokens of prompt + output already in the index
     verify_steps: int = 0
@@ -128,36 +129,30 @@ def can_draft(req: Any) -> bool:
             and req.to_abort is None and req.kv.kv_allocated_len == req.seqlen - 1)
 
 
-class NgramDrafter:
-    """Proposes each request's draft from its own prompt and output, else from what followed its whole sequence in
-    the radix tree (another request's answer to the same text, in the same namespace: tree_draft.py)."""
+class BudgetedDrafter:
+    """What every shipped drafter shares: each request's `SpecState` and adaptive draft length, pauses counted in
+    decode steps, and the measured row cost (cost.py). Subclasses draft (`propose`, and `prepare` for the batch)."""
 
-    def __init__(self, config: SpecConfig, context_len: int, tree: Any = None, fast_rows: int | None = None) -> None:
+    def __init__(self, config: SpecConfig, context_len: int, fast_rows: int | None = None) -> None:
         self.config = config
         self.context_len = context_len
-        self.tree = tree
         # NOTE: what a verify row costs here (cost.py), on each side of the model's fast rows (the C decode
         # step's batch limit); the output processor feeds it
         self.cost = StepCost(fast_rows)
 
-    def propose(self, req: Any) -> list[int]:
-        """The draft of one running request (empty when it cannot or should not draft)."""
+    def prepare(self, reqs: Sequence[Any]) -> None:
+        """Before the batch's `propose` calls of one step (a drafter that drafts the batch at once does it here)."""
+
+    def release_all(self) -> None:
+        """The scheduler went idle: whatever the drafter holds per request can go."""
+
+    def draft_length(self, req: Any) -> int:
+        """How many tokens the request may draft now: 0 when it cannot or should not (its budget, `max_new_tokens`
+        and the context: every draft is followed by one token of the target's own, and neither may pass them)."""
         if not can_draft(req):
-            return []
-        state = self._state(req)
-        # NOTE: every draft is followed by one token of the target's own; neither may pass max_new_tokens
-        # nor the context.
+            return 0
         room = min(req.max_new_tokens - len(req.output_ids), self.context_len - req.seqlen) - 1
-        length = min(state.budget.next_length(), room)
-        if length <= 0:
-            return []
-        self._catch_up(req, state)
-        draft = state.index.propose(length)
-        if not draft and self.tree is not None:
-            draft = tree_continuation(self.tree, state.index.tokens, req.extra_key, length)
-        if draft and req.grammar is not None:
-            draft = draft[: req.grammar.allowed_prefix(draft)]  # NOTE: a token the grammar refuses ends the draft
-        return draft
+        return max(min(self.state(req).budget.next_length(), room), 0)
 
     def paused(self, reqs: Any) -> bool:
         """Whether no request of the batch may draft this step (each has verified and its drafting is paused): then
@@ -171,13 +166,40 @@ class NgramDrafter:
             if state is not None:
                 state.budget.tick()
 
-    def _state(self, req: Any) -> SpecState:
+    def state(self, req: Any) -> SpecState:
         state = getattr(req, "spec", None)
         if state is None:
-            cfg = self.config
-            state = SpecState(NgramIndex(cfg.min_match, cfg.max_match), DraftBudget(cfg.num_draft_tokens))
-            req.spec = state
+            state = req.spec = SpecState(self.new_index(), DraftBudget(self.config.num_draft_tokens))
         return state
+
+    def new_index(self) -> NgramIndex | None:
+        return None
+
+
+class NgramDrafter(BudgetedDrafter):
+    """Proposes each request's draft from its own prompt and output, else from what followed its whole sequence in
+    the radix tree (another request's answer to the same text, in the same namespace: tree_draft.py)."""
+
+    def __init__(self, config: SpecConfig, context_len: int, tree: Any = None, fast_rows: int | None = None) -> None:
+        super().__init__(config, context_len, fast_rows)
+        self.tree = tree
+
+    def new_index(self) -> NgramIndex:
+        return NgramIndex(self.config.min_match, self.config.max_match)
+
+    def propose(self, req: Any) -> list[int]:
+        """The draft of one running request (empty when it cannot or should not draft)."""
+        length = self.draft_length(req)
+        if length <= 0:
+            return []
+        state = self.state(req)
+        self._catch_up(req, state)
+        draft = state.index.propose(length)
+        if not draft and self.tree is not None:
+            draft = tree_continuation(self.tree, state.index.tokens, req.extra_key, length)
+        if draft and req.grammar is not None:
+            draft = draft[: req.grammar.allowed_prefix(draft)]  # NOTE: a token the grammar refuses ends the draft
+        return draft
 
     @staticmethod
     def _catch_up(req: Any, state: SpecState) -> None:
