@@ -11,6 +11,7 @@ without speculation.
 
     python benchmarks/bench_draft_model.py                  # batch 1, 2 rounds; updates docs/benchmarks.md
     python benchmarks/bench_draft_model.py --class avx2     # forced to the AVX2 class
+    python benchmarks/bench_draft_model.py --dtype float32  # a float32 model, its int4 copy drafting for it
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch-sizes", default="1")
     p.add_argument("--num-draft-tokens", type=int, default=6)
+    p.add_argument("--dtype", default="auto", help="the served model's --dtype (the draft runs in auto's)")
     p.add_argument("--class", dest="cpu_class", default="", help="force a lower CPU class (avx2, avx512, ...)")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -49,7 +51,8 @@ def worker(args: argparse.Namespace) -> None:
 
     from radixserve import Engine
 
-    engine = Engine(log_level="warning", speculative_num_draft_tokens=args.num_draft_tokens, **MODES[args.worker])
+    engine = Engine(log_level="warning", dtype=args.dtype, speculative_num_draft_tokens=args.num_draft_tokens,
+                    **MODES[args.worker])
     tok = engine.tokenizer
     drafter = engine.scheduler.decode.drafter
     for name, msgs in workloads(max(int(b) for b in args.batch_sizes.split(","))).items():
@@ -83,21 +86,23 @@ def main() -> None:
                     print(f"round {r + 1} {mode} {rec['workload']} bs={rec['bs']}: {rec['result'][0]:.1f} tok/s, "
                           f"accept {rec['result'][1]:.2f}, {rec['result'][2]:.2f} tokens/verify", flush=True)
     os.environ.update(env)
-    header = cpu_header("auto")
+    header = cpu_header(args.dtype)
     body = report(runs, args, header)
     print(body)
     if not args.no_docs:
-        tag = f"_{args.cpu_class}" if args.cpu_class else ""
+        tag = "".join(f"_{t}" for t in (args.cpu_class, args.dtype if args.dtype != "auto" else "") if t)
         write_doc_section(DOCS, f"<!-- bench_draft_model{tag}:begin -->", f"<!-- bench_draft_model{tag}:end -->", body)
 
 
 def report(runs: dict, args: argparse.Namespace, header: str) -> str:
     keys = sorted({(w, bs) for w, bs, _ in runs}, key=lambda k: (k[1], list(runs).index((k[0], k[1], "off"))))
-    lines = [f"## Draft model against n-gram drafts{f' ({args.cpu_class} class)' if args.cpu_class else ''} "
+    lines = [f"## Draft model against n-gram drafts, served in {args.dtype}"
+             f"{f' ({args.cpu_class} class)' if args.cpu_class else ''} "
              "(`benchmarks/bench_draft_model.py`)", "", header, "",
              f"Command: `python benchmarks/bench_draft_model.py --max-new-tokens {args.max_new_tokens} --rounds "
-             f"{args.rounds} --batch-sizes {args.batch_sizes} --num-draft-tokens {args.num_draft_tokens}"
-             f"{' --class ' + args.cpu_class if args.cpu_class else ''}`. Embedded SmolLM2-135M, `--dtype auto`, greedy; "
+             f"{args.rounds} --batch-sizes {args.batch_sizes} --num-draft-tokens {args.num_draft_tokens} --dtype {args.dtype}"
+             f"{' --class ' + args.cpu_class if args.cpu_class else ''}`. Embedded SmolLM2-135M served with `--dtype "
+             f"{args.dtype}`, the draft in `auto`'s dtype, greedy; "
              "medians of the rounds. Draft share: the draft model's forwards over the batch's wall time.", "",
              "| workload | batch | mode | tok/s | vs off | accept rate | tokens / verify | draft share | output |",
              "|---|---:|---|---:|---:|---:|---:|---:|---|"]

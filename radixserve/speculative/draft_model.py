@@ -20,6 +20,7 @@ depends on how well the draft predicts the target.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,10 @@ from typing import Any
 
 from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.ngram import BudgetedDrafter
+
+logger = logging.getLogger(__name__)
+
+DECODE_FEED = 4  # a request feeding at most this many tokens runs them as decode rows (a verify step adds 1-2)
 
 
 @dataclass
@@ -100,15 +105,25 @@ class DraftModelDrafter(BudgetedDrafter):
         return tokens[keep:]
 
     def _extend(self, reqs: list[Any], feeds: list[list[int]]) -> list[list[int]]:
-        """Feed each request's new tokens; the first draft token of each."""
+        """Feed each request's new tokens; the first draft token of each. A few tokens each (what a verify step
+        added) run as one decode-shaped forward, a row per token at consecutive positions (each row attends over
+        the rows before it, as verify rows do: verify.py), which is the model's fast decode path; a longer feed (a
+        new request's prompt) runs as an extend."""
         from radixserve.model_executor.forward_batch import ForwardBatch
 
         seqs = [self.seqs[r.rid] for r in reqs]
         prefix_lens = [len(s.tokens) for s in seqs]
         slots = self._place(seqs, feeds)
-        fb = ForwardBatch.for_extend([t for f in feeds for t in f], [s.row for s in seqs], prefix_lens,
-                                     list(map(len, feeds)), slots, self.runner.device)
-        return [[t] for t in self._argmax(fb)]
+        inputs = [t for f in feeds for t in f]
+        if max(map(len, feeds)) > DECODE_FEED:
+            fb = ForwardBatch.for_extend(inputs, [s.row for s in seqs], prefix_lens, list(map(len, feeds)), slots,
+                                         self.runner.device)
+            return [[t] for t in self._argmax(fb)]
+        rows = [s.row for s, f in zip(seqs, feeds, strict=True) for _ in f]
+        seq_lens = [p + i + 1 for p, f in zip(prefix_lens, feeds, strict=True) for i in range(len(f))]
+        tokens = self._argmax(ForwardBatch.for_decode(inputs, rows, seq_lens, slots, self.runner.device))
+        ends = [sum(map(len, feeds[: i + 1])) - 1 for i in range(len(feeds))]
+        return [[tokens[e]] for e in ends]
 
     def _decode(self, reqs: list[Any], drafts: list[list[int]], lengths: list[int]) -> None:
         """Extend each draft to its length, one batched decode step per token."""
@@ -171,10 +186,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def draft_server_args(args: Any, target: Any, config: SpecConfig) -> Any:
-    """The draft model's ServerArgs: the target's device and dtype, its own model, pools for every running request
-    of the target with its context and its drafts, page size 1, no speculation or adapters, its own quantization."""
+    """The draft model's ServerArgs: the target's device, its own model, the dtype `auto` picks there (a draft's
+    numbers never reach the output, only its speed does), pools for every running request of the target with its
+    context and its drafts, page size 1, no speculation or adapters, its own quantization."""
     pool = target.max_total_num_tokens + target.max_running_requests * (config.num_draft_tokens + 1)
-    return dataclasses.replace(args, model_path=config.draft_model_path, speculative_algorithm="none",
+    return dataclasses.replace(args, model_path=config.draft_model_path, dtype="auto", kv_cache_dtype="auto",
+                               speculative_algorithm="none",
                                max_total_tokens=pool, max_running_requests=target.max_running_requests, page_size=1,
                                enable_lora=False, lora_paths=(), quantization=config.draft_quantization,
                                mem_fraction_static=None)
@@ -190,4 +207,6 @@ def load_draft_runner(args: Any, target: Any, config: SpecConfig) -> Any:
         raise ValueError(f"the draft model ({config.draft_model_path or 'embedded SmolLM2-135M'}) has a vocabulary of "
                          f"{ours} tokens, the served model {theirs}: a draft model must share the served model's "
                          "tokenizer")
+    logger.info("speculative standalone: draft model %s (%s, quantization %s), its own KV pool of %d tokens",
+                runner.loaded.name, runner.dtype_choice.dtype, config.draft_quantization, runner.max_total_num_tokens)
     return runner
