@@ -1,7 +1,7 @@
 """bf16 weights with float32 compute (layers/bf16_weights.py) against float32 weights, per weight shape and row count.
 
-For each shape: the `bf16_weights` method (its kernel below WIDEN_ROWS rows, the widened copy and F.linear from
-there), float32 weights through `F.linear` (MKL) and through oneDNN's prepacked weight, fastest of --calls calls,
+For each shape: the `bf16_weights` method (its kernel below WIDEN_ROWS rows, the widened copy and oneDNN's float32
+product from there; also with F.linear as that product), float32 weights through `F.linear` (MKL) and through oneDNN's prepacked weight, fastest of --calls calls,
 interleaved. Run it under a CPU class's environment to measure that class, e.g. AVX2:
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 RADIXSERVE_CPU_ISA=avx2 \\
@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from radixserve.layers import bf16_weights
 from radixserve.layers.bf16_weights import Bf16WeightLinearMethod
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod
 
@@ -31,10 +32,23 @@ def _layer(method, weight: torch.Tensor) -> LinearBase:
     return layer
 
 
+def _with_product(layer: LinearBase, onednn: bool):
+    """The layer with its prefill product forced to oneDNN's or F.linear (bf16_weights.dense_product)."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        saved = bf16_weights._onednn_prefill
+        bf16_weights._onednn_prefill = lambda: onednn
+        try:
+            return layer(x)
+        finally:
+            bf16_weights._onednn_prefill = saved
+    return run
+
+
 def timings(shape: tuple[int, int], rows: int, calls: int) -> dict[str, float]:
     weight = torch.randn(*shape) * 0.02
-    runs = {"bf16_weights": _layer(Bf16WeightLinearMethod, weight), "onednn": _layer(OneDNNLinearMethod, weight),
-            "F.linear": lambda x: torch.nn.functional.linear(x, weight)}
+    bf16 = _layer(Bf16WeightLinearMethod, weight)
+    runs = {"bf16_weights": bf16, "bf16_weights F.linear": _with_product(bf16, False),
+            "onednn": _layer(OneDNNLinearMethod, weight), "F.linear": lambda x: torch.nn.functional.linear(x, weight)}
     x = torch.randn(rows, shape[1])
     best = dict.fromkeys(runs, float("inf"))
     with torch.inference_mode():
@@ -54,18 +68,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--calls", type=int, default=7)
+    p.add_argument("--prefill", action="store_true", help="only prefill rows (256, 512, 1,024), where the widened "
+                                                          "weight's product is oneDNN's or F.linear's")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{cpu_header('float32')}; torch capability {torch.backends.cpu.get_cpu_capability()}; kernel level "
           f"{load_bf16w_kernel().level}; {args.threads} thread(s); fastest of {args.calls}, ms\n")
-    print("| weight (out x in) | rows | bf16_weights | float32 F.linear | float32 onednn | best float32 / bf16_weights |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| weight (out x in) | rows | bf16_weights | its product on F.linear | float32 F.linear | float32 onednn | "
+          "best float32 / bf16_weights | F.linear product / oneDNN product |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for shape in SHAPES:
-        for rows in ROWS:
+        for rows in (256, 512, 1024) if args.prefill else ROWS:
             t = timings(shape, rows, args.calls)
             f32 = min(t["F.linear"], t["onednn"])
-            print(f"| {shape[0]} x {shape[1]} | {rows} | {t['bf16_weights'] * 1e3:.2f} | {t['F.linear'] * 1e3:.2f} | "
-                  f"{t['onednn'] * 1e3:.2f} | {f32 / t['bf16_weights']:.2f}x |", flush=True)
+            print(f"| {shape[0]} x {shape[1]} | {rows} | {t['bf16_weights'] * 1e3:.2f} | "
+                  f"{t['bf16_weights F.linear'] * 1e3:.2f} | {t['F.linear'] * 1e3:.2f} | {t['onednn'] * 1e3:.2f} | "
+                  f"{f32 / t['bf16_weights']:.2f}x | {t['bf16_weights F.linear'] / t['bf16_weights']:.2f}x |",
+                  flush=True)
 
 
 if __name__ == "__main__":

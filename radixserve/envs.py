@@ -83,6 +83,9 @@ CPU_PREFILL_KERNEL = _declare("RADIXSERVE_CPU_PREFILL_KERNEL", True, parse_bool,
 DECODE_STEP = _declare("RADIXSERVE_DECODE_STEP", True, parse_bool,
                        "0: decode batches run the decoder layers in Python instead of the one-call C loop, and "
                        "prefill's SiLU-and-mul is the compiled op")
+BF16W_ONEDNN_PREFILL = _declare("RADIXSERVE_BF16W_ONEDNN_PREFILL", True, parse_bool,
+                                "0: a prefill chunk over bf16 weights (float32 compute) multiplies the widened "
+                                "weight with F.linear (MKL) instead of oneDNN's float32 product")
 GEMV_MAX_ROWS = _declare("RADIXSERVE_GEMV_MAX_ROWS", 8, int,
                          "most rows of a bf16 decode product our GEMV takes on CPUs without AMX (oneDNN above; "
                          "the C decode step takes batches up to it there)")

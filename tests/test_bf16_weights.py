@@ -79,6 +79,23 @@ def test_method_on_both_sides_of_the_widening(rows):
     assert torch.allclose(big(x3), big(x3.reshape(6, 96)).view(2, 3, 200))
 
 
+@pytest.mark.parametrize("onednn", [True, False])
+def test_prefill_product_on_onednn_and_on_f_linear(onednn, monkeypatch):
+    """A prefill chunk's product over the widened weight: oneDNN's (default) or F.linear
+    (RADIXSERVE_BF16W_ONEDNN_PREFILL=0), both the float64 reference's numbers, bias or none."""
+    monkeypatch.setenv("RADIXSERVE_BF16W_ONEDNN_PREFILL", "1" if onednn else "0")
+    bf16_weights._onednn_prefill.cache_clear()
+    try:
+        assert bf16_weights._onednn_prefill() == (onednn and torch.backends.mkldnn.is_available())
+        for bias in (True, False):
+            layer, dense = _layer(120, 64, bias=bias)
+            x = torch.randn(bf16_weights.WIDEN_ROWS + 5, 64)
+            want = _reference(x, dense.bfloat16(), layer.bias.detach() if bias else None)
+            torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=2e-5)
+    finally:
+        bf16_weights._onednn_prefill.cache_clear()
+
+
 def test_method_keeps_half_the_bytes_and_rebuilds_the_dense_weight():
     layer, dense = _layer(64, 32, bias=False)
     assert layer.method.own_forms() and sum(layer.method.own_forms().values()) == 64 * 32 * 2

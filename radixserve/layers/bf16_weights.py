@@ -4,7 +4,7 @@ A decode step reads every weight once, and on such a CPU `--dtype bfloat16` is s
 emulated) while float32 reads twice the bytes. This method keeps each weight in bfloat16 (half the bytes;
 what `--dtype bfloat16` keeps on a CPU with bf16 products) and computes in float32: csrc/bf16w_gemv.c widens
 the weight in registers below WIDEN_ROWS rows; from there (a prefill chunk) the weight is widened into a float32
-scratch for one `F.linear`. Measured on one core forced to AVX2 (ATen, MKL and oneDNN too) against the faster
+scratch for one float32 product (oneDNN's; `dense_product`). Measured on one core forced to AVX2 (ATen, MKL and oneDNN too) against the faster
 of float32 `F.linear` and oneDNN (benchmarks/bench_bf16_weights.py): 1.1-2.4x faster at 1-32 rows, even at 64,
 0.8-0.9x at 128-256, 0.92-0.98x at 1,024.
 
@@ -14,6 +14,7 @@ dtype choice does (`--dtype auto`, platform.py) or `--linear-method bf16_weights
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -44,6 +45,23 @@ class WidenScratch(threading.local):
 SCRATCH = WidenScratch()
 
 
+def dense_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias in float32 for a prefill chunk. oneDNN's float32 product over the plain widened weight
+    (it blocks the weight itself) measured 0.75-1.02x F.linear's (MKL) time at the AVX2 class on decoder shapes,
+    256 and 1,024 rows (benchmarks/bench_bf16_weights.py --prefill); F.linear where oneDNN is absent or turned off
+    (RADIXSERVE_BF16W_ONEDNN_PREFILL=0)."""
+    if _onednn_prefill():
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _onednn_prefill() -> bool:
+    from radixserve import envs
+
+    return envs.BF16W_ONEDNN_PREFILL.get() and torch.backends.mkldnn.is_available()
+
+
 class Bf16WeightLinearMethod(LinearMethod):
     name = "bf16_weights"
     rounds_weights = True
@@ -64,7 +82,7 @@ class Bf16WeightLinearMethod(LinearMethod):
         n = layer.out_features
         if flat.shape[0] >= WIDEN_ROWS and self.packed.numel() <= WIDEN_MAX_ELEMENTS:
             # NOTE: the widened weight lives in this thread's scratch until its next layer's product
-            y = F.linear(flat, self.kernel.widen(self.packed, n, SCRATCH.take(n * layer.in_features)), layer.bias)
+            y = dense_product(flat, self.kernel.widen(self.packed, n, SCRATCH.take(n * layer.in_features)), layer.bias)
         else:
             y = self.kernel(self.packed, flat, layer.bias, n)
         return y.view(*x.shape[:-1], n).to(x.dtype)
