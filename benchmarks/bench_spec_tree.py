@@ -61,7 +61,7 @@ def continuations(tokens: list[int], k: int, branches: int, min_match: int = 2, 
             continue
         suffix = tokens[end - n:]
         for e in range(end - 1, n - 1, -1):  # NOTE: ends before `end`: the suffix does not match itself
-            if tokens[e - n: e] == suffix and e < end and all(tokens[e] != c[0] for c in out):
+            if tokens[e - n: e] == suffix and all(tokens[e] != c[0] for c in out):
                 out.append(tokens[e: e + k])
                 if len(out) == branches:
                     return out

@@ -123,8 +123,8 @@ class ServerArgs:
         if self.kv_cache_dtype.startswith(("fp8", "fp4")):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the attention kernels read "
                              "bfloat16 or float32 K/V; bfloat16 is the smaller cache")
-        for name in ("kv_cache_dtype", "dtype", "quantization", "speculative_draft_model_quantization", "schedule_policy", "radix_eviction_policy", "tool_call_parser",
-                     "speculative_algorithm"):
+        for name in ("kv_cache_dtype", "dtype", "quantization", "schedule_policy", "radix_eviction_policy",
+                     "tool_call_parser", "speculative_algorithm", "speculative_draft_model_quantization"):
             choices = _choices(name)
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")

@@ -7,8 +7,8 @@ keeps the tokens its pool holds K/V for (`DraftSeq`). Before each step that may 
 
 1. each request's draft KV is cut back to the longest prefix of the request's tokens now (what the target
    rejected goes back to the draft pool), always short of the last token, which is fed again;
-2. one batched extend runs every request's tokens since (for a new request: its prompt, the draft's prefill);
-   its logits give each request's first draft token;
+2. one batched forward runs every request's tokens since: the 1-2 a verify step added as decode rows, a new
+   request's prompt (the draft's prefill) as an extend; its logits give each request's first draft token;
 3. batched decode steps give the rest (d_i in, d_i+1 out, the argmax), each request to its own draft length.
 
 A request that leaves the running batch gives its draft KV back at the next step (`tick`), and all of it goes
@@ -24,8 +24,10 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
+from radixserve.mem_cache.radix_key import common_prefix_len, pack_tokens
 from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.ngram import BudgetedDrafter
 
@@ -74,10 +76,7 @@ class DraftModelDrafter(BudgetedDrafter):
         self.seconds += time.perf_counter() - started
 
     def propose(self, req: Any) -> list[int]:
-        draft = self.drafts.pop(req.rid, [])
-        if draft and req.grammar is not None:
-            draft = draft[: req.grammar.allowed_prefix(draft)]  # NOTE: a token the grammar refuses ends the draft
-        return draft
+        return self.drafts.pop(req.rid, [])  # NOTE: cut to the grammar by batch_drafts (within_grammar)
 
     def tick(self, reqs: Sequence[Any]) -> None:
         super().tick(reqs)
@@ -100,7 +99,7 @@ class DraftModelDrafter(BudgetedDrafter):
             if rows is None:  # NOTE: rows are sized for the target's running requests (draft_server_args)
                 raise RuntimeError("the draft model has no free request row")
             seq = self.seqs[req.rid] = DraftSeq(rows[0])
-        keep = min(_common_prefix(seq.tokens, tokens), len(tokens) - 1)
+        keep = min(common_prefix_len(pack_tokens(seq.tokens), pack_tokens(tokens), 0), len(tokens) - 1)
         self._truncate(seq, keep)
         return tokens[keep:]
 
@@ -122,8 +121,7 @@ class DraftModelDrafter(BudgetedDrafter):
         rows = [s.row for s, f in zip(seqs, feeds, strict=True) for _ in f]
         seq_lens = [p + i + 1 for p, f in zip(prefix_lens, feeds, strict=True) for i in range(len(f))]
         tokens = self._argmax(ForwardBatch.for_decode(inputs, rows, seq_lens, slots, self.runner.device))
-        ends = [sum(map(len, feeds[: i + 1])) - 1 for i in range(len(feeds))]
-        return [[tokens[e]] for e in ends]
+        return [[tokens[end - 1]] for end in accumulate(map(len, feeds))]  # NOTE: each request's last row
 
     def _decode(self, reqs: list[Any], drafts: list[list[int]], lengths: list[int]) -> None:
         """Extend each draft to its length, one batched decode step per token."""
@@ -168,21 +166,6 @@ class DraftModelDrafter(BudgetedDrafter):
         seq = self.seqs.pop(rid)
         self._truncate(seq, 0)
         self.runner.req_to_token_pool.free(seq.row)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix (slice comparisons run in C; bisection over them)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # NOTE: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def draft_server_args(args: Any, target: Any, config: SpecConfig) -> Any:

@@ -50,7 +50,7 @@ def batch_drafts(drafter: Drafter, reqs: Sequence[Any]) -> list[list[int]]:
     cost = drafter.cost
     threshold = cost.row_value_threshold(len(reqs))
     drafter.prepare(reqs)
-    drafts = [worth_rows(drafter.propose(r), r, threshold) for r in reqs]
+    drafts = [worth_rows(within_grammar(drafter.propose(r), r), r, threshold) for r in reqs]
     return fit_rows(drafts, reqs, row_limit(cost, drafts, reqs, drafter.config.max_verify_rows))
 
 
@@ -76,6 +76,13 @@ def row_limit(cost: Any, drafts: list[list[int]], reqs: Sequence[Any], max_rows:
         return max_rows
     near = tokens_per_second(fast)
     return fast if near is None or near >= far else max_rows
+
+
+def within_grammar(draft: list[int], req: Any) -> list[int]:
+    """The draft up to its first token the request's grammar refuses (every drafter's draft goes through this)."""
+    if draft and req.grammar is not None:
+        return draft[: req.grammar.allowed_prefix(draft)]
+    return draft
 
 
 def fit_rows(drafts: list[list[int]], reqs: Sequence[Any], max_rows: int) -> list[list[int]]:
@@ -135,4 +142,3 @@ def make_drafter(config: Any, context_len: int, tree: Any, fast_rows: int | None
     from radixserve.speculative.ngram import NgramDrafter
 
     return NgramDrafter(config, context_len, tree, fast_rows)
-

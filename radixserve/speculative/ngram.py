@@ -197,9 +197,7 @@ class NgramDrafter(BudgetedDrafter):
         draft = state.index.propose(length)
         if not draft and self.tree is not None:
             draft = tree_continuation(self.tree, state.index.tokens, req.extra_key, length)
-        if draft and req.grammar is not None:
-            draft = draft[: req.grammar.allowed_prefix(draft)]  # NOTE: a token the grammar refuses ends the draft
-        return draft
+        return draft  # NOTE: cut at the first token the grammar refuses by batch_drafts (within_grammar)
 
     @staticmethod
     def _catch_up(req: Any, state: SpecState) -> None:
