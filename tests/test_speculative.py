@@ -465,6 +465,57 @@ def test_verify_rows_stop_at_the_fast_path_when_a_step_past_it_yields_less():
         unmeasured.observe(14, 0.039)
     assert row_limit(unmeasured, drafts, reqs, 32) == 8  # then the near side
     assert unmeasured.step_seconds(14) == pytest.approx(0.039) and unmeasured.step_seconds(8) is None
+    # a step past the fast rows is bought with the acceptance verify steps measured, not with a rate that drifted
+    # back up while the request's drafts were dropped (worth_rows' probing): far 19 ms, near 14 ms
+    modest_far = cost((0.010, 0.0005), (0.012, 0.0005))
+    assert row_limit(modest_far, drafts, reqs, 32) == 32  # 0.8 measured: 11.6 tokens in 19 ms beat 6.8 in 14
+    probed = [SimpleNamespace(spec=SimpleNamespace(budget=DraftBudget(6, mean_accepted=1.0, rate=0.8, measured=0.1)))
+              for _ in range(2)]
+    assert row_limit(modest_far, drafts, probed, 32) == 8  # 0.1 measured: 3.2 tokens in 19 ms lose to 2.6 in 14
+
+
+def test_a_full_fast_path_with_nothing_that_could_pay_proposes_nothing():
+    """`could_pay`: a batch of 8 at 8 fast rows (plain 14 ms; past them 12 ms + 0.5 ms a row, so 19 ms for one more
+    request's 6 drafts) whose requests' verify steps measured 0.1 of their drafts accepted proposes nothing (8.6
+    tokens in 19 ms lose to 8 in 14 ms, and more such requests only add rows); one request measured at 0.95 is worth
+    a step (13.7 tokens in 19 ms); a batch of 4 keeps room in the fast rows and always proposes."""
+    from types import SimpleNamespace
+
+    from radixserve.speculative.cost import StepCost
+    from radixserve.speculative.drafter import batch_drafts, could_pay
+
+    cost = StepCost(8)
+    for rows in (2, 3, 5, 8, 4, 6, 7, 2, 8, 5):
+        cost.observe(rows, 0.010 + 0.0005 * rows)
+    for rows in (9, 12, 14, 10, 16, 11, 13, 9, 15, 12):
+        cost.observe(rows, 0.012 + 0.0005 * rows)
+
+    class Drafter:
+        config = SimpleNamespace(max_verify_rows=32)
+
+        def __init__(self):
+            self.cost, self.proposed = cost, 0
+
+        def draft_length(self, req):
+            return 6
+
+        def prepare(self, reqs):
+            pass
+
+        def propose(self, req):
+            self.proposed += 1
+            return [1] * 6
+
+    def req(measured):
+        budget = DraftBudget(max_tokens=6, mean_accepted=1.0, rate=0.9, measured=measured)
+        return SimpleNamespace(spec=SimpleNamespace(budget=budget), grammar=None)
+
+    drafter = Drafter()
+    poor = [req(0.1) for _ in range(8)]
+    assert not could_pay(drafter, poor)
+    assert batch_drafts(drafter, poor) == [[]] * 8 and drafter.proposed == 0
+    assert could_pay(drafter, [req(0.95)] + poor[1:])
+    assert could_pay(drafter, poor[:4])
 
 
 def test_a_request_whose_drafts_do_not_pay_is_probed_again():

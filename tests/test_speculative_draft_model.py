@@ -10,6 +10,8 @@ vocabulary. On the real embedded model too (slow).
 from __future__ import annotations
 
 import random
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,6 +32,15 @@ def tiny_models(tmp_path_factory):
     make_tiny_model(target, "llama", seed=0)
     make_tiny_model(other, "llama", seed=1)
     return target, other
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Drafting on every step whatever it costs: these tests exercise the mechanics (verify, cut-back, release), and
+    a tiny target drafting for itself would otherwise soon be set aside as not paying (`_pays`, tested below)."""
+    from radixserve.speculative.draft_model import DraftModelDrafter
+
+    monkeypatch.setattr(DraftModelDrafter, "_pays", lambda self, reqs, want: True)
 
 
 def tiny_work(n: int = 12, seed: int = 3, hogs: int = 0) -> list:
@@ -56,7 +67,7 @@ def assert_draft_pools_empty(sched) -> None:
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("draft", ["same", "other"])
-def test_greedy_parity_with_a_good_and_a_bad_draft_model(tiny_models, overlap, page_size, draft):
+def test_greedy_parity_with_a_good_and_a_bad_draft_model(tiny_models, always_draft, overlap, page_size, draft):
     target, other = tiny_models
     work = tiny_work()
     common = dict(model_path=str(target), max_total_tokens=1024, page_size=page_size, chunked_prefill_size=16)
@@ -76,7 +87,7 @@ def test_greedy_parity_with_a_good_and_a_bad_draft_model(tiny_models, overlap, p
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_retraction_and_aborts_under_pressure(tiny_models, overlap):
+def test_retraction_and_aborts_under_pressure(tiny_models, always_draft, overlap):
     """A 256-slot pool overfilled by 40 + 40-token requests: decode retracts; the retracted requests' draft KV
     goes at the next step and is rebuilt when they return; outputs equal plain decoding's."""
     target, _ = tiny_models
@@ -90,7 +101,58 @@ def test_retraction_and_aborts_under_pressure(tiny_models, overlap):
     assert_draft_pools_empty(sched)
 
 
-def test_sampled_requests_draft_and_stay_in_range(tiny_models):
+def test_drafting_pays_only_where_the_draft_forwards_cost_less_than_they_yield():
+    """The batch-level decision (`_pays`): plain steps of 10 ms, verify steps of 12 ms; 6 draft tokens accepted at a
+    rate of 0.9 yield 6.4 tokens a request per verify. Draft forwards of 1 ms pay (10 ms a token plain, 18 ms for
+    6.4); of 20 ms they do not (132 ms for 6.4), and then each request's rate drifts toward the prior."""
+    from radixserve.speculative.config import SpecConfig
+    from radixserve.speculative.draft_model import DraftModelDrafter
+    from radixserve.speculative.ngram import UNKNOWN_RATE, DraftBudget, SpecState
+
+    drafter = DraftModelDrafter(SpecConfig("standalone"), 4096, runner=None)
+    for _ in range(20):
+        drafter.cost.observe(2, 0.010)
+        drafter.cost.observe(14, 0.012)
+    reqs = [SimpleNamespace(spec=SpecState(None, DraftBudget(6, rate=0.9))) for _ in range(2)]
+    want = [(r, 6) for r in reqs]
+    assert drafter._pays(reqs, want)  # not measured yet: tried
+    drafter.forward_s = 0.001
+    assert drafter._pays(reqs, want) and drafter.skipped == 0
+    drafter.forward_s = 0.020
+    assert not drafter._pays(reqs, want) and drafter.skipped == 1
+    assert all(0.9 > r.spec.budget.rate > UNKNOWN_RATE for r in reqs)
+
+
+def test_a_slow_draft_model_is_set_aside(tiny_models, monkeypatch):
+    """Draft forwards made 30 ms slower than a target step: once their time and a plain step's are measured (a line
+    needs MIN_STEPS steps and a plain one among them) the batch decodes plainly (the steps set aside outnumber the
+    verify steps three to one), and the output is still plain greedy's."""
+    from radixserve.speculative.draft_model import DraftModelDrafter
+
+    fast = DraftModelDrafter._argmax
+
+    def slow(self, fb):
+        time.sleep(0.03)
+        return fast(self, fb)
+
+    monkeypatch.setattr(DraftModelDrafter, "_argmax", slow)
+    target, _ = tiny_models
+    rng = random.Random(7)
+    work = [(f"r{i}", [rng.randrange(1, TINY_VOCAB) for _ in range(8)],
+             SamplingParams(max_new_tokens=90, temperature=0.0, ignore_eos=True)) for i in range(3)]
+    common = dict(model_path=str(target), max_total_tokens=1024)
+    plain, _ = run_scheduler(None, work, overlap=False, **common)
+    spec, sched = run_scheduler(None, work, overlap=False, speculative_algorithm="standalone",
+                                speculative_draft_model_path=str(target), **common)
+    assert_same_outputs(plain, spec, work)
+    drafter = sched.decode.drafter
+    assert drafter.forward_s > 0.03
+    verify_steps = sched.stats.spec_verify_steps / len(work)  # NOTE: the stats count a verify step per request
+    assert drafter.skipped > 3 * verify_steps > 0, (drafter.skipped, verify_steps)
+    assert_draft_pools_empty(sched)
+
+
+def test_sampled_requests_draft_and_stay_in_range(tiny_models, always_draft):
     """Seeded sampling with a draft model: speculative sampling (shared with n-gram drafts; its distribution tests
     are in test_speculative.py) runs over the draft tokens, which are accepted for sampled requests too.
 
@@ -130,7 +192,7 @@ def test_flag_values():
 
 
 @pytest.mark.slow
-def test_embedded_model_drafting_for_itself_through_the_engine():
+def test_embedded_model_drafting_for_itself_through_the_engine(always_draft):
     """The embedded SmolLM2 as its own draft, through the Engine: plain greedy's tokens, nearly every draft token
     accepted, figures in meta_info, the target's KV conserved."""
     from radixserve import Engine

@@ -11,6 +11,12 @@ keeps the tokens its pool holds K/V for (`DraftSeq`). Before each step that may 
    request's prompt (the draft's prefill) as an extend; its logits give each request's first draft token;
 3. batched decode steps give the rest (d_i in, d_i+1 out, the argmax), each request to its own draft length.
 
+A draft model's forwards are not free as n-gram lookups are: before drafting, `prepare` weighs the step it would
+buy (the batch's tokens plus the drafts' expected accepted tokens, over the verify step's measured time plus the
+draft forwards' measured time) against a plain step. When drafting does not pay (a draft model nearly as slow as
+the target, or one the target keeps rejecting), the batch decodes plainly and each request's acceptance estimate
+drifts back toward the optimistic prior, so drafting is tried again some steps later: text changes.
+
 A request that leaves the running batch gives its draft KV back at the next step (`tick`), and all of it goes
 when the scheduler is idle (`release_all`). A greedy draft is a single token with certainty, so verification
 (greedy, or speculative sampling: verify.py) stays exact whatever the draft model is; only how much is accepted
@@ -29,11 +35,13 @@ from typing import Any
 
 from radixserve.mem_cache.radix_key import common_prefix_len, pack_tokens
 from radixserve.speculative.config import SpecConfig
+from radixserve.speculative.cost import MIN_STEPS
 from radixserve.speculative.ngram import BudgetedDrafter
 
 logger = logging.getLogger(__name__)
 
 DECODE_FEED = 4  # a request feeding at most this many tokens runs them as decode rows (a verify step adds 1-2)
+FORWARD_DECAY = 0.8  # weight of the previous mean in the draft forward's measured seconds
 
 
 @dataclass
@@ -56,12 +64,15 @@ class DraftModelDrafter(BudgetedDrafter):
         self.drafts: dict[str, list[int]] = {}
         self.forwards = 0  # the draft model's forwards, and the seconds they took (figures for benchmarks)
         self.seconds = 0.0
+        self.forward_s: float | None = None  # mean seconds of one draft decode step (None: not measured); the feed
+        # forward that starts each draft is priced as one more
+        self.skipped = 0  # steps on which drafting did not pay and the batch decoded plainly
 
     # ---- the Drafter protocol ----------------------------------------------------------------------------------
     def prepare(self, reqs: Sequence[Any]) -> None:
         self.drafts = {}
         want = [(r, n) for r in reqs if (n := self.draft_length(r)) > 0]
-        if not want:
+        if not want or not self._pays(reqs, want):
             return
         started = time.perf_counter()
         feeds = [self._sync(r) for r, _ in want]
@@ -71,9 +82,36 @@ class DraftModelDrafter(BudgetedDrafter):
         if need > self.runner.token_to_kv_pool_allocator.available_size():
             return
         drafts = self._extend([r for r, _ in want], feeds)
+        decoding, forwards = time.perf_counter(), self.forwards
         self._decode([r for r, _ in want], drafts, [n for _, n in want])
         self.drafts = {r.rid: d for (r, _), d in zip(want, drafts, strict=True)}
-        self.seconds += time.perf_counter() - started
+        done = time.perf_counter()
+        self.seconds += done - started
+        if self.forwards > forwards:  # NOTE: the decode steps only: the feed may be a prompt's whole prefill
+            per_forward = (done - decoding) / (self.forwards - forwards)
+            self.forward_s = per_forward if self.forward_s is None else \
+                FORWARD_DECAY * self.forward_s + (1 - FORWARD_DECAY) * per_forward
+
+    def _pays(self, reqs: Sequence[Any], want: list[tuple[Any, int]]) -> bool:
+        """Whether this step yields more tokens a second with the drafts than without: (batch + expected accepted)
+        / (verify step + draft forwards) against batch / plain step, by the measured times (true while any is
+        unknown). When not, each drafting request's acceptance estimate drifts toward the optimistic prior."""
+        batch, drafted = len(reqs), sum(n for _, n in want)
+        cost = self.cost
+        if cost.side(batch) is cost.side(batch + drafted) and cost.fit(batch) is None:
+            # NOTE: a batch that always drafts never shows what a plain step costs: the mean step of its side is a
+            # verify step's. Once that side has steps enough for a line, one plain step gives it a second row count
+            return cost.side(batch).steps < MIN_STEPS
+        plain, verify = cost.step_seconds(batch), cost.step_seconds(batch + drafted)
+        if plain is None or verify is None or self.forward_s is None:
+            return True
+        expected = sum(r.spec.budget.recent_rate() * n for r, n in want)
+        if (batch + expected) * plain > batch * (verify + max(n for _, n in want) * self.forward_s):
+            return True
+        for r, _ in want:
+            r.spec.budget.drift_toward_prior()
+        self.skipped += 1
+        return False
 
     def propose(self, req: Any) -> list[int]:
         return self.drafts.pop(req.rid, [])  # NOTE: cut to the grammar by batch_drafts (within_grammar)

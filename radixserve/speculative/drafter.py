@@ -34,6 +34,10 @@ class Drafter(Protocol):
         `req.spec` set (a SpecState) when it returns a draft."""
         ...
 
+    def draft_length(self, req: Any) -> int:
+        """How many tokens the request may draft now (its adaptive budget, its room); 0 when it cannot."""
+        ...
+
     def paused(self, reqs: Sequence[Any]) -> bool:
         """True when no request of the batch will draft this step whatever its latest token (read-only)."""
         ...
@@ -48,10 +52,33 @@ def batch_drafts(drafter: Drafter, reqs: Sequence[Any]) -> list[list[int]]:
     row limit (`fit_rows`): the model's fast rows where a step cut to them yields more tokens a second
     (`row_limit`), else `max_verify_rows`."""
     cost = drafter.cost
+    if not could_pay(drafter, reqs):
+        return [[] for _ in reqs]
     threshold = cost.row_value_threshold(len(reqs))
     drafter.prepare(reqs)
     drafts = [worth_rows(within_grammar(drafter.propose(r), r), r, threshold) for r in reqs]
     return fit_rows(drafts, reqs, row_limit(cost, drafts, reqs, drafter.config.max_verify_rows))
+
+
+def could_pay(drafter: Drafter, reqs: Sequence[Any]) -> bool:
+    """False when the batch fills the fast rows (no room for a draft there) and no set of its requests, each drafting
+    its full length at the share of draft tokens its verify steps measured, would yield more tokens a second than
+    a plain step: then nobody proposes (no n-gram lookups, no draft forwards) and the step decodes plainly. Taking
+    requests best-measured first, the best set is a prefix of that order, so the prefixes are all that is tried."""
+    cost, batch = drafter.cost, len(reqs)
+    if cost.fast_rows is None or batch < cost.fast_rows:
+        return True
+    plain = cost.step_seconds(batch)
+    candidates = [(r.spec.budget.measured_rate(), n) for r in reqs if (n := drafter.draft_length(r)) > 0]
+    if plain is None or not candidates:
+        return plain is None
+    rows, expected = batch, 0.0
+    for rate, n in sorted(candidates, reverse=True):
+        rows, expected = rows + n, expected + rate * n
+        seconds = cost.step_seconds(rows)
+        if seconds is None or (batch + expected) * plain > batch * seconds:
+            return True
+    return False
 
 
 def row_limit(cost: Any, drafts: list[list[int]], reqs: Sequence[Any], max_rows: int) -> int:
@@ -68,7 +95,7 @@ def row_limit(cost: Any, drafts: list[list[int]], reqs: Sequence[Any], max_rows:
         seconds = cost.step_seconds(batch + sum(map(len, cut)))
         if seconds is None:
             return None
-        expected = sum(_rate(r) * len(d) for r, d in zip(reqs, cut, strict=True) if d)
+        expected = sum(r.spec.budget.measured_rate() * len(d) for r, d in zip(reqs, cut, strict=True) if d)
         return (batch + expected) / seconds
 
     far = tokens_per_second(max_rows)
@@ -105,10 +132,6 @@ def fit_rows(drafts: list[list[int]], reqs: Sequence[Any], max_rows: int) -> lis
     return out
 
 
-UNKNOWN_RATE = 0.8  # a request's draft-token acceptance before it verified any draft (optimistic: it gets tried)
-RELAX = 0.1  # each step a request's draft is cut away, its rate moves this share back toward UNKNOWN_RATE
-
-
 def worth_rows(draft: list[int], req: Any, threshold: float) -> list[int]:
     """The draft, when the request's draft rows pay for themselves (speculative/cost.py): the share of its draft
     tokens lately accepted (accepted tokens come in runs, so the measured share, not a per-token guess) must
@@ -117,17 +140,10 @@ def worth_rows(draft: list[int], req: Any, threshold: float) -> list[int]:
     if not draft or threshold <= 0.0:
         return draft
     budget = req.spec.budget
-    rate = _rate(req)
-    if rate > threshold:
+    if budget.recent_rate() > threshold:
         return draft
-    budget.rate = rate + RELAX * (UNKNOWN_RATE - rate)
+    budget.drift_toward_prior()
     return []
-
-
-def _rate(req: Any) -> float:
-    """The share of the request's draft tokens lately accepted (UNKNOWN_RATE before any was verified)."""
-    rate = req.spec.budget.rate
-    return UNKNOWN_RATE if rate < 0 else rate
 
 
 def make_drafter(config: Any, context_len: int, tree: Any, fast_rows: int | None, args: Any, runner: Any) -> Any:

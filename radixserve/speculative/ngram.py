@@ -19,6 +19,8 @@ from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.cost import StepCost
 from radixserve.speculative.tree_draft import tree_continuation
 
+UNKNOWN_RATE = 0.8  # a request's draft-token acceptance before it verified any draft (optimistic: it gets tried)
+RELAX = 0.1  # each step a request's draft is set aside, its rate moves this share back toward UNKNOWN_RATE
 ZERO_STREAK_PAUSE = 3  # verifies in a row that accepted nothing before drafting pauses
 MAX_PAUSE_STEPS = 64
 
@@ -64,6 +66,9 @@ class DraftBudget:
     max_tokens: int
     mean_accepted: float = field(default=-1.0)  # exponential mean of accepted drafts per verify; <0: none yet
     rate: float = field(default=-1.0)  # exponential mean of accepted / drafted per verify; <0: none yet
+    # NOTE: `rate` also drifts back toward the prior while the request's drafts are dropped (drafter.worth_rows), so
+    # that it is probed again; `measured` is what its verify steps showed, for decisions that cost a whole step
+    measured: float = field(default=-1.0)
     zero_streak: int = 0
     paused_steps: int = 0
 
@@ -73,6 +78,22 @@ class DraftBudget:
         if self.mean_accepted < 0:
             return self.max_tokens
         return max(1, min(self.max_tokens, int(self.mean_accepted + 0.5) + 1))
+
+    def recent_rate(self) -> float:
+        """The share of the request's draft tokens lately accepted (UNKNOWN_RATE before any was verified)."""
+        return UNKNOWN_RATE if self.rate < 0 else self.rate
+
+    def measured_rate(self) -> float:
+        """The share its verify steps accepted, without the drift back toward the prior that a set-aside draft
+        applies (UNKNOWN_RATE before any was verified): a step past the fast rows costs the whole batch, so it is
+        bought with what was measured, not with what a probe hopes (drafter.row_limit, could_pay)."""
+        return UNKNOWN_RATE if self.measured < 0 else self.measured
+
+    def drift_toward_prior(self) -> None:
+        """The request's draft was set aside: its acceptance estimate moves a step back toward the optimistic prior,
+        so that it is probed again (text changes, and a rate never tested never moves)."""
+        rate = self.recent_rate()
+        self.rate = rate + RELAX * (UNKNOWN_RATE - rate)
 
     def tick(self) -> None:
         """A decode step of the request's batch passed: one step less of a pause."""
@@ -84,6 +105,7 @@ class DraftBudget:
             return
         share = accepted / drafted
         self.rate = share if self.rate < 0 else 0.5 * self.rate + 0.5 * share
+        self.measured = share if self.measured < 0 else 0.5 * self.measured + 0.5 * share
         mean = accepted if self.mean_accepted < 0 else 0.5 * self.mean_accepted + 0.5 * accepted
         self.mean_accepted = mean if accepted < drafted else max(mean, accepted)
         self.zero_streak = self.zero_streak + 1 if accepted == 0 else 0
