@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from radixserve.bench.shapes import copy_tokenizer, publish_folder, read_stamp
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def inflate(source: Path, out: Path, shape: InflatedShape, noise: float = 0.0, s
 
     config = json.loads((source / "config.json").read_text())
     stamp = {"source": str(source), "shape": asdict(shape), "noise": noise, "seed": seed, "dtype": str(dtype)}
-    if (out / "config.json").exists() and _stamp(out) == stamp:
+    if (out / "config.json").exists() and read_stamp(out, "inflated.json") == stamp:
         return out
     if config.get("model_type") != "llama" or not config.get("tie_word_embeddings"):
         raise ValueError("inflate reads a Llama model with tied embeddings")
@@ -97,23 +97,15 @@ def inflate(source: Path, out: Path, shape: InflatedShape, noise: float = 0.0, s
            "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
            "rms_norm_eps": config["rms_norm_eps"] * config["hidden_size"] / shape.hidden,
            "torch_dtype": str(dtype).removeprefix("torch.")}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         save_file({k: v.to(dtype).contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-            if (source / name).exists():
-                shutil.copy(source / name, tmp / name)
+        copy_tokenizer(source, tmp)
         (tmp / "inflated.json").write_text(json.dumps(stamp))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        (out / "config.json").write_text(json.dumps(big, indent=1))  # NOTE: last, so a folder with a config is whole
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        (tmp / "config.json").write_text(json.dumps(big, indent=1))
+
+    return publish_folder(out, fill)
 
 
 def _inflate_weights(small: dict[str, torch.Tensor], config: dict, shape: InflatedShape, noise: float,
@@ -166,10 +158,3 @@ def _inflate_weights(small: dict[str, torch.Tensor], config: dict, shape: Inflat
                     p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": down,
                     **{p + n: w for n, w in norms.items()}})
     return out
-
-
-def _stamp(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / "inflated.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None

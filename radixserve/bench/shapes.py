@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,7 @@ def write_folder(shape: Shape, out: Path, seed: int = 0, dtype: torch.dtype = to
     from transformers import AutoModelForCausalLM
 
     stamp = {"shape": shape.name, "seed": seed, "dtype": str(dtype), "params": shape.params()}
-    if (out / "config.json").exists() and _stamp(out) == stamp:
+    if (out / "config.json").exists() and read_stamp(out) == stamp:
         return out
     tokenizer_folder = tokenizer_folder or _embedded_tokenizer_folder()
     special = json.loads((tokenizer_folder / "config.json").read_text()) if (
@@ -109,15 +110,23 @@ def write_folder(shape: Shape, out: Path, seed: int = 0, dtype: torch.dtype = to
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     _zero_rows_past_tokenizer(model, _tokenizer_size(tokenizer_folder))
+
+    def fill(tmp: Path) -> None:
+        model.to(dtype).save_pretrained(str(tmp))
+        copy_tokenizer(tokenizer_folder, tmp)
+        (tmp / "shape_ladder.json").write_text(json.dumps(stamp))
+
+    return publish_folder(out, fill)
+
+
+def publish_folder(out: Path, fill: Callable[[Path], None]) -> Path:
+    """Writes a model folder whole: `fill(tmp)` writes every file (config.json included) into a fresh folder beside
+    `out`, which then replaces `out`; config.json goes in last, so a folder with a config.json is complete."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the folder is for every engine and user
     try:
-        model.to(dtype).save_pretrained(str(tmp))
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-            if (tokenizer_folder / name).exists():
-                shutil.copy(tokenizer_folder / name, tmp / name)
-        (tmp / "shape_ladder.json").write_text(json.dumps(stamp))
+        fill(tmp)
         if out.exists():
             shutil.rmtree(out)
         config_text = (tmp / "config.json").read_text()
@@ -129,9 +138,17 @@ def write_folder(shape: Shape, out: Path, seed: int = 0, dtype: torch.dtype = to
     return out
 
 
-def _stamp(folder: Path) -> dict | None:
+def copy_tokenizer(source: Path, dest: Path) -> None:
+    """The tokenizer's files (and chat template) of a Hugging Face folder, copied to another."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (source / name).exists():
+            shutil.copy(source / name, dest / name)
+
+
+def read_stamp(folder: Path, name: str = "shape_ladder.json") -> dict | None:
+    """What a folder written here records of how it was made (None when it has no readable record)."""
     try:
-        return json.loads((folder / "shape_ladder.json").read_text())
+        return json.loads((folder / name).read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
