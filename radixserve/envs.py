@@ -86,9 +86,9 @@ DECODE_STEP = _declare("RADIXSERVE_DECODE_STEP", True, parse_bool,
 BF16W_ONEDNN_PREFILL = _declare("RADIXSERVE_BF16W_ONEDNN_PREFILL", True, parse_bool,
                                 "0: a prefill chunk over bf16 weights (float32 compute) multiplies the widened "
                                 "weight with F.linear (MKL) instead of oneDNN's float32 product")
-GEMV_MAX_ROWS = _declare("RADIXSERVE_GEMV_MAX_ROWS", 8, int,
-                         "most rows of a bf16 decode product our GEMV takes on CPUs without AMX (oneDNN above; "
-                         "the C decode step takes batches up to it there)")
+GEMV_MAX_ROWS = _declare("RADIXSERVE_GEMV_MAX_ROWS", 32, int,
+                         "most rows of a bf16 decode product our GEMV takes on CPUs without AMX, at most 64 "
+                         "(oneDNN above; the C decode step takes batches up to it there)")
 CPU_MALLOC_TUNING = _declare("RADIXSERVE_CPU_MALLOC_TUNING", True, parse_bool,
                              "0: leave glibc's malloc thresholds alone (large CPU tensors then fault pages in "
                              "on every forward)")

@@ -39,9 +39,11 @@ def test_pack_layout_puts_pairs_of_64_rows_side_by_side():
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level (the other CPUs: test below)")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
-@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (100, 78, True), (960, 576, False), (17, 2, True)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 32, 64])
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (100, 78, True), (960, 576, False), (17, 2, True),
+                                              (130, 2200, True)])
 def test_kernel_matches_float32_product(rows, n, k, bias):
+    """Rows in blocks of up to 6 (near-equal), inputs in slices of 1,024 pairs (k 2200: three slices)."""
     layer = _layer(k, n, bias)
     x = torch.randn(rows, k).bfloat16()
     want = torch.nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
@@ -49,6 +51,14 @@ def test_kernel_matches_float32_product(rows, n, k, bias):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # NOTE: bf16 products summed in float32, then one rounding to bf16 (relative 2^-8) of each output
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
+def test_kernel_refuses_more_rows_than_it_holds():
+    layer = _layer(32, 64, bias=False)
+    x = torch.randn(gemv.GEMV_LIMIT + 1, 32).bfloat16()
+    with pytest.raises(ValueError, match="rejected"):
+        gemv_kernels.load_gemv_kernel()(gemv_kernels.pack_gemv_weight(layer.weight), x, None, 64)
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="needs AMX-BF16 (and the OS's permission to use it)")
@@ -166,8 +176,9 @@ def test_offered_only_for_bf16_on_avx512_bf16(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_KERNEL or HAS_AMX, reason="the GEMV's row limit applies without AMX at the AVX512-BF16 level")
-@pytest.mark.parametrize(("limit", "rows", "kernel"), [(None, 8, "gemv"), (None, 9, "onednn"), ("4", 4, "gemv"),
-                                                       ("4", 5, "onednn")])
+@pytest.mark.parametrize(("limit", "rows", "kernel"), [(None, 32, "gemv"), (None, 33, "onednn"), ("4", 4, "gemv"),
+                                                       ("4", 5, "onednn"), ("100", 64, "gemv"),
+                                                       ("100", 65, "onednn")])
 def test_gemv_row_limit_is_read_when_the_weight_is_packed(monkeypatch, limit, rows, kernel):
     if limit is None:
         monkeypatch.delenv("RADIXSERVE_GEMV_MAX_ROWS", raising=False)

@@ -84,8 +84,10 @@ def test_decode_paths_match_reference(kv_heads, heads):
 @pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 # 48: not a multiple of 32 (no bf16 pairs); (1, 8, 128): the V columns in blocks (8 rows x 8 columns of
-# 16 lanes do not fit the registers); (2, 6, 32): a shape the AVX-512 code has no constant case for
-@pytest.mark.parametrize("kv_heads, heads, dim", [(2, 6, 32), (3, 9, 64), (1, 4, 48), (1, 8, 128)])
+# 16 lanes do not fit the registers); (2, 6, 32): a shape the AVX-512 code has no constant case for; the
+# constant cases of Qwen2.5-1.5B (6 x 128), Llama-3.2-3B (3 x 128), Gemma 3 1B/270M (4 x 256), Gemma 2 2B (2 x 256)
+@pytest.mark.parametrize("kv_heads, heads, dim", [(2, 6, 32), (3, 9, 64), (1, 4, 48), (1, 8, 128), (2, 12, 128),
+                                                  (8, 24, 128), (1, 4, 256), (4, 8, 256)])
 def test_native_decode_kernel_matches_reference(isa, dtype, atol, kv_heads, heads, dim, monkeypatch):
     force_level(isa, monkeypatch)
     select_everything(monkeypatch)

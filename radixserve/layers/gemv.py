@@ -5,8 +5,8 @@ at about half the memory bandwidth at those sizes; our kernels read a tile-inter
 weight as one sequential stream with software prefetch:
 * csrc/bf16_amx.c (AMX tiles) for 1 to AMX_MAX_ROWS rows where the CPU has AMX-BF16: 1.3-2.6x faster
   than oneDNN at 8-32 rows, and 1.1-1.3x faster than the GEMV at 1-4 (benchmarks/bench_decode_linear.py);
-* csrc/bf16_gemv.c (AVX-512 FMAs) for up to 8 rows (RADIXSERVE_GEMV_MAX_ROWS) without AMX
-  (or in_features % 32 != 0).
+* csrc/bf16_gemv.c (register-blocked vdpbf16ps) for up to 32 rows (RADIXSERVE_GEMV_MAX_ROWS) without AMX
+  (or in_features % 32 != 0): 0.66-0.90x oneDNN's time at 8-32 rows on a Zen 4 EPYC.
 Larger batches and prefill keep oneDNN's prepacked weight, so the layer keeps two copies of its weight:
 `--linear-method onednn` keeps one.
 """
@@ -26,15 +26,17 @@ from radixserve.kernels.gemv import (
 )
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
 
+GEMV_LIMIT = 64  # the most rows the kernel takes (DP_MAX_M in csrc/bf16_gemv.c)
 
-# The rows up to which the GEMV takes a product without AMX. On a Zen 4 EPYC (AVX512-BF16, no AMX) at 5-8 rows it
-# beat oneDNN at four of the default model's five shapes and lost 1-11% at the widest input (down 576x1536), 8%
-# less time over a layer's four products at 8 rows (benchmarks/bench_decode_linear.py); and up to this size
-# a decode batch (or a speculative verify step: requests + drafts) runs the C decode step.
+
+# The rows up to which the GEMV takes a product without AMX. On a Zen 4 EPYC (AVX512-BF16, no AMX) its
+# register-blocked vdpbf16ps form beat oneDNN at every decoder shape of the shape ladder from 1 to 32 rows
+# (benchmarks/bench_decode_linear.py); and up to this size a decode batch (or a speculative verify step:
+# requests + drafts) runs the C decode step.
 def gemv_max_rows() -> int:
-    """Most rows the GEMV takes without AMX (RADIXSERVE_GEMV_MAX_ROWS, 8 by default); a layer reads it once,
-    when its weights are packed."""
-    return max(1, envs.GEMV_MAX_ROWS.get())
+    """Most rows the GEMV takes without AMX (RADIXSERVE_GEMV_MAX_ROWS, 32 by default, at most GEMV_LIMIT); a
+    layer reads it once, when its weights are packed."""
+    return min(GEMV_LIMIT, max(1, envs.GEMV_MAX_ROWS.get()))
 
 
 AMX_MAX_ROWS = 32  # the AMX kernel's two 16-row A tiles

@@ -1,17 +1,24 @@
-// Matrix-vector products for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bfloat16 in and out,
-// float32 accumulation. Meant for a few rows (M <= 4 per pass): the time is reading W once, so the
-// layout makes that one sequential stream.
+// Products for decode batches: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), bfloat16 in and out, float32 sums, for
+// 1 to DP_MAX_M rows on CPUs with AVX512-BF16 (where the CPU has AMX, bf16_amx.c takes these rows instead).
 //
-// Packed layout: tiles of TILE = 64 output rows (the last tile padded with zero rows). Within a tile,
-// for each pair p of input positions (2p, 2p + 1), the 64 rows' two values lie side by side:
+// Packed layout: tiles of TILE = 64 output rows (the last tile padded with zero rows). Within a tile, for each
+// pair p of input positions (2p, 2p + 1), the 64 rows' two values lie side by side:
 //     packed[t][p][r][j] = W[TILE * t + r][2 * p + j]
-// so one 64-byte load holds 16 rows x one pair: a shift and a mask widen it to the 16 rows' W[., 2p] and
-// W[., 2p + 1] in float32, and two FMAs with the broadcast x[2p], x[2p + 1] add into 16 sums; no
-// horizontal reductions, and each thread reads its tiles front to back. NOTE: FMAs, not vdpbf16ps: on the
-// AVX512-BF16 Xeon measured, vdpbf16ps issues about once per two cycles, and at 2-4 rows the widen + FMA
-// form ran 1.4-1.5x faster on a cached weight (the widening is shared by the rows).
+// (oneDNN's AB16b64a2b on these CPUs, whose buffer we then read in place), so one 64-byte load holds 16 output
+// rows x one pair: the operand of one vdpbf16ps against a row of x's pair (x[2p], x[2p + 1]) broadcast as one
+// 32-bit value: exact products, float32 sums, no widening and no horizontal reduction.
 //
-// Returns 0, or -1 for shapes it does not take (K odd, M < 1).
+// A block of up to DP_ROWS rows and one 64-output tile keeps DP_ROWS x 4 float32 sums in registers, so each
+// load of the weight meets every row of the block. The tile's input pairs are walked in slices of DP_SLICE
+// pairs: a slice (DP_SLICE x 256 bytes) read from memory by the first block of rows is still in L2 for the
+// next blocks; partial sums wait in a per-tile float32 buffer between slices. Rows are split into near-equal
+// blocks (32 rows: 6, 6, 5, 5, 5, 5), so no block runs nearly empty. The first block prefetches PREFETCH bytes
+// ahead (hardware prefetch stops at 4 KiB pages: on a 2-core AVX512-BF16 Xeon this read large weights ~2x
+// faster). NOTE: on the Zen 4 EPYC measured (docs/cpu_fast_path.md), this form took 0.7-1.16x the time of
+// the earlier widen-and-FMA GEMV at 1-4 rows and 0.5-0.67x at 16-32, and 0.66-0.90x oneDNN's at 8-32 rows at
+// the default model's shapes (benchmarks/bench_decode_linear.py), so it serves every decode batch size there.
+//
+// Returns 0, or -1 for shapes it does not take (K odd, M < 1 or M > DP_MAX_M).
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,69 +26,69 @@
 #include <immintrin.h>
 
 #define TILE 64
-#define MAX_ROWS 4
-// Bytes ahead of the current load to prefetch: measured on a 2-core AVX512-BF16 Xeon, 4096 reads weights
-// from memory at ~2x the rate of no prefetch for the large shapes (hardware prefetch stops at 4 KiB pages).
 #define PREFETCH 4096
+#define DP_ROWS 6
+#define DP_SLICE 1024
+#define DP_MAX_M 64
 
-static inline __attribute__((always_inline)) void tile_product(
-    const uint16_t *wt, const float *x, int64_t K, int R, const uint16_t *bias, uint16_t *y, int64_t N,
-    int64_t n0) {
-    __m512 acc[MAX_ROWS][4];
+static inline __attribute__((always_inline)) void tile_dp(const __m512i *w, const uint32_t *x, int64_t K2,
+                                                          int64_t pairs, int R, float *sums, int first, int fetch) {
+    __m512 acc[DP_ROWS][4];
     for (int r = 0; r < R; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
-    const __m512i *w = (const __m512i *)wt;
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
-    for (int64_t p = 0; p < K / 2; p++, w += 4) {
-        __m512 even[4], odd[4];  // 16 rows' W[row][2p] and W[row][2p + 1] as float32
+        for (int j = 0; j < 4; j++) acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + r * 64 + 16 * j);
+    for (int64_t p = 0; p < pairs; p++, w += 4) {
+        __m512bh b[4];
         for (int j = 0; j < 4; j++) {
-            _mm_prefetch((const char *)(w + j) + PREFETCH, _MM_HINT_T0);
-            __m512i v = _mm512_loadu_si512(w + j);
-            even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+            if (fetch) _mm_prefetch((const char *)(w + j) + PREFETCH, _MM_HINT_T0);
+            b[j] = (__m512bh)_mm512_loadu_si512(w + j);
         }
         for (int r = 0; r < R; r++) {
-            const __m512 xe = _mm512_set1_ps(x[r * K + 2 * p]), xo = _mm512_set1_ps(x[r * K + 2 * p + 1]);
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(odd[j], xo, _mm512_fmadd_ps(even[j], xe, acc[r][j]));
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32((int)x[r * K2 + p]);
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xr, b[j]);
         }
     }
-    for (int j = 0; j < 4; j++) {
-        int64_t n = n0 + 16 * j;
-        if (n >= N) break;
-        __mmask16 k = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
-        __m512 b = _mm512_setzero_ps();
-        if (bias) b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, bias + n)), 16));
-        for (int r = 0; r < R; r++) {
-            __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], b));  // round to nearest even
-            _mm256_mask_storeu_epi16(y + r * N + n, k, (__m256i)out);
-        }
-    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(sums + r * 64 + 16 * j, acc[r][j]);
 }
 
 int bf16_gemv(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
-              int64_t K, int nthreads) {
-    if (K % 2 || M < 1 || N < 1) return -1;
-    int64_t tiles = (N + TILE - 1) / TILE;
-    float *xf = malloc(sizeof(float) * M * K);  // x widened once (exact), broadcast per input below
-    if (!xf) return -4;
-    for (int64_t i = 0; i < M * K; i++) {
-        uint32_t bits = (uint32_t)x[i] << 16;
-        memcpy(xf + i, &bits, 4);
-    }
+                 int64_t K, int nthreads) {
+    if (K % 2 || M < 1 || M > DP_MAX_M || N < 1) return -1;
+    const int64_t tiles = (N + TILE - 1) / TILE, K2 = K / 2, blocks = (M + DP_ROWS - 1) / DP_ROWS;
+    const uint32_t *xp = (const uint32_t *)x;  // row m's pair p: (x[m][2p], x[m][2p + 1]) as one 32-bit value
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const uint16_t *wt = packed + t * TILE * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-            const float *xr = xf + m0 * K;
-            uint16_t *yr = y + m0 * N;
-            switch (M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS) {
-                case 1: tile_product(wt, xr, K, 1, bias, yr, N, t * TILE); break;
-                case 2: tile_product(wt, xr, K, 2, bias, yr, N, t * TILE); break;
-                case 3: tile_product(wt, xr, K, 3, bias, yr, N, t * TILE); break;
-                default: tile_product(wt, xr, K, 4, bias, yr, N, t * TILE); break;
+        float sums[DP_MAX_M * TILE];
+        const __m512i *wt = (const __m512i *)(packed + t * TILE * K);
+        for (int64_t p0 = 0; p0 < K2; p0 += DP_SLICE) {
+            const int64_t pairs = K2 - p0 < DP_SLICE ? K2 - p0 : DP_SLICE;
+            for (int64_t b = 0, m0 = 0; b < blocks; b++) {
+                const int64_t rows = (M - m0 + (blocks - b) - 1) / (blocks - b);
+                const uint32_t *xr = xp + m0 * K2 + p0;
+                float *s = sums + m0 * TILE;
+                const int first = p0 == 0, fetch = b == 0;
+                switch ((int)rows) {
+                    case 1: tile_dp(wt + p0 * 4, xr, K2, pairs, 1, s, first, fetch); break;
+                    case 2: tile_dp(wt + p0 * 4, xr, K2, pairs, 2, s, first, fetch); break;
+                    case 3: tile_dp(wt + p0 * 4, xr, K2, pairs, 3, s, first, fetch); break;
+                    case 4: tile_dp(wt + p0 * 4, xr, K2, pairs, 4, s, first, fetch); break;
+                    case 5: tile_dp(wt + p0 * 4, xr, K2, pairs, 5, s, first, fetch); break;
+                    default: tile_dp(wt + p0 * 4, xr, K2, pairs, 6, s, first, fetch); break;
+                }
+                m0 += rows;
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            const int64_t n = t * TILE + 16 * j;
+            if (n >= N) break;
+            const __mmask16 k = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+            __m512 bv = _mm512_setzero_ps();
+            if (bias) bv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, bias + n)), 16));
+            for (int64_t m = 0; m < M; m++) {
+                const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums + m * TILE + 16 * j), bv));
+                _mm256_mask_storeu_epi16(y + m * N + n, k, (__m256i)out);
             }
         }
     }
-    free(xf);
     return 0;
 }

@@ -110,6 +110,10 @@
     case 508: FN(__VA_ARGS__, 5, 8); break;                                                                \
     case 708: FN(__VA_ARGS__, 7, 8); break;                                                                \
     case 808: FN(__VA_ARGS__, 8, 8); break;                                                                \
+    case 308: FN(__VA_ARGS__, 3, 8); break;                                                                \
+    case 608: FN(__VA_ARGS__, 6, 8); break;                                                                \
+    case 216: FN(__VA_ARGS__, 2, 16); break;                                                               \
+    case 416: FN(__VA_ARGS__, 4, 16); break;                                                               \
     default: FN(__VA_ARGS__, group, nv); break;                                                            \
     }
 
