@@ -31,7 +31,7 @@
 #define DP_SLICE 1024
 #define DP_MAX_M 64
 
-static inline __attribute__((always_inline)) void tile_dp(const __m512i *w, const uint32_t *x, int64_t K2,
+static inline __attribute__((always_inline)) void tile_dp(const __m512i *w, const uint16_t *x, int64_t K2,
                                                           int64_t pairs, int R, float *sums, int first, int fetch) {
     __m512 acc[DP_ROWS][4];
     for (int r = 0; r < R; r++)
@@ -43,7 +43,9 @@ static inline __attribute__((always_inline)) void tile_dp(const __m512i *w, cons
             b[j] = (__m512bh)_mm512_loadu_si512(w + j);
         }
         for (int r = 0; r < R; r++) {
-            const __m512bh xr = (__m512bh)_mm512_set1_epi32((int)x[r * K2 + p]);
+            int32_t pair;  // NOTE: memcpy, as x (a bf16 tensor) need not be 4-byte aligned
+            memcpy(&pair, x + 2 * (r * K2 + p), sizeof pair);
+            const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
             for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xr, b[j]);
         }
     }
@@ -55,7 +57,6 @@ int bf16_gemv(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, u
                  int64_t K, int nthreads) {
     if (K % 2 || M < 1 || M > DP_MAX_M || N < 1) return -1;
     const int64_t tiles = (N + TILE - 1) / TILE, K2 = K / 2, blocks = (M + DP_ROWS - 1) / DP_ROWS;
-    const uint32_t *xp = (const uint32_t *)x;  // row m's pair p: (x[m][2p], x[m][2p + 1]) as one 32-bit value
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         float sums[DP_MAX_M * TILE];
@@ -64,7 +65,7 @@ int bf16_gemv(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, u
             const int64_t pairs = K2 - p0 < DP_SLICE ? K2 - p0 : DP_SLICE;
             for (int64_t b = 0, m0 = 0; b < blocks; b++) {
                 const int64_t rows = (M - m0 + (blocks - b) - 1) / (blocks - b);
-                const uint32_t *xr = xp + m0 * K2 + p0;
+                const uint16_t *xr = x + 2 * (m0 * K2 + p0);  // row m's pair p: x[m][2p], x[m][2p + 1]
                 float *s = sums + m0 * TILE;
                 const int first = p0 == 0, fetch = b == 0;
                 switch ((int)rows) {
