@@ -2,8 +2,8 @@
 
 For each weight shape (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536, LM head 49152x576) and
 row count (--rows), the time per product of:
-* bfloat16: oneDNN's prepacked product (`onednn`), our GEMV kernel (`gemv`, layers/gemv.py; one row in
-  the model, up to 4 without AMX) and our AMX kernel on the same layout (`amx`, where the CPU has AMX-BF16;
+* bfloat16: oneDNN's prepacked product (`onednn`), our GEMV kernel (`gemv`, layers/gemv.py: register-blocked
+  vdpbf16ps; 1-32 rows in the model without AMX) and our AMX kernel on the same layout (`amx`, where the CPU has AMX-BF16;
   2-32 rows in the model);
 * int4 g32 (decoder shapes) / int8 g32 (LM head): the row-layout kernel of quant_matmul.c (`rows`: integer
   dot products up to 4 rows, weight expansion + dense GEMM above) and the tiled kernel

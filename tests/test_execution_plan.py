@@ -134,3 +134,49 @@ def test_auto_keeps_bf16_weights_where_it_picks_float32_on_a_cpu(monkeypatch) ->
         reason = "--dtype auto: bf16 weights" if requested == "auto" else f"--linear-method {requested}"
         assert linear and all(e["reason"].startswith(reason) for e in linear)
         assert plan["dtype"]["reason"].endswith(platform.BF16_WEIGHTS_REASON)
+
+
+def test_cascade_is_planned_off_where_it_measured_slower(monkeypatch) -> None:
+    """kernels.attention.CASCADE_LOSES names (kernel class, dtype) pairs where cascade lost end to end; the plan
+    turns it off there, says why, and the backend then never splits a shared prefix."""
+    from radixserve.kernels import attention as attention_kernels
+    from radixserve.model_executor.execution_plan import _cascade_refusal
+    from radixserve.server_args import ServerArgs
+
+    kernel = attention_kernels.load_decode_kernel()
+    if kernel is None:
+        pytest.skip("the C attention kernels did not build here")
+    cpu, args = torch.device("cpu"), ServerArgs()
+    monkeypatch.setattr(attention_kernels, "CASCADE_LOSES", frozenset({(kernel.kernel_class, torch.float32)}))
+    reason = _cascade_refusal(args, cpu, torch.float32, None)
+    assert reason is not None and "measured slower" in reason and kernel.kernel_class in reason
+    assert _cascade_refusal(args, cpu, torch.bfloat16, None) is None  # another dtype: cascade stays
+    assert _cascade_refusal(ServerArgs(attention_backend="torch"), cpu, torch.float32, None) is None
+    assert _cascade_refusal(ServerArgs(disable_cascade_attention=True), cpu, torch.float32, None) == \
+        "--disable-cascade-attention"
+    assert "soft-cap" in _cascade_refusal(args, cpu, torch.bfloat16, 50.0)
+    assert _cascade_forwards(monkeypatch, frozenset()) > 0  # the same batches split the prefix where it may
+    assert _cascade_forwards(monkeypatch, frozenset({(kernel.kernel_class, torch.float32)}), reason) == 0
+
+
+def _cascade_forwards(monkeypatch, loses: frozenset, reason: str | None = None) -> int:
+    """Forwards that ran cascade in an engine planned with CASCADE_LOSES = `loses`: a 300-token prefix cached
+    first, then two requests that share it extend and decode together."""
+    from test_model_support import assert_engine_conserved
+
+    from radixserve.kernels import attention as attention_kernels
+
+    monkeypatch.setattr(attention_kernels, "CASCADE_LOSES", loses)
+    engine = Engine(dtype="float32", max_total_tokens=1024, log_level="warning")
+    try:
+        plan = engine.model_runner.execution_plan
+        assert plan.attention.cascade == (reason is None)
+        if reason is not None:
+            assert plan.as_dict()["attention shared prefix"] == {"choice": "off", "reason": reason}
+        shared = list(range(300, 600))
+        engine.generate(input_ids=[shared], sampling_params={"max_new_tokens": 1})
+        engine.generate(input_ids=[shared + [7, 8, 9], shared + [10, 11]], sampling_params={"max_new_tokens": 3})
+        assert_engine_conserved(engine)
+        return sum(engine.model_runner.attn_backend.cascade_forwards.values())
+    finally:
+        engine.shutdown()

@@ -94,14 +94,13 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     refusal = _decoder_refusal(model, device, dtype, ops, methods, kv_dtype)
     windows = getattr(model.config, "windows", ())
     cap = getattr(model.config, "attn_logit_softcapping", None)
-    # NOTE: no cascade path caps scores: a model with capped layers (Gemma 2) plans none (layers/attention/softcap.py)
-    attention = plan_attention(args.attention_backend, device,
-                               cascade=not args.disable_cascade_attention and cap is None, windows=windows)
+    no_cascade = _cascade_refusal(args, device, dtype, cap)
+    attention = plan_attention(args.attention_backend, device, cascade=no_cascade is None, windows=windows)
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                PlanEntry("kv cache", str(kv_dtype).removeprefix("torch."), kv_reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
-               *_attention_entries(attention, dtype, args, cap),
-               *_window_entries(windows, not args.disable_hybrid_swa_memory, attention.cascade),
+               *_attention_entries(attention, dtype, args, no_cascade),
+               *_window_entries(windows, not args.disable_hybrid_swa_memory, no_cascade),
                *_softcap_entries(cap),
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
@@ -183,7 +182,25 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
             for (shape, method, reason), n in sorted(counts.items())]
 
 
-def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs, cap: float | None = None
+def _cascade_refusal(args: ServerArgs, device: torch.device, dtype: torch.dtype, cap: float | None) -> str | None:
+    """Why attention over a prefix the whole batch shares is not split (cascade); None where it may be."""
+    from radixserve.layers.attention.registry import resolve_backend
+
+    if args.disable_cascade_attention:
+        return "--disable-cascade-attention"
+    if cap is not None:  # NOTE: no cascade path caps scores (layers/attention/softcap.py)
+        return "attention soft-cap: no cascade path caps scores"
+    if resolve_backend(args.attention_backend, device) == "cpu":
+        from radixserve.kernels.attention import CASCADE_LOSES, load_decode_kernel
+
+        kernel = load_decode_kernel()
+        if kernel is not None and (kernel.kernel_class, dtype) in CASCADE_LOSES:
+            return (f"measured slower than the C kernels alone at this level and dtype ({kernel.kernel_class}, "
+                    f"{str(dtype).removeprefix('torch.')})")
+    return None
+
+
+def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs, no_cascade: str | None
                        ) -> list[PlanEntry]:
     dname = str(dtype).removeprefix("torch.")
     level = f" ({plan.level})" if plan.level else ""
@@ -197,10 +214,8 @@ def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs
         prefix = PlanEntry("attention shared prefix",
                            "cascade, " + ("C prefix" if plan.uses("prefix", dtype) else "torch flash"),
                            "a prefix the whole batch shares is attended once")
-    elif cap is not None and not args.disable_cascade_attention:
-        prefix = PlanEntry("attention shared prefix", "off", "attention soft-cap: no cascade path caps scores")
     else:
-        prefix = PlanEntry("attention shared prefix", "off", "--disable-cascade-attention")
+        prefix = PlanEntry("attention shared prefix", "off", no_cascade or "")
     return [PlanEntry("attention backend", plan.backend, f"--attention-backend {args.attention_backend}"),
             decode, _extend_entry(plan, dtype, level, why_torch), prefix]
 
@@ -217,13 +232,13 @@ def _extend_entry(plan: AttentionPlan, dtype: torch.dtype, level: str, why_torch
     return PlanEntry("attention extend", "C extend", f"measured faster than SDPA here{level}")
 
 
-def _window_entries(windows: tuple[int, ...], hybrid: bool, cascade: bool) -> list[PlanEntry]:
+def _window_entries(windows: tuple[int, ...], hybrid: bool, no_cascade: str | None) -> list[PlanEntry]:
     if not windows:
         return []
     paths = ("window layers: decode over the window's slots (C decode or torch), extend with the window in the C "
              "extend kernel (banded torch SDPA where it does not run); " +
              ("cascade over the part of a shared prefix the batch's windows still see, decided on that part's length"
-              if cascade else "no cascade (--disable-cascade-attention)"))
+              if no_cascade is None else f"no cascade ({no_cascade})"))
     memory = ("; KV in a window pool of their own (hybrid, --swa-full-tokens-ratio), every batch" if hybrid else
               "; KV in the one pool (--disable-hybrid-swa-memory), only in batches where a request is longer than "
               "the window")
