@@ -133,7 +133,7 @@ def report(runs: dict, args: argparse.Namespace, header: str) -> str:
                   key=lambda k: (k[2], list(runs).index((k[0], k[1], k[2], "off"))))
     served = f"`{args.target}` (SmolLM2-135M's function at 8x its weight bytes)" if args.target else \
         "Embedded SmolLM2-135M"
-    command = " ".join(a for a in sys.argv[1:])
+    command = " ".join(sys.argv[1:])
     lines = [f"## Draft model against n-gram drafts, served in {args.dtype}"
              f"{', on an inflated ~1.1B target' if args.target else ''}"
              f"{f' ({args.cpu_class} class)' if args.cpu_class else ''} "
@@ -169,13 +169,14 @@ def plot(runs: dict, args: argparse.Namespace, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    bs = min(b for _, _, b, _ in runs)  # NOTE: the smallest batch of the run (the plot's points are one batch size)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name in dict.fromkeys(w for _, w, _, _ in runs):
         for mode, marker in zip((m for m in MODES if m != "off"), "os^", strict=True):
             points = []
             for target in dict.fromkeys(t for t, w, _, _ in runs if w == name):
-                off = statistics.median(r["result"][0] for r in runs[(target, name, 1, "off")])
-                recs = runs.get((target, name, 1, mode), [])
+                off = statistics.median(r["result"][0] for r in runs[(target, name, bs, "off")])
+                recs = runs.get((target, name, bs, mode), [])
                 if recs:
                     points.append((statistics.median(r["result"][1] for r in recs),
                                    statistics.median(r["result"][0] for r in recs) / off))
@@ -184,7 +185,7 @@ def plot(runs: dict, args: argparse.Namespace, path: Path) -> None:
                     label=f"{name}, {mode_label(mode, args)}")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("draft tokens accepted (fraction)")
-    ax.set_ylabel("decode tok/s vs no speculation (batch 1)")
+    ax.set_ylabel(f"decode tok/s vs no speculation (batch {bs})")
     ax.set_title(f"{args.target}: one point per noise level")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -87,3 +87,9 @@ class StepCost:
             return 0.0
         a, b = fitted
         return b * batch / (a + b * batch)
+
+
+def beats_plain(batch: int, expected: float, plain_s: float, step_s: float) -> bool:
+    """Whether a step of `batch` requests with drafts (`expected` accepted draft tokens), taking `step_s` seconds in
+    all, yields more tokens a second than a plain step of the batch taking `plain_s`."""
+    return (batch + expected) * plain_s > batch * step_s

@@ -35,7 +35,7 @@ from typing import Any
 
 from radixserve.mem_cache.radix_key import common_prefix_len, pack_tokens
 from radixserve.speculative.config import SpecConfig
-from radixserve.speculative.cost import MIN_STEPS
+from radixserve.speculative.cost import MIN_STEPS, beats_plain
 from radixserve.speculative.ngram import BudgetedDrafter
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class DraftModelDrafter(BudgetedDrafter):
         if plain is None or verify is None or self.forward_s is None:
             return True
         expected = sum(r.spec.budget.recent_rate() * n for r, n in want)
-        if (batch + expected) * plain > batch * (verify + max(n for _, n in want) * self.forward_s):
+        if beats_plain(batch, expected, plain, verify + max(n for _, n in want) * self.forward_s):
             return True
         for r, _ in want:
             r.spec.budget.drift_toward_prior()

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from radixserve.speculative.cost import beats_plain
+
 
 class Drafter(Protocol):
     config: Any  # a SpecConfig: the decode planner reads max_verify_rows
@@ -76,7 +78,7 @@ def could_pay(drafter: Drafter, reqs: Sequence[Any]) -> bool:
     for rate, n in sorted(candidates, reverse=True):
         rows, expected = rows + n, expected + rate * n
         seconds = cost.step_seconds(rows)
-        if seconds is None or (batch + expected) * plain > batch * seconds:
+        if seconds is None or beats_plain(batch, expected, plain, seconds):
             return True
     return False
 

@@ -66,8 +66,9 @@ class DraftBudget:
     max_tokens: int
     mean_accepted: float = field(default=-1.0)  # exponential mean of accepted drafts per verify; <0: none yet
     rate: float = field(default=-1.0)  # exponential mean of accepted / drafted per verify; <0: none yet
-    # NOTE: `rate` also drifts back toward the prior while the request's drafts are dropped (drafter.worth_rows), so
-    # that it is probed again; `measured` is what its verify steps showed, for decisions that cost a whole step
+    # NOTE: `rate` also drifts back toward the prior while the request's drafts are set aside (drift_toward_prior:
+    # drafter.worth_rows, DraftModelDrafter._pays), so that it is probed again; `measured` is what its verify steps
+    # showed, for decisions that cost a whole step
     measured: float = field(default=-1.0)
     zero_streak: int = 0
     paused_steps: int = 0

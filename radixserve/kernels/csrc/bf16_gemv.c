@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) void tile_dp(const __m512i *w, cons
 }
 
 int bf16_gemv(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
-                 int64_t K, int nthreads) {
+              int64_t K, int nthreads) {
     if (K % 2 || M < 1 || M > DP_MAX_M || N < 1) return -1;
     const int64_t tiles = (N + TILE - 1) / TILE, K2 = K / 2, blocks = (M + DP_ROWS - 1) / DP_ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
