@@ -1,8 +1,9 @@
 """bf16 weights with float32 compute (layers/bf16_weights.py) against float32 weights, per weight shape and row count.
 
 For each shape: the `bf16_weights` method (its kernel below WIDEN_ROWS rows, the widened copy and oneDNN's float32
-product from there; also with F.linear as that product), float32 weights through `F.linear` (MKL) and through oneDNN's prepacked weight, fastest of --calls calls,
-interleaved. Run it under a CPU class's environment to measure that class, e.g. AVX2:
+product from there, the copy written in oneDNN's blocked order; also the copy in plain order, which oneDNN reorders
+itself, and F.linear as that product), float32 weights through `F.linear` (MKL) and through oneDNN's prepacked
+weight, fastest of --calls calls, interleaved. Run it under a CPU class's environment to measure that class, e.g. AVX2:
 
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 RADIXSERVE_CPU_ISA=avx2 \\
         python benchmarks/bench_bf16_weights.py --threads 1
@@ -32,22 +33,23 @@ def _layer(method, weight: torch.Tensor) -> LinearBase:
     return layer
 
 
-def _with_product(layer: LinearBase, onednn: bool):
-    """The layer with its prefill product forced to oneDNN's or F.linear (bf16_weights.dense_product)."""
+def _with_path(layer: LinearBase, path: str):
+    """The layer with its prefill product forced to one of bf16_weights.prefill_path's paths."""
     def run(x: torch.Tensor) -> torch.Tensor:
-        saved = bf16_weights._onednn_prefill
-        bf16_weights._onednn_prefill = lambda: onednn
+        saved = bf16_weights.prefill_path
+        bf16_weights.prefill_path = lambda n, k: path
         try:
             return layer(x)
         finally:
-            bf16_weights._onednn_prefill = saved
+            bf16_weights.prefill_path = saved
     return run
 
 
 def timings(shape: tuple[int, int], rows: int, calls: int) -> dict[str, float]:
     weight = torch.randn(*shape) * 0.02
     bf16 = _layer(Bf16WeightLinearMethod, weight)
-    runs = {"bf16_weights": bf16, "bf16_weights F.linear": _with_product(bf16, False),
+    runs = {"bf16_weights": bf16, "bf16_weights plain": _with_path(bf16, "onednn"),
+            "bf16_weights F.linear": _with_path(bf16, "linear"),
             "onednn": _layer(OneDNNLinearMethod, weight), "F.linear": lambda x: torch.nn.functional.linear(x, weight)}
     x = torch.randn(rows, shape[1])
     best = dict.fromkeys(runs, float("inf"))
@@ -70,20 +72,24 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=7)
     p.add_argument("--prefill", action="store_true", help="only prefill rows (256, 512, 1,024), where the widened "
                                                           "weight's product is oneDNN's or F.linear's")
+    p.add_argument("--shapes", default="", help="weights as OUTxIN, comma-separated (default: SmolLM2's and "
+                                                 "Qwen2.5-1.5B's)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{cpu_header('float32')}; torch capability {torch.backends.cpu.get_cpu_capability()}; kernel level "
           f"{load_bf16w_kernel().level}; {args.threads} thread(s); fastest of {args.calls}, ms\n")
     print("| weight (out x in) | rows | bf16_weights | its product on F.linear | float32 F.linear | float32 onednn | "
-          "best float32 / bf16_weights | F.linear product / oneDNN product |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for shape in SHAPES:
+          "best float32 / bf16_weights | plain copy / blocked copy | F.linear product / oneDNN product |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    for shape in shapes:
         for rows in (256, 512, 1024) if args.prefill else ROWS:
             t = timings(shape, rows, args.calls)
             f32 = min(t["F.linear"], t["onednn"])
             print(f"| {shape[0]} x {shape[1]} | {rows} | {t['bf16_weights'] * 1e3:.2f} | "
                   f"{t['bf16_weights F.linear'] * 1e3:.2f} | {t['F.linear'] * 1e3:.2f} | {t['onednn'] * 1e3:.2f} | "
-                  f"{f32 / t['bf16_weights']:.2f}x | {t['bf16_weights F.linear'] / t['bf16_weights']:.2f}x |",
+                  f"{f32 / t['bf16_weights']:.2f}x | {t['bf16_weights plain'] / t['bf16_weights']:.2f}x | "
+                  f"{t['bf16_weights F.linear'] / t['bf16_weights']:.2f}x |",
                   flush=True)
 
 

@@ -64,24 +64,32 @@ def baseline_sources(rev: str, into: Path) -> tuple[list[Path], list[Path]]:
     return [csrc / p.name for p in attn.SOURCES], [csrc / p.name for p in attn.HEADERS]
 
 
-def baseline_extend(lib: ctypes.CDLL, isa: str, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """extend(q, k, v, slots, reqs, scale) with the baseline library's (window-less) C signature."""
-    fn = attn._bind(lib, f"extend_attention_{attn._DTYPE_SUFFIX[dtype]}_{isa}", pointers=9, sizes=4)
+def baseline_extend(lib: ctypes.CDLL, isa: str, dtype: torch.dtype, windowed: bool) -> Callable[..., torch.Tensor]:
+    """extend(q, k, v, slots, reqs, scale) with the baseline library's C signature: with the sliding-window size
+    (passed 0, none) before the scale where the revision has it (`windowed`), else without."""
+    fn = attn._bind(lib, f"extend_attention_{attn._DTYPE_SUFFIX[dtype]}_{isa}", pointers=9, sizes=5 if windowed else 4)
 
     def extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, reqs: torch.Tensor,
                scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
+        sizes = (reqs.shape[0], q.shape[1], k.shape[1], q.shape[2]) + ((0,) if windowed else ())
         status = fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), reqs.data_ptr(), 0, 0,
-                    out.data_ptr(), 0, reqs.shape[0], q.shape[1], k.shape[1], q.shape[2], scale,
-                    torch.get_num_threads())
+                    out.data_ptr(), 0, *sizes, scale, torch.get_num_threads())
         assert status == 0
         return out
 
     return extend
 
 
+def has_window(sources: list[Path]) -> bool:
+    """Whether the extend kernel among `sources` takes a sliding-window size (added after the first version)."""
+    text = next(p for p in sources if p.name == "extend_attention.c").read_text()
+    signature = text[text.index("EXPORT(extend_attention_f32)"):]
+    return "int64_t window" in signature[: signature.index(")", signature.index("num_threads"))]
+
+
 def case(lengths: list[int], head: tuple[int, int, int], dtype: torch.dtype, kernel: attn.DecodeKernel,
-         baseline: ctypes.CDLL | None) -> dict[str, Fn]:
+         baseline: ctypes.CDLL | None, windowed: bool = True) -> dict[str, Fn]:
     """name -> fn running one batch of requests (`lengths` new tokens each, nothing cached)."""
     dim, heads, kv_heads = head
     g = torch.Generator().manual_seed(0)
@@ -101,7 +109,7 @@ def case(lengths: list[int], head: tuple[int, int, int], dtype: torch.dtype, ker
 
     fns: dict[str, Fn] = {"sdpa": sdpa, "kernel": lambda: kernel.extend(q, k_buf, v_buf, slots, reqs, scale)}
     if baseline is not None:
-        old = baseline_extend(baseline, kernel.isa, dtype)
+        old = baseline_extend(baseline, kernel.isa, dtype, windowed)
         fns["baseline"] = lambda: old(q, k_buf, v_buf, slots, reqs, scale)
         assert torch.allclose(old(q, k_buf, v_buf, slots, reqs, scale).float(),
                               kernel.extend(q, k_buf, v_buf, slots, reqs, scale)[0].float(), atol=2e-2)
@@ -131,7 +139,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[Key, dict[str, float]]:
             for dtype_name in args.dtypes.split(","):
                 for head in args.heads.split(","):
                     for shape in args.shapes.split(","):
-                        fns = case(SHAPES[shape], HEADS[head], getattr(torch, dtype_name), kernel, baseline)
+                        fns = case(SHAPES[shape], HEADS[head], getattr(torch, dtype_name), kernel, baseline,
+                                   old_sources is not None and has_window(old_sources[0]))
                         key = (isa, threads, dtype_name, head, shape)
                         results[key] = measure(fns, args.rounds)
                         print(" ".join(map(str, key)) + ": "

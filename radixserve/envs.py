@@ -86,6 +86,10 @@ DECODE_STEP = _declare("RADIXSERVE_DECODE_STEP", True, parse_bool,
 BF16W_ONEDNN_PREFILL = _declare("RADIXSERVE_BF16W_ONEDNN_PREFILL", True, parse_bool,
                                 "0: a prefill chunk over bf16 weights (float32 compute) multiplies the widened "
                                 "weight with F.linear (MKL) instead of oneDNN's float32 product")
+BF16W_BLOCKED_PREFILL = _declare("RADIXSERVE_BF16W_BLOCKED_PREFILL", True, parse_bool,
+                                 "0: a prefill chunk over bf16 weights (float32 compute) widens the weight in plain "
+                                 "order and oneDNN reorders it, instead of widening it straight into oneDNN's "
+                                 "blocked order")
 GEMV_MAX_ROWS = _declare("RADIXSERVE_GEMV_MAX_ROWS", 32, int,
                          "most rows of a bf16 decode product our GEMV takes on CPUs without AMX, at most 64 "
                          "(oneDNN above; the C decode step takes batches up to it there)")

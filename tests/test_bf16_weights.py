@@ -79,21 +79,45 @@ def test_method_on_both_sides_of_the_widening(rows):
     assert torch.allclose(big(x3), big(x3.reshape(6, 96)).view(2, 3, 200))
 
 
-@pytest.mark.parametrize("onednn", [True, False])
-def test_prefill_product_on_onednn_and_on_f_linear(onednn, monkeypatch):
-    """A prefill chunk's product over the widened weight: oneDNN's (default) or F.linear
-    (RADIXSERVE_BF16W_ONEDNN_PREFILL=0), both the float64 reference's numbers, bias or none."""
+@pytest.mark.parametrize(("onednn", "blocked"), [(True, True), (True, False), (False, True)])
+def test_prefill_product_on_each_path(onednn, blocked, monkeypatch):
+    """A prefill chunk's product over the widened weight: widened into oneDNN's blocked order (default), widened plain
+    for oneDNN (RADIXSERVE_BF16W_BLOCKED_PREFILL=0), or F.linear (RADIXSERVE_BF16W_ONEDNN_PREFILL=0); each the
+    float64 reference's numbers, bias or none, a shape oneDNN pads (120 rows: two blocks of 64) and one whose order
+    does not hold (30 input features), which takes the plain widening."""
     monkeypatch.setenv("RADIXSERVE_BF16W_ONEDNN_PREFILL", "1" if onednn else "0")
-    bf16_weights._onednn_prefill.cache_clear()
+    monkeypatch.setenv("RADIXSERVE_BF16W_BLOCKED_PREFILL", "1" if blocked else "0")
+    bf16_weights.prefill_path.cache_clear()
+    mkldnn = torch.backends.mkldnn.is_available()
     try:
-        assert bf16_weights._onednn_prefill() == (onednn and torch.backends.mkldnn.is_available())
-        for bias in (True, False):
-            layer, dense = _layer(120, 64, bias=bias)
-            x = torch.randn(bf16_weights.WIDEN_ROWS + 5, 64)
-            want = _reference(x, dense.bfloat16(), layer.bias.detach() if bias else None)
-            torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=2e-5)
+        expect = "linear" if not (onednn and mkldnn) else "blocked" if blocked else "onednn"
+        assert bf16_weights.prefill_path(120, 64) == expect
+        assert bf16_weights.prefill_path(40, 30) == ("onednn" if expect == "blocked" else expect)
+        for n, k in ((120, 64), (40, 30)):
+            for bias in (True, False):
+                layer, dense = _layer(n, k, bias=bias)
+                x = torch.randn(bf16_weights.WIDEN_ROWS + 5, k)
+                want = _reference(x, dense.bfloat16(), layer.bias.detach() if bias else None)
+                torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=2e-5)
     finally:
-        bf16_weights._onednn_prefill.cache_clear()
+        bf16_weights.prefill_path.cache_clear()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's packed weights need mkldnn")
+def test_blocked_scratch_serves_layers_of_one_shape_in_turn():
+    """Layers of one shape share this thread's blocked scratch: each product sees its own weight, the same numbers as
+    the plain widening's, and the scratch stays one buffer per shape."""
+    assert bf16_weights.blocked_order_holds(128, 64) and not bf16_weights.blocked_order_holds(128, 30)
+    layers = [_layer(128, 64) for _ in range(3)]
+    x = torch.randn(bf16_weights.WIDEN_ROWS + 1, 64)
+    for layer, dense in layers + layers[::-1]:
+        want = _reference(x, dense.bfloat16(), layer.bias.detach())
+        got = layer(x)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5)
+        plain = bf16_weights.dense_product(x, layer.method.kernel.widen(layer.method.packed, 128,
+                                                                        torch.empty(128 * 64)), layer.bias)
+        assert torch.equal(got, plain)
+    assert sum(shape == (128, 64) for shape in bf16_weights.SCRATCH.blocked) == 1
 
 
 def test_method_keeps_half_the_bytes_and_rebuilds_the_dense_weight():

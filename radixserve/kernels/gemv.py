@@ -125,9 +125,10 @@ class Bf16WeightGemv(LinearKernel):
 
     def __init__(self, lib: ctypes.CDLL, level: str) -> None:
         super().__init__(lib.bf16w_gemv, "bf16w_gemv")
-        self._unpack, self.level = lib.bf16w_unpack, level
-        self._unpack.restype = ctypes.c_int
-        self._unpack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._unpack, self._unpack_blocked, self.level = lib.bf16w_unpack, lib.bf16w_unpack_blocked, level
+        for fn in (self._unpack, self._unpack_blocked):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
 
     def __call__(self, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
         """x [M, K] float32 contiguous, packed from `pack_gemv_weight(w, BF16W_TILE)` -> y [M, N] float32."""
@@ -142,6 +143,14 @@ class Bf16WeightGemv(LinearKernel):
         if status != 0:
             raise ValueError(f"bf16w_unpack rejected a weight of {n} rows (status {status})")
         return out
+
+    def widen_blocked(self, packed: torch.Tensor, n: int, address: int) -> None:
+        """The packed weight's first n rows as float32 in oneDNN's blocked order [ceil(n / 64)][K][64], padding rows
+        zero, written at `address` (ceil(n / 64) * 64 * K floats)."""
+        status = call_profiled("radixserve::linear::bf16w_unpack", self._unpack_blocked, packed.data_ptr(), address,
+                               n, packed.shape[1] * 2, torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"bf16w_unpack_blocked rejected a weight of {n} rows (status {status})")
 
 
 def load_bf16w_kernel() -> Bf16WeightGemv | None:
@@ -187,15 +196,22 @@ def _built_f32(level: str) -> F32Gemv | None:
     return None if lib is None else F32Gemv(lib, level)
 
 
+def onednn_view(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of `dtype` over a oneDNN (mkldnn) tensor's whole buffer, padding included.
+
+    NOTE: the view does not own the memory: the oneDNN tensor must outlive it."""
+    nbytes = torch.ops.mkldnn._nbytes(packed)
+    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(buffer, dtype=dtype)
+
+
 def onednn_alias(packed: torch.Tensor | None, gemv: torch.Tensor) -> torch.Tensor:
     """A tensor of `gemv`'s shape over oneDNN's packed buffer when its bytes equal `gemv`'s, else `gemv` itself.
 
     NOTE: the alias does not own the memory: the oneDNN tensor must outlive it (both stay on the one method)."""
     if packed is None or not packed.is_mkldnn:
         return gemv
-    nbytes = gemv.numel() * gemv.element_size()
-    if torch.ops.mkldnn._nbytes(packed) != nbytes:
+    if torch.ops.mkldnn._nbytes(packed) != gemv.numel() * gemv.element_size():
         return gemv
-    buffer = (ctypes.c_char * nbytes).from_address(torch.ops.mkldnn.data_ptr(packed))
-    alias = torch.frombuffer(buffer, dtype=gemv.dtype).view(gemv.shape)
+    alias = onednn_view(packed, gemv.dtype).view(gemv.shape)
     return alias if torch.equal(alias, gemv) else gemv

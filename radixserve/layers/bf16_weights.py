@@ -4,9 +4,10 @@ A decode step reads every weight once, and on such a CPU `--dtype bfloat16` is s
 emulated) while float32 reads twice the bytes. This method keeps each weight in bfloat16 (half the bytes;
 what `--dtype bfloat16` keeps on a CPU with bf16 products) and computes in float32: csrc/bf16w_gemv.c widens
 the weight in registers below WIDEN_ROWS rows; from there (a prefill chunk) the weight is widened into a float32
-scratch for one float32 product (oneDNN's; `dense_product`). Measured on one core forced to AVX2 (ATen, MKL and oneDNN too) against the faster
-of float32 `F.linear` and oneDNN (benchmarks/bench_bf16_weights.py): 1.1-2.4x faster at 1-32 rows, even at 64,
-0.8-0.9x at 128-256, 0.92-0.98x at 1,024.
+scratch for one float32 product (oneDNN's; `prefill_product`), written straight in the blocked order oneDNN
+multiplies from, so oneDNN does not reorder it again. Measured on one core forced to AVX2 (ATen, MKL and oneDNN
+too) against the faster of float32 `F.linear` and oneDNN (benchmarks/bench_bf16_weights.py): 1.1-2.4x faster at
+1-32 rows, even at 64, 0.8-0.9x at 128-256, 0.92-0.98x at 1,024.
 
 It changes the model's numbers (weights rounded to bf16), so timing never picks it (`rounds_weights`): the
 dtype choice does (`--dtype auto`, platform.py) or `--linear-method bf16_weights`.
@@ -20,20 +21,30 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from radixserve.kernels.gemv import BF16W_TILE, load_bf16w_kernel, pack_gemv_weight, unpack_gemv_weight
+from radixserve.kernels.gemv import (
+    BF16W_TILE,
+    Bf16WeightGemv,
+    load_bf16w_kernel,
+    onednn_view,
+    pack_gemv_weight,
+    unpack_gemv_weight,
+)
 from radixserve.layers.linear import LinearBase, LinearMethod, register_linear_method
 
 WIDEN_ROWS = 256  # from this many rows on, the weight is widened to float32 for one F.linear (a prefill chunk)
 WIDEN_MAX_ELEMENTS = 64 << 20  # larger weights (an LM head asked for many rows of logits) stay on the kernel
+BLOCKED_HINT = 1024  # the rows oneDNN is told to pack a weight for (its order held for 256-2,048 rows alike)
 
 
 class WidenScratch(threading.local):
-    """One float32 buffer per thread that each layer's widened weight is written into in turn (a forward runs its
-    layers one at a time on one thread), grown to the largest one. NOTE: a fresh tensor of tens of MB per
-    product cost more in page faults than the widening itself."""
+    """This thread's float32 buffers that each layer's widened weight is written into in turn (a forward runs its
+    layers one at a time on one thread): one plain buffer grown to the largest weight, and one oneDNN packed weight
+    per weight shape (the blocked order). NOTE: a fresh tensor of tens of MB per product cost more in page faults
+    than the widening itself."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.float32)
+        self.blocked: dict[tuple[int, int], torch.Tensor] = {}
 
     def take(self, elements: int) -> torch.Tensor:
         """At least `elements` floats, valid until this thread's next `take`."""
@@ -41,25 +52,74 @@ class WidenScratch(threading.local):
             self.buffer = torch.empty(elements, dtype=torch.float32)
         return self.buffer
 
+    def take_blocked(self, n: int, k: int) -> torch.Tensor:
+        """oneDNN's packed float32 weight for an [n, k] layer (an opaque mkldnn tensor), whose bytes the caller
+        overwrites; valid until this thread's next `take_blocked` of the same shape."""
+        weight = self.blocked.get((n, k))
+        if weight is None:
+            weight = self.blocked[(n, k)] = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(n, k), BLOCKED_HINT)
+        return weight
+
 
 SCRATCH = WidenScratch()
 
 
+def prefill_product(kernel: Bf16WeightGemv, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
+                    n: int) -> torch.Tensor:
+    """x @ W.T + bias in float32 for a prefill chunk, W the packed bf16 weight widened into this thread's scratch:
+    in oneDNN's blocked order where `prefill_path` says so, else in plain [n, K] order for `dense_product`."""
+    k = x.shape[1]
+    if prefill_path(n, k) == "blocked":
+        weight = SCRATCH.take_blocked(n, k)
+        kernel.widen_blocked(packed, n, torch.ops.mkldnn.data_ptr(weight))
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return dense_product(x, kernel.widen(packed, n, SCRATCH.take(n * k)), bias)
+
+
 def dense_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias in float32 for a prefill chunk. oneDNN's float32 product over the plain widened weight
-    (it blocks the weight itself) measured 0.75-1.02x F.linear's (MKL) time at the AVX2 class on decoder shapes,
-    256 and 1,024 rows (benchmarks/bench_bf16_weights.py --prefill); F.linear where oneDNN is absent or turned off
-    (RADIXSERVE_BF16W_ONEDNN_PREFILL=0)."""
-    if _onednn_prefill():
+    """x @ weight.T + bias in float32 over a plain widened weight: oneDNN's product (it reorders the weight into its
+    blocked order itself) measured 0.75-1.02x F.linear's (MKL) time at the AVX2 class on decoder shapes, 256 and
+    1,024 rows (benchmarks/bench_bf16_weights.py --prefill); F.linear where oneDNN is absent or turned off."""
+    if prefill_path(*weight.shape) != "linear":
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 @functools.cache
-def _onednn_prefill() -> bool:
+def prefill_path(n: int, k: int) -> str:
+    """How a prefill chunk multiplies an [n, k] bf16 weight: "blocked" (widened in oneDNN's blocked order: 0.91-1.0x
+    the time of "onednn" per product on SmolLM2's and Qwen2.5-1.5B's layers at 256-1,024 rows, AVX2 class, 2 threads;
+    0.80-0.90x on SmolLM2's while the VM's memory read slow), "onednn" (widened plain, oneDNN reorders it), or
+    "linear" (F.linear: oneDNN absent or
+    RADIXSERVE_BF16W_ONEDNN_PREFILL=0). "blocked" needs oneDNN to ask for the order bf16w_unpack_blocked writes,
+    checked once per shape (`blocked_order_holds`), and RADIXSERVE_BF16W_BLOCKED_PREFILL on."""
     from radixserve import envs
 
-    return envs.BF16W_ONEDNN_PREFILL.get() and torch.backends.mkldnn.is_available()
+    if not (envs.BF16W_ONEDNN_PREFILL.get() and torch.backends.mkldnn.is_available()):
+        return "linear"
+    return "blocked" if envs.BF16W_BLOCKED_PREFILL.get() and blocked_order_holds(n, k) else "onednn"
+
+
+def blocked_order_holds(n: int, k: int) -> bool:
+    """Whether oneDNN packs a float32 [n, k] linear weight as [ceil(n / 64)][k][64], zero rows past n (what
+    bf16w_unpack_blocked writes): weights holding each element's row + 1, then its column + 1 (exact in float32),
+    packed and read back."""
+    blocks = -(-n // 64)
+    rows = torch.arange(1, n + 1, dtype=torch.float32)[:, None].expand(n, k)
+    cols = torch.arange(1, k + 1, dtype=torch.float32)[None, :].expand(n, k)
+    for probe in (rows, cols):
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(probe.contiguous(), BLOCKED_HINT)
+            if torch.ops.mkldnn._nbytes(packed) != blocks * 64 * k * 4:
+                return False
+            got = onednn_view(packed, torch.float32)
+        except (RuntimeError, AttributeError):  # no such op in this build, or oneDNN refused the shape
+            return False
+        want = torch.zeros(blocks * 64, k)
+        want[:n] = probe
+        if not torch.equal(got, want.view(blocks, 64, k).transpose(1, 2).reshape(-1)):
+            return False
+    return True
 
 
 class Bf16WeightLinearMethod(LinearMethod):
@@ -82,7 +142,7 @@ class Bf16WeightLinearMethod(LinearMethod):
         n = layer.out_features
         if flat.shape[0] >= WIDEN_ROWS and self.packed.numel() <= WIDEN_MAX_ELEMENTS:
             # NOTE: the widened weight lives in this thread's scratch until its next layer's product
-            y = dense_product(flat, self.kernel.widen(self.packed, n, SCRATCH.take(n * layer.in_features)), layer.bias)
+            y = prefill_product(self.kernel, self.packed, flat, layer.bias, n)
         else:
             y = self.kernel(self.packed, flat, layer.bias, n)
         return y.view(*x.shape[:-1], n).to(x.dtype)
@@ -110,8 +170,8 @@ class Bf16WeightLinearMethod(LinearMethod):
         return f"{self.name} ({self.kernel.level})" if self.packed is not None else self.name
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
-        return (f"bf16w_gemv ({load_bf16w_kernel().level}) below {WIDEN_ROWS} rows, a float32 copy and F.linear from "
-                f"{WIDEN_ROWS}")
+        return (f"bf16w_gemv ({load_bf16w_kernel().level}) below {WIDEN_ROWS} rows, a float32 copy (in oneDNN's blocked "
+                f"order where it holds) and oneDNN from {WIDEN_ROWS}")
 
 
 register_linear_method(Bf16WeightLinearMethod)
