@@ -82,7 +82,7 @@ CPU_PREFILL_KERNEL = _declare("RADIXSERVE_CPU_PREFILL_KERNEL", True, parse_bool,
                               "0: extend attention on the CPU stays on torch's SDPA instead of the C kernel")
 DECODE_STEP = _declare("RADIXSERVE_DECODE_STEP", True, parse_bool,
                        "0: decode batches run the decoder layers in Python instead of the one-call C loop, and "
-                       "prefill's SiLU-and-mul is the compiled op")
+                       "prefill's SiLU-and-mul and add + RMSNorm are the compiled ops")
 BF16W_ONEDNN_PREFILL = _declare("RADIXSERVE_BF16W_ONEDNN_PREFILL", True, parse_bool,
                                 "0: a prefill chunk over bf16 weights (float32 compute) multiplies the widened "
                                 "weight with F.linear (MKL) instead of oneDNN's float32 product")

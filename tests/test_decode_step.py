@@ -11,7 +11,7 @@ from test_model_support import save_tiny_tokenizer
 
 from radixserve.layers.gemv import load_gemv_kernel
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.models import decode_step
+from radixserve.models import decode_step, prefill_passes
 from radixserve.server_args import ServerArgs
 
 pytestmark = pytest.mark.skipif(load_gemv_kernel() is None,
@@ -151,21 +151,48 @@ def test_position_beyond_the_table_is_refused_before_any_write(folder, monkeypat
 
 
 def test_silu_and_mul_of_prefill_batches_is_the_step_loop(folder, monkeypatch):
-    """From SiluAndMul.MIN_ROWS rows the layers' SiLU-and-mul is the step's C loop (same rounding steps as
+    """From prefill_passes.MIN_ROWS rows the layers' SiLU-and-mul is the step's C loop (same rounding steps as
     the compiled op: a result differs, if at all, by one bf16 unit in a few places); the switch restores
     the compiled op."""
     runner = _runner(folder, monkeypatch, True)
     act, compiled = runner.model.model.layers[0].mlp.act, runner.model.fused_ops.silu_and_mul
-    assert isinstance(act, decode_step.SiluAndMul)
+    assert isinstance(act, prefill_passes.SiluAndMul)
     g = torch.Generator().manual_seed(0)
-    for rows in (1, 63, 64, 300):
+    for rows in (1, prefill_passes.MIN_ROWS - 1, prefill_passes.MIN_ROWS, 300):
         gate_up = (torch.randn(rows, 512, generator=g) * 4).bfloat16()
         got, want = act(gate_up), compiled(gate_up)
         assert got.shape == want.shape == (rows, 256)
         assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
         assert (got != want).float().mean() < 0.01
     off = _runner(folder, monkeypatch, False)
-    assert not isinstance(off.model.model.layers[0].mlp.act, decode_step.SiluAndMul)
+    assert not isinstance(off.model.model.layers[0].mlp.act, prefill_passes.SiluAndMul)
+
+
+def test_add_rmsnorm_of_prefill_batches_is_the_step_loop_bit_for_bit(folder, monkeypatch):
+    """From prefill_passes.MIN_ROWS rows every norm's add + RMSNorm is the step's C rows, bit-equal to the compiled
+    op (the sum of squares in its order); below, and for a width the rows do not take, the compiled op itself; the
+    switch restores the compiled op everywhere."""
+    runner = _runner(folder, monkeypatch, True)
+    norms = [n for layer in runner.model.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    fused, compiled = norms[0].fused_add, runner.model.fused_ops.add_rmsnorm
+    assert isinstance(fused, prefill_passes.AddRMSNorm)
+    assert all(n.fused_add is fused for n in norms) and runner.model.model.norm.fused_add is fused
+    width = runner.model.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    weight = norms[0].weight.detach()
+    calls, real = [], type(fused._kernel).add_rmsnorm
+    monkeypatch.setattr(type(fused._kernel), "add_rmsnorm", lambda self, *a: calls.append(1) or real(self, *a))
+    for rows in (1, prefill_passes.MIN_ROWS - 1, prefill_passes.MIN_ROWS, 300):
+        x, residual = ((torch.randn(rows, width, generator=g) * 3).bfloat16() for _ in "xr")
+        before = len(calls)
+        got, want = fused(x, residual, weight), compiled(x, residual, weight)
+        assert len(calls) - before == (rows >= prefill_passes.MIN_ROWS)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
+    odd = prefill_passes.AddRMSNorm(fused._kernel, lambda *a: ("compiled",), fused.eps)
+    x = torch.randn(prefill_passes.MIN_ROWS, 48).bfloat16()
+    assert odd(x, x.clone(), torch.ones(48, dtype=torch.bfloat16)) == ("compiled",)
+    off = _runner(folder, monkeypatch, False)
+    assert off.model.model.layers[0].input_layernorm.fused_add is off.model.fused_ops.add_rmsnorm
 
 
 def test_the_step_reads_the_exported_weight_view_and_says_why_it_declines(folder, monkeypatch):

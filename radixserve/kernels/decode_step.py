@@ -64,7 +64,8 @@ def attention_groups(tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 class DecodeStepKernel:
     """One build's functions: the size of the work buffer and a decode step over every layer (elements of
-    `dtype`); the bf16 build also has the step's SiLU-and-mul loop (used for prefill chunks too)."""
+    `dtype`); the bf16 build also has the step's SiLU-and-mul and add + RMSNorm loops (for prefill chunks,
+    models/prefill_passes.py)."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self._lib, self.dtype = lib, dtype
@@ -91,6 +92,15 @@ class DecodeStepKernel:
             None if lora is None else ctypes.addressof(lora), hidden.data_ptr(), residual.data_ptr(),
             positions.data_ptr(), ctypes.addressof(groups), hidden.shape[0], work.data_ptr(), torch.get_num_threads())
 
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor,
+                    total: torch.Tensor, eps: float) -> int:
+        """total = x + residual, normed = RMSNorm(total) (bf16 rows, contiguous); 0, or 1 for a width that is not a
+        multiple of 32 (nothing written)."""
+        rows, width = x.shape
+        return call_profiled("radixserve::fused::add_rmsnorm_c", self._lib.add_rmsnorm_bf16, x.data_ptr(),
+                             residual.data_ptr(), weight.data_ptr(), normed.data_ptr(), total.data_ptr(), rows, width,
+                             eps, torch.get_num_threads())
+
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> int:
         rows, width = gate_up.shape
         return call_profiled("radixserve::fused::silu_and_mul_c", self._lib.silu_mul_bf16, gate_up.data_ptr(),
@@ -116,6 +126,8 @@ def _bf16_library() -> ctypes.CDLL | None:
     if lib is not None:
         lib.silu_mul_bf16.restype = ctypes.c_int
         lib.silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        lib.add_rmsnorm_bf16.restype = ctypes.c_int
+        lib.add_rmsnorm_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 

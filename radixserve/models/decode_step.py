@@ -2,7 +2,7 @@
 
 - bf16 (csrc/decode_step.c) on CPUs with AVX512-BF16: every decoder linear layer on the GEMV/AMX method
   (`onednn_gemv`) or on tiled int4/int8 weights (`packed`); bit-equal to the Python layers. Prefill batches of
-  such a model use the step's SiLU-and-mul loop too (`SiluAndMul`).
+  such a model use the step's SiLU-and-mul and add + RMSNorm loops too (prefill_passes.py).
 - float32 (csrc/decode_step_f32.c) on AVX2 + FMA and AVX-512: every decoder linear layer on bf16 weights
   (`bf16_weights`, what `--dtype auto` picks on CPUs without bf16 products), on float32 weights (`f32_gemv`,
   `--dtype float32`) or on tiled int4/int8 weights;
@@ -178,35 +178,9 @@ class DecodeStep:
         self._pool = pool
 
 
-class SiluAndMul:
-    """SiLU-and-mul of a fused [gate | up] batch: the decode step's C loop from MIN_ROWS rows (prefill
-    chunks; 1.5x the compiled op at 2,048 rows, same rounding steps), the compiled op below (its call is
-    cheaper at a few rows)."""
-
-    MIN_ROWS = 64
-
-    def __init__(self, kernel: DecodeStepKernel, compiled) -> None:
-        self._kernel, self._compiled = kernel, compiled
-
-    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        rows, width = gate_up.shape
-        if rows < self.MIN_ROWS or not gate_up.is_contiguous() or gate_up.dtype != torch.bfloat16:
-            return self._compiled(gate_up)
-        out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-        if self._kernel.silu_mul(gate_up, out):
-            raise ValueError(f"SiLU-and-mul needs a [gate | up] width that is a multiple of 32, got {width}")
-        return out
-
-
 def load_decode_step(weights: DecoderWeights, dtype: torch.dtype) -> DecodeStep:
     """The C decode step over a model's weight view; only where `decode_step_refusal` found no reason against it."""
     return DecodeStep(weights, load_decode_step_kernel(dtype))
-
-
-def c_silu_and_mul(ops: Any) -> SiluAndMul:
-    """The SiLU-and-mul a model with the C decode step runs in Python too (prefill): the C loop from
-    SiluAndMul.MIN_ROWS rows, the compiled op below, so both paths round alike."""
-    return SiluAndMul(load_decode_step_kernel(), ops.silu_and_mul)
 
 
 def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops: Any,

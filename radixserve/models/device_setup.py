@@ -14,7 +14,8 @@ import torch
 
 from radixserve.layers.linear_tuning import apply_linear_plan
 from radixserve.layers.quantization.model_quant import tile_packed_weights
-from radixserve.models.decode_step import c_silu_and_mul, load_decode_step
+from radixserve.models.decode_step import load_decode_step
+from radixserve.models.prefill_passes import c_prefill_passes
 
 if TYPE_CHECKING:
     from radixserve.model_executor.execution_plan import ExecutionPlan
@@ -42,9 +43,9 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, plan: E
         tile_packed_weights(model)
     c_decoder = plan.decoder_refusal is None
     ops = plan.fused_ops
-    # NOTE: its SiLU loop is bf16's (float32 keeps inductor's), and replaces a fused op (a model without them has none)
+    # NOTE: its row passes are bf16's (float32 keeps inductor's), and replace fused ops (a model without them has none)
     bf16_decoder = c_decoder and plan.dtype == torch.bfloat16 and ops is not None
-    model.set_fused_ops(ops, silu_and_mul_op=c_silu_and_mul(ops) if bf16_decoder else None)
+    model.set_fused_ops(ops, c_prefill_passes(ops, model.config.rms_norm_eps) if bf16_decoder else None)
     if hasattr(model, "set_decoder"):
         model.set_decoder(load_decode_step(model.decoder_weights(), plan.dtype) if c_decoder else None)
     return DeviceSetup(counts, ops is not None, c_decoder, time.perf_counter() - start)

@@ -161,7 +161,7 @@ class Gemma3ForCausalLM(nn.Module):
         forward when it `takes` it."""
         self.decode_step = decode_step
 
-    def set_fused_ops(self, ops: Any, silu_and_mul_op: Any = None) -> None:
+    def set_fused_ops(self, ops: Any, passes: Any = None) -> None:
         """Gemma layers run eager torch; the plan never hands them fused ops (`uses_fused_ops`)."""
         if ops is not None:
             raise ValueError("Gemma layers take no fused ops")

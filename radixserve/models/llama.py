@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.models.config import ModelConfig, ModelLoadError
+
+if TYPE_CHECKING:
+    from radixserve.models.prefill_passes import PrefillPasses
 
 
 class LlamaAttention(nn.Module):
@@ -185,19 +188,20 @@ class LlamaForCausalLM(nn.Module):
         (decode_step.DecodeStep), which runs a decode forward when it `takes` it."""
         self.decode_step = decode_step
 
-    def set_fused_ops(self, ops: FusedOps | None, silu_and_mul_op: Any = None) -> None:
-        """Runs the passes between matrix products as these compiled ops (None: eager torch); `silu_and_mul_op`,
-        if given, in place of the compiled one (the C decoder's, decode_step.c_silu_and_mul)."""
+    def set_fused_ops(self, ops: FusedOps | None, passes: PrefillPasses | None = None) -> None:
+        """Runs the passes between matrix products as these compiled ops (None: eager torch); `passes`, if given, in
+        place of the compiled SiLU-and-mul and add + RMSNorm (the C decoder's, models/prefill_passes.py)."""
         dtype = self.model.norm.weight.dtype  # NOTE: norms stay float in every format, embeddings may be packed
         if ops is not None and ops.dtype != dtype:
             raise ValueError(f"fused ops built for {ops.dtype}, model in {dtype}")
         self.fused_ops = ops
+        add_rmsnorm = passes.add_rmsnorm if passes else ops.add_rmsnorm if ops else None
         for layer in self.model.layers:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.fused_add = ops.add_rmsnorm if ops else None
+                norm.fused_add = add_rmsnorm
             layer.self_attn.rotary_kv = ops.rotary_kv if ops else None
-            layer.mlp.act = silu_and_mul_op or (ops.silu_and_mul if ops else silu_and_mul)
-        self.model.norm.fused_add = ops.add_rmsnorm if ops else None
+            layer.mlp.act = passes.silu_and_mul if passes else ops.silu_and_mul if ops else silu_and_mul
+        self.model.norm.fused_add = add_rmsnorm
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

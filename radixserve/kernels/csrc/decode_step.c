@@ -118,10 +118,24 @@ int decode_step_bf16(const decode_model *m, attention_fn attention, const decode
 int64_t decode_step_bf16_work_size(const decode_model *m, int64_t bs) { return decode_work_size(m, bs); }
 
 // SiLU(gate) * up of m fused [gate | up] rows of 2n values into m rows of n: the loop the decode step
-// runs, for prefill-sized batches (models/decode_step.py). Returns 0; 1 if n is not a multiple of 16.
+// runs, for prefill-sized batches (models/prefill_passes.py). Returns 0; 1 if n is not a multiple of 16.
 int silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t n, int nthreads) {
     if (n % 16) return 1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < m; r++) silu_mul_row(gate_up + r * 2 * n, out + r * n, n);
+    return 0;
+}
+
+// sum = bf16(delta + residual) and normed = rmsnorm(sum) for m rows of n: the decode step's rows (bit-equal to the
+// compiled add_rmsnorm), for prefill-sized batches (models/prefill_passes.py). Returns 0; 1 if n is not a multiple of
+// 32.
+int add_rmsnorm_bf16(const uint16_t *delta, const uint16_t *residual, const uint16_t *weight, uint16_t *normed,
+                     uint16_t *sum, int64_t m, int64_t n, float eps, int nthreads) {
+    if (n % 32) return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        memcpy(sum + r * n, residual + r * n, (size_t)n * sizeof *sum);
+        add_rmsnorm_row(delta + r * n, sum + r * n, weight, normed + r * n, n, eps);
+    }
     return 0;
 }
