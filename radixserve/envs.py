@@ -86,6 +86,10 @@ DECODE_STEP = _declare("RADIXSERVE_DECODE_STEP", True, parse_bool,
 BF16W_ONEDNN_PREFILL = _declare("RADIXSERVE_BF16W_ONEDNN_PREFILL", True, parse_bool,
                                 "0: a prefill chunk over bf16 weights (float32 compute) multiplies the widened "
                                 "weight with F.linear (MKL) instead of oneDNN's float32 product")
+BF16W_PREFILL_COPY_MB = _declare("RADIXSERVE_BF16W_PREFILL_COPY_MB", -1, int,
+                                 "budget in MB for the resident float32 copies (oneDNN's blocked order) that bf16-weight "
+                                 "decoder layers under float32 compute keep for prefill chunks; 0: none, each chunk "
+                                 "widens the weights; -1: an eighth of the machine's memory, at most 2048")
 BF16W_BLOCKED_PREFILL = _declare("RADIXSERVE_BF16W_BLOCKED_PREFILL", True, parse_bool,
                                  "0: a prefill chunk over bf16 weights (float32 compute) widens the weight in plain "
                                  "order and oneDNN reorders it, instead of widening it straight into oneDNN's "

@@ -156,3 +156,56 @@ def test_model_on_bf16_weights_matches_transformers_with_rounded_weights(tmp_pat
     driver.release_all()
     assert check_conservation(runner.token_to_kv_pool_allocator, None, runner.req_to_token_pool, []) is not None
     assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's packed weights need mkldnn")
+def test_resident_prefill_copy_is_the_widened_product_bit_for_bit():
+    """A layer's resident blocked copy gives a prefill chunk the very numbers of the per-chunk widening, and is
+    counted among the layer's weight bytes; below WIDEN_ROWS the bf16 kernel still runs."""
+    layer, _ = _layer(120, 64)
+    x, small = torch.randn(bf16_weights.WIDEN_ROWS + 5, 64), torch.randn(3, 64)
+    widened, kernel = layer(x), layer(small)
+    layer.method.keep_prefill_copy(layer)
+    assert layer.method.prefill_copy is not None
+    assert torch.equal(layer(x), widened) and torch.equal(layer(small), kernel)
+    packed = layer.method.packed.numel() * 2  # rows padded to tiles of 16
+    assert sum(layer.method.own_forms().values()) == packed + bf16_weights.copy_bytes(120, 64)
+    assert bf16_weights.copy_bytes(120, 64) == 128 * 64 * 4  # rows padded to two blocks of 64
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's packed weights need mkldnn")
+def test_plan_keeps_prefill_copies_within_the_budget(tmp_path, monkeypatch):
+    """The plan gives the decoder layers (not the LM head) their copies when they fit the budget and says why not
+    when they do not (budget 0, or smaller than the copies); a prefill runs to the same logits either way."""
+    make_tiny_model(tmp_path, "qwen2")
+    prompt = [(7 * i) % 250 + 3 for i in range(bf16_weights.WIDEN_ROWS + 20)]
+    runs = {}
+    monkeypatch.setenv("RADIXSERVE_BF16W_PREFILL_COPY_MB", "3")
+    assert bf16_weights.copy_budget() == 3 << 20
+    monkeypatch.setenv("RADIXSERVE_BF16W_PREFILL_COPY_MB", "-1")
+    assert 0 < bf16_weights.copy_budget() <= 2 << 30
+    wanted = 0  # the copies' bytes, known after the first run
+    for budget in ("-1", "0", "short"):
+        monkeypatch.setenv("RADIXSERVE_BF16W_PREFILL_COPY_MB", "0" if budget == "0" else "-1")
+        if budget == "short":  # a budget one byte short of the copies
+            monkeypatch.setattr(bf16_weights, "copy_budget", lambda short=wanted - 1: short)
+        runner = ModelRunner(ServerArgs(model_path=str(tmp_path), dtype="float32", device="cpu",
+                                        max_total_tokens=1024, linear_method="bf16_weights"))
+        entry = runner.execution_plan.as_dict()["bf16 prefill copies"]
+        layers = {name: layer for name, layer in runner.model.named_modules() if isinstance(layer, LinearBase)}
+        kept = {name for name, layer in layers.items() if layer.method.prefill_copy is not None}
+        decoder = {name for name in layers if not name.endswith("lm_head")}
+        wanted = sum(bf16_weights.copy_bytes(*layers[name].shape) for name in decoder)
+        if budget == "-1":
+            assert kept == decoder and runner.execution_plan.prefill_copy_bytes == wanted
+            assert entry["choice"] == bf16_weights.mb(wanted) and "within" in entry["reason"]
+        else:
+            assert not kept and runner.execution_plan.prefill_copy_bytes == 0 and entry["choice"] == "off"
+            assert ("=0" if budget == "0" else "over the") in entry["reason"]
+        driver = DirectDriver(runner)
+        req = driver.new_request()
+        runs[budget] = driver.extend([req], [prompt])
+        driver.release_all()
+        check_conservation(runner.token_to_kv_pool_allocator, None, runner.req_to_token_pool, [])
+        assert runner.token_to_kv_pool_allocator.available_size() == runner.max_total_num_tokens
+    assert torch.equal(runs["-1"], runs["0"]) and torch.equal(runs["0"], runs["short"])

@@ -16,7 +16,7 @@ from radixserve.kernels.decode_step import F32_LEVELS
 from radixserve.layers.f32_gemv import F32_GEMV_ROWS
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.models import decode_step
+from radixserve.models import decode_step, prefill_passes
 from radixserve.server_args import ServerArgs
 
 LEVELS = [pytest.param(isa, id=isa) for isa in reversed(F32_LEVELS) if isa != "avx512_bf16"]
@@ -50,11 +50,15 @@ def _runner(folder, monkeypatch, on: bool, linear_method: str = "bf16_weights", 
                                   attention_backend="cpu", linear_method=linear_method, **kw))
 
 
+def _prompt_lens(bs: int) -> list[int]:
+    return [5 + 11 * i % 40 for i in range(bs)]
+
+
 def _decode_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[list[int]]]:
     """Ragged prompts, then four greedy decode steps: the logits, the KV of every slot, the C calls, the tokens."""
     driver = DirectDriver(runner)
     reqs = [driver.new_request() for _ in range(bs)]
-    lens = [5 + 11 * i % 40 for i in range(bs)]
+    lens = _prompt_lens(bs)
     logits = [driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)])]
     recorder = None
     if runner.model.decode_step is not None:
@@ -72,6 +76,15 @@ def _decode_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], torch
     return logits, kv, [] if recorder is None else recorder.calls, tokens
 
 
+def _assert_prefill_logits(on: torch.Tensor, off: torch.Tensor, bs: int) -> None:
+    """A prefill of fewer than MIN_ROWS tokens runs the compiled passes in both runs (bit-equal logits); a larger
+    one runs the step's C passes where the step is on (equal to float32 rounding)."""
+    if sum(_prompt_lens(bs)) < prefill_passes.MIN_ROWS:
+        assert torch.equal(on, off)
+    else:
+        assert rel_err(on, off) < 1e-5
+
+
 @pytest.mark.parametrize("isa", LEVELS)
 @pytest.mark.parametrize("bs", [1, 5, 40])
 def test_f32_step_matches_python_layers(folder, monkeypatch, isa, bs):
@@ -86,8 +99,9 @@ def test_f32_step_matches_python_layers(folder, monkeypatch, isa, bs):
     (off_logits, off_kv, _, off_tokens), (on_logits, on_kv, calls, on_tokens) = runs[False], runs[True]
     assert calls == [bs] * 4
     # NOTE: the same linear and attention kernels; the passes between them differ from inductor's in the last
-    # bits (exp, the order of a sum), which four decode steps through three layers carry to ~1e-6
-    assert torch.equal(on_logits[0], off_logits[0])  # the prefill runs the Python layers in both
+    # bits (exp, the order of a sum), which four decode steps through three layers carry to ~1e-6. The prefill
+    # runs the Python layers in both, with the step's passes from prefill_passes.MIN_ROWS rows
+    _assert_prefill_logits(on_logits[0], off_logits[0], bs)
     for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
         assert rel_err(on, off) < 1e-5
     assert rel_err(on_kv, off_kv) < 1e-5
@@ -175,8 +189,42 @@ def test_f32_step_runs_float32_weights(folder, monkeypatch, isa, bs):
     (off_logits, off_kv, _, off_tokens), (on_logits, on_kv, calls, on_tokens) = runs[False], runs[True]
     # NOTE: above the GEMV's rows the layers run oneDNN, so the step declines and Python runs them
     assert calls == ([bs] * 4 if bs < F32_GEMV_ROWS else [])
-    assert torch.equal(on_logits[0], off_logits[0])
+    _assert_prefill_logits(on_logits[0], off_logits[0], bs)
     for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
         assert rel_err(on, off) < 1e-5
     assert rel_err(on_kv, off_kv) < 1e-5
     assert on_tokens == off_tokens
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+def test_f32_prefill_batches_run_the_step_passes(folder, monkeypatch, isa):
+    """Where the float32 step runs, a prefill batch of MIN_ROWS rows or more runs its add + RMSNorm (the sum
+    bit-equal to the compiled op's, the norm to float32 rounding) and SiLU-and-mul; below, and with the step off,
+    the compiled ops."""
+    force_level(isa, monkeypatch)
+    runner = _runner(folder, monkeypatch, True)
+    layer = runner.model.model.layers[0]
+    fused, act, ops = layer.input_layernorm.fused_add, layer.mlp.act, runner.model.fused_ops
+    assert isinstance(fused, prefill_passes.AddRMSNorm) and isinstance(act, prefill_passes.SiluAndMul)
+    assert fused._kernel.dtype == torch.float32
+    width, inter = runner.model.config.hidden_size, runner.model.config.intermediate_size
+    weight = layer.input_layernorm.weight.detach()
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for name in ("add_rmsnorm", "silu_mul"):
+        real = getattr(type(fused._kernel), name)
+        monkeypatch.setattr(type(fused._kernel), name,
+                            lambda self, *a, _real=real, _name=name: calls.append(_name) or _real(self, *a))
+    for rows in (prefill_passes.MIN_ROWS - 1, prefill_passes.MIN_ROWS, 300):
+        x, residual = ((torch.randn(rows, width, generator=g) * 3) for _ in "xr")
+        gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
+        calls.clear()
+        (normed, total), want = fused(x, residual, weight), ops.add_rmsnorm(x, residual, weight)
+        silu = act(gate_up)
+        assert calls == (["add_rmsnorm", "silu_mul"] if rows >= prefill_passes.MIN_ROWS else [])
+        assert torch.equal(total, want[1])
+        assert rel_err(normed, want[0]) < 1e-6
+        assert rel_err(silu, ops.silu_and_mul(gate_up)) < 1e-6
+    off = _runner(folder, monkeypatch, False)
+    assert off.model.model.layers[0].input_layernorm.fused_add is off.model.fused_ops.add_rmsnorm
+    assert off.model.model.layers[0].mlp.act is off.model.fused_ops.silu_and_mul

@@ -156,7 +156,7 @@ def test_the_adapters_move_their_rows_and_leave_the_base_rows(llama, monkeypatch
 def test_a_segment_the_python_layers_give_torch_is_declined(llama, monkeypatch, dtype):
     """One adapter on C_SEGMENT_ROWS rows (bf16 32, float32 128), which the Python layers multiply with torch
     rather than the C kernel: the step declines the batch and the Python layers run it (the same logits both
-    ways); one row fewer runs in the step."""
+    ways in bf16, in float32 to rounding); one row fewer runs in the step."""
     torch_dtype, method = (torch.bfloat16, "onednn_gemv") if dtype == "bfloat16" else (torch.float32, "bf16_weights")
     rows = C_SEGMENT_ROWS[torch_dtype]
     if dtype == "bfloat16" and (load_gemv_kernel() is None or _bf16_max_rows(llama, monkeypatch) < rows):
@@ -165,7 +165,8 @@ def test_a_segment_the_python_layers_give_torch_is_declined(llama, monkeypatch, 
         (off_logits, _, off_tokens), (on_logits, calls, on_tokens) = _both(llama, monkeypatch, names, dtype, method)
         assert calls == ([len(names)] * STEPS if taken else [])
         for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
-            assert torch.equal(on, off) if not taken or dtype == "bfloat16" else rel_err(on, off) < 1e-5
+            # NOTE: float32 batches of MIN_ROWS rows or more run the step's passes in the Python layers too
+            assert torch.equal(on, off) if dtype == "bfloat16" else rel_err(on, off) < 1e-5
         assert on_tokens == off_tokens
 
 
@@ -175,8 +176,9 @@ def test_f32_step_with_lora_rows_matches_python_layers(llama, monkeypatch, isa):
     (off_logits, _, off_tokens), (on_logits, calls, on_tokens) = _both(llama, monkeypatch, MIXED, "float32",
                                                                        "bf16_weights")
     assert calls == [len(MIXED)] * STEPS
-    assert torch.equal(on_logits[0], off_logits[0])  # the prefill runs the Python layers in both
     # NOTE: the SGMV kernel is the same; the passes between the products differ from inductor's in the last bits
+    # (a prefill of prefill_passes.MIN_ROWS rows or more runs the step's passes too)
+    assert rel_err(on_logits[0], off_logits[0]) < 1e-5
     for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
         assert rel_err(on, off) < 1e-5
     assert on_tokens == off_tokens

@@ -172,8 +172,10 @@ def test_c_step_writes_and_reads_a_bf16_cache_as_the_python_layers_do(isa, bs, m
     as the Python layers' write does and reads them through the mixed kernel; logits and cache agree with the
     Python layers, greedy tokens are identical, and the pool is bf16 at half the bytes per token."""
     from kernel_levels import force_level
-    from test_decode_step_f32 import _decode_run, _runner
+    from test_decode_step_f32 import _decode_run, _prompt_lens, _runner
     from test_model_support import rel_err
+
+    from radixserve.models import prefill_passes
 
     force_level(isa, monkeypatch)
     folder = _tiny_folder(tmp_path_factory)
@@ -185,9 +187,13 @@ def test_c_step_writes_and_reads_a_bf16_cache_as_the_python_layers_do(isa, bs, m
         runs[on] = _decode_run(runner, bs)
     (off_logits, off_kv, _, off_tokens), (on_logits, on_kv, calls, on_tokens) = runs[False], runs[True]
     assert calls == [bs] * 4 and on_kv.dtype == torch.bfloat16
-    assert torch.equal(on_logits[0], off_logits[0])
     # NOTE: the passes before the write differ from inductor's in float32's last bits, which moves a value across a
-    # bf16 rounding boundary now and then (one bf16 step, 2**-8 relative): the KV agree to that, the logits closer
+    # bf16 rounding boundary now and then (one bf16 step, 2**-8 relative): the KV agree to that, the logits closer.
+    # A prefill of MIN_ROWS tokens or more runs the step's passes too where it is on
+    if sum(_prompt_lens(bs)) < prefill_passes.MIN_ROWS:
+        assert torch.equal(on_logits[0], off_logits[0])
+    else:
+        assert rel_err(on_logits[0], off_logits[0]) < 1e-3
     assert rel_err(on_kv.float(), off_kv.float()) < 4e-3
     for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
         assert rel_err(on, off) < 1e-3

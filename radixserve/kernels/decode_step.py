@@ -64,8 +64,7 @@ def attention_groups(tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 class DecodeStepKernel:
     """One build's functions: the size of the work buffer and a decode step over every layer (elements of
-    `dtype`); the bf16 build also has the step's SiLU-and-mul and add + RMSNorm loops (for prefill chunks,
-    models/prefill_passes.py)."""
+    `dtype`); and the step's SiLU-and-mul and add + RMSNorm loops, for prefill chunks (models/prefill_passes.py)."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self._lib, self.dtype = lib, dtype
@@ -76,6 +75,12 @@ class DecodeStepKernel:
         self._work = getattr(lib, f"decode_step_{suffix}_work_size")
         self._work.restype = ctypes.c_int64
         self._work.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self._silu_mul = getattr(lib, f"silu_mul_{suffix}")
+        self._silu_mul.restype = ctypes.c_int
+        self._silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        self._add_rmsnorm = getattr(lib, f"add_rmsnorm_{suffix}")
+        self._add_rmsnorm.restype = ctypes.c_int
+        self._add_rmsnorm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
 
     def work_size(self, model: ModelStruct, rows: int) -> int:
         return self._work(ctypes.byref(model), rows)
@@ -94,16 +99,17 @@ class DecodeStepKernel:
 
     def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, normed: torch.Tensor,
                     total: torch.Tensor, eps: float) -> int:
-        """total = x + residual, normed = RMSNorm(total) (bf16 rows, contiguous); 0, or 1 for a width that is not a
-        multiple of 32 (nothing written)."""
+        """total = x + residual, normed = RMSNorm(total) (rows of the build's dtype, contiguous); 0, or 1 for a width
+        that is not a multiple of 32 (nothing written)."""
         rows, width = x.shape
-        return call_profiled("radixserve::fused::add_rmsnorm_c", self._lib.add_rmsnorm_bf16, x.data_ptr(),
+        return call_profiled("radixserve::fused::add_rmsnorm_c", self._add_rmsnorm, x.data_ptr(),
                              residual.data_ptr(), weight.data_ptr(), normed.data_ptr(), total.data_ptr(), rows, width,
                              eps, torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor) -> int:
+        """out = SiLU(gate) * up of [gate | up] rows; 0, or 1 for a width that is not a multiple of 32."""
         rows, width = gate_up.shape
-        return call_profiled("radixserve::fused::silu_and_mul_c", self._lib.silu_mul_bf16, gate_up.data_ptr(),
+        return call_profiled("radixserve::fused::silu_and_mul_c", self._silu_mul, gate_up.data_ptr(),
                              out.data_ptr(), rows, width // 2, torch.get_num_threads())
 
 
@@ -121,14 +127,8 @@ def load_decode_step_kernel(dtype: torch.dtype = torch.bfloat16) -> DecodeStepKe
 
 @functools.cache
 def _bf16_library() -> ctypes.CDLL | None:
-    lib = load_library(SOURCE, "decode-step", FLAGS, "decode step kernel", "decode runs the layers in Python",
-                       HEADERS)
-    if lib is not None:
-        lib.silu_mul_bf16.restype = ctypes.c_int
-        lib.silu_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
-        lib.add_rmsnorm_bf16.restype = ctypes.c_int
-        lib.add_rmsnorm_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
-    return lib
+    return load_library(SOURCE, "decode-step", FLAGS, "decode step kernel", "decode runs the layers in Python",
+                        HEADERS)
 
 
 @functools.cache

@@ -9,6 +9,11 @@ multiplies from, so oneDNN does not reorder it again. Measured on one core force
 too) against the faster of float32 `F.linear` and oneDNN (benchmarks/bench_bf16_weights.py): 1.1-2.4x faster at
 1-32 rows, even at 64, 0.8-0.9x at 128-256, 0.92-0.98x at 1,024.
 
+Where the plan allows it (`plan_prefill_copies`: the copies fit RADIXSERVE_BF16W_PREFILL_COPY_MB), each decoder
+layer also keeps its weight widened once into that blocked order (`keep_prefill_copy`), and a prefill chunk
+multiplies by it without widening: decode still reads the bf16 weight, prefill skips the per-chunk widening (3-4% of
+a cold prefill at the AVX2 class), for 4 more bytes per weight.
+
 It changes the model's numbers (weights rounded to bf16), so timing never picks it (`rounds_weights`): the
 dtype choice does (`--dtype auto`, platform.py) or `--linear-method bf16_weights`.
 """
@@ -16,7 +21,9 @@ dtype choice does (`--dtype auto`, platform.py) or `--linear-method bf16_weights
 from __future__ import annotations
 
 import functools
+import os
 import threading
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +36,7 @@ from radixserve.kernels.gemv import (
     pack_gemv_weight,
     unpack_gemv_weight,
 )
-from radixserve.layers.linear import LinearBase, LinearMethod, register_linear_method
+from radixserve.layers.linear import LinearBase, LinearMethod, register_linear_method, tunable_layers
 
 WIDEN_ROWS = 256  # from this many rows on, the weight is widened to float32 for one F.linear (a prefill chunk)
 WIDEN_MAX_ELEMENTS = 64 << 20  # larger weights (an LM head asked for many rows of logits) stay on the kernel
@@ -65,9 +72,12 @@ SCRATCH = WidenScratch()
 
 
 def prefill_product(kernel: Bf16WeightGemv, packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None,
-                    n: int) -> torch.Tensor:
-    """x @ W.T + bias in float32 for a prefill chunk, W the packed bf16 weight widened into this thread's scratch:
-    in oneDNN's blocked order where `prefill_path` says so, else in plain [n, K] order for `dense_product`."""
+                    n: int, copy: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias in float32 for a prefill chunk: over `copy` (the layer's resident blocked float32 copy) if
+    given, else W the packed bf16 weight widened into this thread's scratch: in oneDNN's blocked order where
+    `prefill_path` says so, else in plain [n, K] order for `dense_product`."""
+    if copy is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, copy, bias, "none", [], "")
     k = x.shape[1]
     if prefill_path(n, k) == "blocked":
         weight = SCRATCH.take_blocked(n, k)
@@ -98,6 +108,48 @@ def prefill_path(n: int, k: int) -> str:
     if not (envs.BF16W_ONEDNN_PREFILL.get() and torch.backends.mkldnn.is_available()):
         return "linear"
     return "blocked" if envs.BF16W_BLOCKED_PREFILL.get() and blocked_order_holds(n, k) else "onednn"
+
+
+def copy_bytes(n: int, k: int) -> int:
+    """Bytes of an [n, k] weight's float32 copy in oneDNN's blocked order (rows padded to 64)."""
+    return -(-n // 64) * 64 * k * 4
+
+
+def copy_budget() -> int:
+    """RADIXSERVE_BF16W_PREFILL_COPY_MB in bytes; by default an eighth of the machine's memory, at most 2 GiB."""
+    from radixserve import envs
+
+    mb = envs.BF16W_PREFILL_COPY_MB.get()
+    if mb >= 0:
+        return mb << 20
+    return min(2 << 30, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[LinearBase]:
+    """The float linear layers a prefill chunk runs at its full row count (the LM head sees the last rows only)."""
+    return [layer for name, layer in tunable_layers(model) if name.rsplit(".", 1)[-1] != "lm_head"]
+
+
+def plan_prefill_copies(model: torch.nn.Module, methods: Mapping[tuple[int, int], str]) -> tuple[int, str]:
+    """Whether the decoder layers planned on this method keep resident blocked float32 copies for prefill: their
+    bytes (0: no copies) and why."""
+    shapes = [layer.shape for layer in _decoder_layers(model) if methods.get(layer.shape) == Bf16WeightLinearMethod.name]
+    if not shapes:
+        return 0, "no decoder layer keeps bf16 weights under float32 compute"
+    total, budget = sum(copy_bytes(n, k) for n, k in shapes), copy_budget()
+    if budget == 0:
+        return 0, "RADIXSERVE_BF16W_PREFILL_COPY_MB=0: each prefill chunk widens the weights"
+    if any(prefill_path(n, k) != "blocked" for n, k in set(shapes)):
+        return 0, "prefill widens in plain order here (oneDNN's blocked order not confirmed, or switched off)"
+    if total > budget:
+        return 0, (f"the copies would take {mb(total)}, over the {mb(budget)} budget "
+                   "(RADIXSERVE_BF16W_PREFILL_COPY_MB): each prefill chunk widens the weights")
+    return total, (f"blocked float32 copies of the decoder weights within the {mb(budget)} budget "
+                   "(RADIXSERVE_BF16W_PREFILL_COPY_MB): prefill chunks skip widening them")
+
+
+def mb(size: int) -> str:
+    return f"{size / 2**20:.1f} MB"
 
 
 def blocked_order_holds(n: int, k: int) -> bool:
@@ -132,6 +184,7 @@ class Bf16WeightLinearMethod(LinearMethod):
 
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
+        self.prefill_copy: torch.Tensor | None = None  # oneDNN's blocked float32 weight (keep_prefill_copy)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         self.packed = pack_gemv_weight(layer.weight.detach().to(torch.bfloat16), BF16W_TILE)
@@ -142,10 +195,18 @@ class Bf16WeightLinearMethod(LinearMethod):
         n = layer.out_features
         if flat.shape[0] >= WIDEN_ROWS and self.packed.numel() <= WIDEN_MAX_ELEMENTS:
             # NOTE: the widened weight lives in this thread's scratch until its next layer's product
-            y = prefill_product(self.kernel, self.packed, flat, layer.bias, n)
+            y = prefill_product(self.kernel, self.packed, flat, layer.bias, n, self.prefill_copy)
         else:
             y = self.kernel(self.packed, flat, layer.bias, n)
         return y.view(*x.shape[:-1], n).to(x.dtype)
+
+    def keep_prefill_copy(self, layer: LinearBase) -> None:
+        """Widens the weight once into a resident packed float32 weight in oneDNN's blocked order (where
+        `prefill_path` is "blocked"), which prefill chunks then multiply by instead of widening it each time."""
+        n, k = layer.out_features, layer.in_features
+        copy = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(n, k), BLOCKED_HINT)
+        self.kernel.widen_blocked(self.packed, n, torch.ops.mkldnn.data_ptr(copy))
+        self.prefill_copy = copy
 
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
         usable = 0 < rows < WIDEN_ROWS and dtype == torch.float32 and self.packed is not None
@@ -164,7 +225,10 @@ class Bf16WeightLinearMethod(LinearMethod):
         return self.packed
 
     def own_forms(self) -> dict[int, int]:
-        return {} if self.packed is None else {id(self.packed): self.packed.numel() * self.packed.element_size()}
+        forms = {} if self.packed is None else {id(self.packed): self.packed.numel() * self.packed.element_size()}
+        if self.prefill_copy is not None:
+            forms[id(self.prefill_copy)] = torch.ops.mkldnn._nbytes(self.prefill_copy)
+        return forms
 
     def describe(self) -> str:
         return f"{self.name} ({self.kernel.level})" if self.packed is not None else self.name
@@ -172,6 +236,15 @@ class Bf16WeightLinearMethod(LinearMethod):
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
         return (f"bf16w_gemv ({load_bf16w_kernel().level}) below {WIDEN_ROWS} rows, a float32 copy (in oneDNN's blocked "
                 f"order where it holds) and oneDNN from {WIDEN_ROWS}")
+
+
+def keep_prefill_copies(model: torch.nn.Module) -> int:
+    """Gives every decoder layer on this method its resident prefill copy (the plan's `prefill_copy_bytes` said
+    they fit); returns how many."""
+    layers = [layer for layer in _decoder_layers(model) if isinstance(layer.method, Bf16WeightLinearMethod)]
+    for layer in layers:
+        layer.method.keep_prefill_copy(layer)
+    return len(layers)
 
 
 register_linear_method(Bf16WeightLinearMethod)

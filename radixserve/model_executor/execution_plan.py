@@ -59,6 +59,7 @@ class ExecutionPlan:
     decoder: str  # C_DECODER or PYTHON_DECODER
     decoder_refusal: str | None  # why not the C decode step; None when it runs
     attention: AttentionPlan
+    prefill_copy_bytes: int  # bf16-weight decoder layers' resident float32 copies for prefill (0: none)
     entries: tuple[PlanEntry, ...]
 
     def choice(self, part: str) -> str:
@@ -96,9 +97,11 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     cap = getattr(model.config, "attn_logit_softcapping", None)
     no_cascade = _cascade_refusal(args, device, dtype, cap)
     attention = plan_attention(args.attention_backend, device, cascade=no_cascade is None, windows=windows)
+    copies = _prefill_copy_entries(model, methods)
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                PlanEntry("kv cache", str(kv_dtype).removeprefix("torch."), kv_reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
+               *copies[1],
                *_attention_entries(attention, dtype, args, no_cascade),
                *_window_entries(windows, not args.disable_hybrid_swa_memory, no_cascade),
                *_softcap_entries(cap),
@@ -106,7 +109,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
                          refusal or _c_decoder_reason(dtype, methods))]
     return ExecutionPlan(dtype, kv_dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
-                         tuple(entries))
+                         copies[0], tuple(entries))
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, weights: str | None = None) -> tuple[torch.dtype, str]:
@@ -180,6 +183,16 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
         counts[(f"{layer.out_features}x{layer.in_features}", method.describe(), f"{reason}; {rows}")] += 1
     return [PlanEntry(f"linear {shape}", f"{method} x{n}", reason)
             for (shape, method, reason), n in sorted(counts.items())]
+
+
+def _prefill_copy_entries(model: Any, methods: Mapping[Shape, str]) -> tuple[int, list[PlanEntry]]:
+    """The bytes of the bf16-weight layers' resident prefill copies, and their entry (none without such layers)."""
+    from radixserve.layers.bf16_weights import Bf16WeightLinearMethod, mb, plan_prefill_copies
+
+    if Bf16WeightLinearMethod.name not in methods.values():
+        return 0, []
+    size, reason = plan_prefill_copies(model, methods)
+    return size, [PlanEntry("bf16 prefill copies", mb(size) if size else "off", reason)]
 
 
 def _cascade_refusal(args: ServerArgs, device: torch.device, dtype: torch.dtype, cap: float | None) -> str | None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.layers.bf16_weights import keep_prefill_copies
 from radixserve.layers.linear_tuning import apply_linear_plan
 from radixserve.layers.quantization.model_quant import tile_packed_weights
 from radixserve.models.decode_step import load_decode_step
@@ -39,13 +40,15 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, plan: E
     ops and the decoder (the C decode step over the model's weight view where the plan chose it)."""
     start = time.perf_counter()
     counts = apply_linear_plan(model, dict(plan.linear_methods), dict(plan.large_rows))
+    if plan.prefill_copy_bytes:
+        keep_prefill_copies(model)
     if device.type == "cpu":
         tile_packed_weights(model)
     c_decoder = plan.decoder_refusal is None
     ops = plan.fused_ops
-    # NOTE: its row passes are bf16's (float32 keeps inductor's), and replace fused ops (a model without them has none)
-    bf16_decoder = c_decoder and plan.dtype == torch.bfloat16 and ops is not None
-    model.set_fused_ops(ops, c_prefill_passes(ops, model.config.rms_norm_eps) if bf16_decoder else None)
+    # NOTE: where the C decoder runs, prefill's row passes are its loops (they replace fused ops: none, none here)
+    passes = c_prefill_passes(ops, model.config.rms_norm_eps) if c_decoder and ops is not None else None
+    model.set_fused_ops(ops, passes)
     if hasattr(model, "set_decoder"):
         model.set_decoder(load_decode_step(model.decoder_weights(), plan.dtype) if c_decoder else None)
     return DeviceSetup(counts, ops is not None, c_decoder, time.perf_counter() - start)

@@ -1,10 +1,12 @@
-"""The C decode step's row passes over prefill batches of a bf16 model (kernels/csrc/decode_step.c).
+"""The C decode step's row passes over prefill batches (kernels/csrc/decode_step.c and decode_step_f32.c).
 
-A model whose decode batches run the bf16 C decode step has that step's loops for the passes between matrix
-products, bit-equal to the compiled fused ops (layers/fused_ops.py) or rounding alike. On a prefill chunk they
-are faster than inductor's code, so from MIN_ROWS rows the layers call them too; below, the compiled op's call is
-the cheaper one. Measured at 2 threads on the Zen 4 EPYC (AVX512-BF16), SmolLM2's widths: SiLU-and-mul at 2,048
-rows 1.15 ms against 1.77; add + RMSNorm 53 against 100 us at 512 rows and 189 against 371 us at 2,048.
+A model whose decode batches run the C decode step has that step's loops for the passes between matrix products:
+in bf16 bit-equal to the compiled fused ops (layers/fused_ops.py) or rounding alike, in float32 equal to them to
+float32 rounding. On a prefill chunk they are faster than inductor's code, so from MIN_ROWS rows the layers call
+them too (and a float32 prefill then rounds as its decode steps do); below, the compiled op's call is the cheaper
+one. Measured at 2 threads, SmolLM2's widths: bf16 on the Zen 4 EPYC (AVX512-BF16), SiLU-and-mul at 2,048 rows
+1.15 ms against 1.77, add + RMSNorm 53 against 100 us at 512 rows and 189 against 371 us at 2,048; float32 on the
+AMX Xeon forced to the AVX2 class, add + RMSNorm 50 against 106 us at 512 rows, SiLU-and-mul 164 against 226 us.
 """
 
 from __future__ import annotations
@@ -19,37 +21,38 @@ from radixserve.kernels.decode_step import DecodeStepKernel, load_decode_step_ke
 MIN_ROWS = 64  # from this many rows a pass is the C loop
 
 
-def _takes(x: torch.Tensor) -> bool:
-    return x.shape[0] >= MIN_ROWS and x.dtype == torch.bfloat16 and x.is_contiguous()
+def _takes(kernel: DecodeStepKernel, x: torch.Tensor) -> bool:
+    return x.shape[0] >= MIN_ROWS and x.dtype == kernel.dtype and x.is_contiguous()
 
 
 class SiluAndMul:
-    """SiLU-and-mul of a fused [gate | up] batch: the C loop from MIN_ROWS rows (same rounding steps as the
-    compiled op: a result differs, if at all, by one bf16 unit in a few places), the compiled op below."""
+    """SiLU-and-mul of a fused [gate | up] batch: the C loop from MIN_ROWS rows (in bf16 the compiled op's
+    rounding steps: a result differs, if at all, by one bf16 unit in a few places), the compiled op below."""
 
     def __init__(self, kernel: DecodeStepKernel, compiled: Any) -> None:
         self._kernel, self._compiled = kernel, compiled
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not _takes(gate_up):
+        if not _takes(self._kernel, gate_up):
             return self._compiled(gate_up)
         rows, width = gate_up.shape
-        out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
         if self._kernel.silu_mul(gate_up, out):
             raise ValueError(f"SiLU-and-mul needs a [gate | up] width that is a multiple of 32, got {width}")
         return out
 
 
 class AddRMSNorm:
-    """(RMSNorm(x + residual), x + residual) of a batch: the C rows from MIN_ROWS rows (bit-equal to the compiled
-    op), the compiled op below. `eps`: the model's, the one the compiled op was built with."""
+    """(RMSNorm(x + residual), x + residual) of a batch: the C rows from MIN_ROWS rows (in bf16 bit-equal to the
+    compiled op; in float32 the sum is, the norm to float32 rounding), the compiled op below. `eps`: the model's, the
+    one the compiled op was built with."""
 
     def __init__(self, kernel: DecodeStepKernel, compiled: Any, eps: float) -> None:
         self._kernel, self._compiled, self.eps = kernel, compiled, eps
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor,
                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (_takes(x) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+        if not (_takes(self._kernel, x) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
                 and weight.dtype == x.dtype):
             return self._compiled(x, residual, weight)
         normed, total = torch.empty_like(x), torch.empty_like(x)
@@ -66,7 +69,10 @@ class PrefillPasses:
     add_rmsnorm: AddRMSNorm
 
 
-def c_prefill_passes(ops: Any, eps: float) -> PrefillPasses:
-    """The bf16 C decode step's passes over the compiled ops `ops` (FusedOps) of a model with RMSNorm `eps`."""
-    kernel = load_decode_step_kernel()
+def c_prefill_passes(ops: Any, eps: float) -> PrefillPasses | None:
+    """The C decode step's passes in the dtype of the compiled ops `ops` (FusedOps), over them, for a model with
+    RMSNorm `eps`; None where that build cannot run."""
+    kernel = load_decode_step_kernel(ops.dtype)
+    if kernel is None:
+        return None
     return PrefillPasses(SiluAndMul(kernel, ops.silu_and_mul), AddRMSNorm(kernel, ops.add_rmsnorm, eps))

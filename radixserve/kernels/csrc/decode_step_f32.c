@@ -99,3 +99,26 @@ int decode_step_f32(const decode_model *m, attention_fn attention, const decode_
 
 // Elements of the work buffer `decode_step_f32` needs for `bs` rows.
 int64_t decode_step_f32_work_size(const decode_model *m, int64_t bs) { return decode_work_size(m, bs); }
+
+// The step's SiLU-and-mul and add + RMSNorm over m rows of a prefill batch (models/prefill_passes.py), so that a
+// prefill chunk rounds as the decode step does. Return 0; 1 if n is not a multiple of 32 (nothing written).
+int silu_mul_f32(const float *gate_up, float *out, int64_t m, int64_t n, int nthreads) {
+    if (n % 32) return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < m; r++) silu_mul_row(gate_up + r * 2 * n, out + r * n, n);
+    return 0;
+}
+
+// sum = delta + residual, normed = rmsnorm(sum)
+int add_rmsnorm_f32(const float *delta, const float *residual, const float *weight, float *normed, float *sum,
+                    int64_t m, int64_t n, float eps, int nthreads) {
+    if (n % 32) return 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const float *d = delta + r * n, *res = residual + r * n;
+        float *s = sum + r * n;
+        for (int64_t i = 0; i < n; i += SIMD_WIDTH) vf_store(s + i, vf_add(vf_load(d + i), vf_load(res + i)));
+        rmsnorm_row(s, weight, normed + r * n, n, eps);
+    }
+    return 0;
+}
