@@ -11,8 +11,8 @@ too) against the faster of float32 `F.linear` and oneDNN (benchmarks/bench_bf16_
 
 Where the plan allows it (`plan_prefill_copies`: the copies fit RADIXSERVE_BF16W_PREFILL_COPY_MB), each decoder
 layer also keeps its weight widened once into that blocked order (`keep_prefill_copy`), and a prefill chunk
-multiplies by it without widening: decode still reads the bf16 weight, prefill skips the per-chunk widening (3-4% of
-a cold prefill at the AVX2 class), for 4 more bytes per weight.
+multiplies by it without widening: decode still reads the bf16 weight, prefill skips the per-chunk widening (2-6% of
+a cold prefill of SmolLM2 at the AVX2 and AVX-512 classes), for 4 more bytes per weight.
 
 It changes the model's numbers (weights rounded to bf16), so timing never picks it (`rounds_weights`): the
 dtype choice does (`--dtype auto`, platform.py) or `--linear-method bf16_weights`.
@@ -149,6 +149,7 @@ def plan_prefill_copies(model: torch.nn.Module, methods: Mapping[tuple[int, int]
 
 
 def mb(size: int) -> str:
+    """Bytes as the plan shows them."""
     return f"{size / 2**20:.1f} MB"
 
 
