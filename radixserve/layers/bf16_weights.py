@@ -64,8 +64,14 @@ class WidenScratch(threading.local):
         overwrites; valid until this thread's next `take_blocked` of the same shape."""
         weight = self.blocked.get((n, k))
         if weight is None:
-            weight = self.blocked[(n, k)] = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(n, k), BLOCKED_HINT)
+            weight = self.blocked[(n, k)] = blocked_weight(n, k)
         return weight
+
+
+def blocked_weight(n: int, k: int) -> torch.Tensor:
+    """A oneDNN packed float32 weight for an [n, k] layer (opaque mkldnn tensor, zeros), whose bytes a caller
+    overwrites through its data pointer with `Bf16WeightGemv.widen_blocked`."""
+    return torch.ops.mkldnn._reorder_linear_weight(torch.zeros(n, k), BLOCKED_HINT)
 
 
 SCRATCH = WidenScratch()
@@ -205,7 +211,7 @@ class Bf16WeightLinearMethod(LinearMethod):
         """Widens the weight once into a resident packed float32 weight in oneDNN's blocked order (where
         `prefill_path` is "blocked"), which prefill chunks then multiply by instead of widening it each time."""
         n, k = layer.out_features, layer.in_features
-        copy = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(n, k), BLOCKED_HINT)
+        copy = blocked_weight(n, k)
         self.kernel.widen_blocked(self.packed, n, torch.ops.mkldnn.data_ptr(copy))
         self.prefill_copy = copy
 
