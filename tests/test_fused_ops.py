@@ -4,6 +4,8 @@ packages are reused across loads, and the model gives the same logits with the o
 
 from __future__ import annotations
 
+import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -80,6 +82,17 @@ def test_packages_reused_not_recompiled(ops, monkeypatch):
     monkeypatch.setattr(aot_cache, "_compile", lambda *a: pytest.fail("compiled again"))
     fresh = load_fused_ops(TINY, ops.dtype, CPU)
     assert fresh.add_rmsnorm.path == first.add_rmsnorm.path and fresh.add_rmsnorm.path.exists()
+
+
+def test_loading_leaves_nothing_unpacked(ops, monkeypatch, tmp_path):
+    """A killed process never runs the loader's clean-up, so nothing it unpacked may outlive the load."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # NOTE: Python caches the temp folder it found first
+    monkeypatch.setattr(aot_cache, "_loaded", {})
+    fresh = load_fused_ops(TINY, ops.dtype, CPU)
+    assert list(tmp_path.iterdir()) == [] and os.environ["TMPDIR"] == str(tmp_path)
+    gate_up = torch.randn(3, 256).to(ops.dtype)
+    assert torch.equal(fresh.silu_and_mul(gate_up), SiluAndMul()(gate_up))  # the mapped library still runs
 
 
 def test_not_on_other_devices():

@@ -14,6 +14,7 @@ import hashlib
 import inspect
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -75,7 +76,21 @@ def _load_package(path: Path):
     """The compiled package's runner. NOTE: straight through torch's C++ loader: `aoti_load_package` imports
     inductor and dynamo (~1.2 s) and asks inductor which vector ISA this CPU has, which it answers by building
     and dlopen-probing a test library per ISA in subprocesses (~1.6 s); a warm start needs neither."""
-    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    # NOTE: the loader unpacks the package into $TMPDIR/aotinductor_XXXXXX and removes that folder only
+    # when it is destroyed, which a process ended by a signal (a server's scheduler) never does: every
+    # such start left ~1.6 MB per op in /tmp. So it unpacks into a folder of ours, removed as soon as the
+    # library is mapped (the mapping outlives the file; the loader's own removal then finds nothing).
+    unpack = tempfile.mkdtemp(prefix="radixserve-aoti-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = unpack  # NOTE: read by the C++ loader's mkdtemp; start-up only, under _lock
+    try:
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    finally:
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+        shutil.rmtree(unpack, ignore_errors=True)
 
 
 def cache_key(module: nn.Module, example_inputs: tuple[torch.Tensor, ...], dynamic: DynamicDims) -> str:
