@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--radixserve-dtype", default=None,
                    help="radixserve's --dtype when it differs from vLLM's (e.g. auto: float32 compute over bf16 weights "
                         "where the CPU has no bf16 products); its batch-1 bound then counts its own weight bytes")
+    p.add_argument("--vllm-kernel-class", choices=["avx2", "avx512"],
+                   help="with a forced class: vLLM loads the kernel build it ships for that class, as bench_peers.py")
     p.add_argument("--folders", default=None, help="where the random-weight folders go (default: the cache dir)")
     p.add_argument("--parity", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--parity-only", action="store_true")
@@ -114,7 +116,7 @@ def run_shape(name: str, folder: Path, args: argparse.Namespace) -> dict:
     peer_args = argparse.Namespace(engines=args.engines, vllm_python=args.vllm_python, dtype=args.dtype,
                                    rounds=args.rounds, reps=args.reps, radixserve_args=args.radixserve_args,
                                    model=None if name == EMBEDDED else str(folder), scale=SCALE[name],
-                                   radixserve_dtype=args.radixserve_dtype)
+                                   radixserve_dtype=args.radixserve_dtype, vllm_kernel_class=args.vllm_kernel_class)
     print(f"=== {name} (scale {SCALE[name]})", flush=True)
     results = bench_peers.run_rounds(peer_args, folder)
     return {"name": name, "summary": bench_peers.summarize(results), "results": results}
@@ -144,6 +146,7 @@ def render(rows: list[dict], checks: list[dict], args: argparse.Namespace, bandw
              f"Command: `python benchmarks/bench_ladder.py --vllm-python <venv>/bin/python --dtype {args.dtype} "
              f"--rounds {args.rounds} --reps {args.reps}"
              + (f" --radixserve-dtype {args.radixserve_dtype}" if args.radixserve_dtype else "")
+             + (f" --vllm-kernel-class {args.vllm_kernel_class}" if args.vllm_kernel_class else "")
              + "`; the engines' configurations:", ""]
     for row in rows:
         infos = {r["info"]["engine"]: r["info"] for r in row["results"]}
