@@ -103,6 +103,9 @@ CPU_MALLOC_TUNING = _declare("RADIXSERVE_CPU_MALLOC_TUNING", True, parse_bool,
 CPU_ISA = _declare("RADIXSERVE_CPU_ISA", "auto", _choice("auto", "avx512_bf16", "avx512", "avx2", "portable"),
                     "auto: the best level of the C attention kernels this CPU runs; a lower level forces that "
                     "path (and hides the features above it from --dtype auto)")
+WEIGHT_PREFETCH = _declare("RADIXSERVE_WEIGHT_PREFETCH", "auto", _choice("auto", "l1", "l2"),
+                            "where the bf16-weight decode kernel prefetches the weights it streams: l2 (8 KiB ahead "
+                            "into L2), l1 (4 KiB ahead into L1); auto: l2 on Intel CPUs, l1 elsewhere")
 STRICT_CHECKS = _declare("RADIXSERVE_STRICT_CHECKS", False, parse_bool,
                          "the idle KV conservation check raises instead of logging (the tests turn it on)")
 DEBUG_ALLOC = _declare("RADIXSERVE_DEBUG_ALLOC", False, parse_bool,

@@ -171,6 +171,19 @@ def kernel_class() -> str:
     return "amx" if isa == "avx512_bf16" and "amx_bf16" in visible_features() else isa
 
 
+def weight_prefetch() -> str:
+    """Where the bf16-weight decode kernel (kernels/csrc/bf16w_gemv.c) prefetches: "l2" or "l1".
+    NOTE: on Intel cores a prefetch into L1 takes one of the few line-fill buffers that demand loads also need,
+    so one core streams less than memory gives it (a 1-row product over 716 MB at the AVX2 class, 2 threads:
+    20 GB/s prefetching into L1, 25 GB/s into L2); AMD's Zen 4 drops L2 prefetches at times, so elsewhere the
+    kernel keeps prefetching into L1, as measured on Zen 4."""
+    chosen = envs.WEIGHT_PREFETCH.get()
+    if chosen != "auto":
+        return chosen
+    fields = _cpuinfo_fields()
+    return "l2" if fields and fields[0].get("vendor_id") == "GenuineIntel" else "l1"
+
+
 def auto_dtype(device_type: str, features: frozenset[str], bf16_slowdown: float | None = None) -> DtypeChoice:
     """`--dtype auto`, decided. `bf16_slowdown`: measured bf16 / float32 matmul time here, or None.
 

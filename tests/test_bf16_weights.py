@@ -10,7 +10,7 @@ from direct_driver import DirectDriver
 from kernel_levels import LEVELS, skip_unless_runnable
 from test_model_support import hf_last_logits, make_tiny_model, one_torch_thread, rel_err
 
-from radixserve import envs
+from radixserve import envs, platform
 from radixserve.kernels.gemv import BF16W_TILE, load_bf16w_kernel, pack_gemv_weight, unpack_gemv_weight
 from radixserve.layers import bf16_weights
 from radixserve.layers.bf16_weights import Bf16WeightLinearMethod
@@ -51,6 +51,36 @@ def test_kernel_matches_float64(isa, n, k, rows, with_bias, monkeypatch):
     got = kernel(packed, x, bias, n)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), _reference(x, w, bias), rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("isa", [isa for isa in platform.KERNEL_ISAS if isa != "portable"])
+def test_prefetch_into_l2_or_l1_gives_the_same_product(isa, monkeypatch):
+    """The prefetch hint is the CPU's choice (platform.weight_prefetch); both builds compute the same bits."""
+    skip_unless_runnable(isa)
+    monkeypatch.setenv(envs.CPU_ISA.name, isa)
+    n, k = 200, 576
+    g = torch.Generator().manual_seed(5)
+    w, x = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(3, k, generator=g)
+    packed = pack_gemv_weight(w, BF16W_TILE)
+    products = {}
+    for where in ("l1", "l2"):
+        monkeypatch.setenv(envs.WEIGHT_PREFETCH.name, where)
+        kernel = load_bf16w_kernel()
+        if kernel is None:
+            pytest.skip("no C compiler here")
+        assert (kernel.level, kernel.prefetch) == (isa, where)
+        products[where] = kernel(packed, x, None, n)
+    assert torch.equal(products["l1"], products["l2"])
+
+
+@pytest.mark.parametrize("vendor, want", [("GenuineIntel", "l2"), ("AuthenticAMD", "l1"), (None, "l1")])
+def test_auto_prefetches_into_l2_on_intel_only(vendor, want, monkeypatch):
+    fields = [{"vendor_id": vendor}] if vendor else []
+    monkeypatch.setattr(platform, "_cpuinfo_fields", lambda: fields)
+    monkeypatch.delenv(envs.WEIGHT_PREFETCH.name, raising=False)
+    assert platform.weight_prefetch() == want
+    monkeypatch.setenv(envs.WEIGHT_PREFETCH.name, "l1" if want == "l2" else "l2")
+    assert platform.weight_prefetch() != want  # the switch overrides the vendor
 
 
 def test_pack_refuses_an_odd_width():

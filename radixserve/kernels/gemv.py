@@ -121,11 +121,12 @@ BF16W_TILE = 16  # output rows per tile of its layout (csrc/bf16w_gemv.c)
 
 class Bf16WeightGemv(LinearKernel):
     """ctypes binding of `bf16w_gemv` (csrc/bf16w_gemv.c): bf16 weights, float32 x, bias and y; built at the
-    kernel level this process runs (`level`)."""
+    kernel level this process runs (`level`), prefetching into `prefetch`."""
 
-    def __init__(self, lib: ctypes.CDLL, level: str) -> None:
+    def __init__(self, lib: ctypes.CDLL, level: str, prefetch: str) -> None:
         super().__init__(lib.bf16w_gemv, "bf16w_gemv")
         self._unpack, self._unpack_blocked, self.level = lib.bf16w_unpack, lib.bf16w_unpack_blocked, level
+        self.prefetch = prefetch  # "l1" | "l2": where it prefetches the weights (platform.weight_prefetch)
         for fn in (self._unpack, self._unpack_blocked):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
@@ -156,14 +157,17 @@ class Bf16WeightGemv(LinearKernel):
 def load_bf16w_kernel() -> Bf16WeightGemv | None:
     """The bf16-weight product at this process's kernel level (read at each call, so a forced lower
     RADIXSERVE_CPU_ISA gets its own build), or None without a compiler."""
-    return _built_bf16w(rs_platform.kernel_isa() if is_x86() else "portable")
+    x86 = is_x86()
+    return _built_bf16w(rs_platform.kernel_isa() if x86 else "portable", rs_platform.weight_prefetch() if x86 else "l1")
 
 
 @functools.cache
-def _built_bf16w(level: str) -> Bf16WeightGemv | None:
-    lib = load_library(BF16W_SOURCE, f"bf16w-gemv-{level}", rs_platform.ISA_FLAGS[level], "bf16-weight kernel",
+def _built_bf16w(level: str, prefetch: str) -> Bf16WeightGemv | None:
+    l2 = prefetch == "l2" and level != "portable"  # NOTE: the portable build has no prefetch
+    lib = load_library(BF16W_SOURCE, f"bf16w-gemv-{level}" + ("-l2" if l2 else ""),
+                       [*rs_platform.ISA_FLAGS[level], *(["-DPREFETCH_L2"] if l2 else [])], "bf16-weight kernel",
                        "bf16 weights are widened to float32 for every product")
-    return None if lib is None else Bf16WeightGemv(lib, level)
+    return None if lib is None else Bf16WeightGemv(lib, level, "l2" if l2 else "l1")
 
 
 F32_SOURCE = CSRC / "f32_gemv.c"

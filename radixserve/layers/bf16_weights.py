@@ -241,7 +241,8 @@ class Bf16WeightLinearMethod(LinearMethod):
         return f"{self.name} ({self.kernel.level})" if self.packed is not None else self.name
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
-        return (f"bf16w_gemv ({load_bf16w_kernel().level}) below {WIDEN_ROWS} rows, a float32 copy (in oneDNN's blocked "
+        kernel = load_bf16w_kernel()
+        return (f"bf16w_gemv ({kernel.level}, prefetch into {kernel.prefetch.upper()}) below {WIDEN_ROWS} rows, a float32 copy (in oneDNN's blocked "
                 f"order where it holds) and oneDNN from {WIDEN_ROWS}")
 
 

@@ -9,7 +9,8 @@
 // so 64 bytes hold the tile's 16 rows x one pair: a shift and a mask widen them to 16 rows' W[., 2p] and
 // W[., 2p + 1], and two FMAs per row of x with the broadcast x[2p], x[2p + 1] add into 16 sums, with no
 // horizontal reductions; each thread reads its tiles front to back, prefetching ahead (hardware prefetch stops
-// at 4 KiB pages). Rows of x go in groups of MAX_ROWS; a tile read again for the next group is in cache.
+// at 4 KiB pages; into L1 or L2 by the CPU, see PREFETCH_L2). Rows of x go in groups of MAX_ROWS; a tile read
+// again for the next group is in cache.
 //
 // One source for every level: AVX-512F (16 lanes), AVX2 + FMA (8 lanes), or plain C without either.
 // Returns 0, or -1 for shapes it does not take (K odd, M < 1, N < 1).
@@ -18,7 +19,14 @@
 #include <string.h>
 
 #define TILE 16
+#ifdef PREFETCH_L2 /* NOTE: chosen per CPU (platform.weight_prefetch): into L2 on Intel, where an L1 prefetch holds a
+                    * line-fill buffer that the loads need */
+#define PREFETCH 8192
+#define PREFETCH_HINT _MM_HINT_T1
+#else
 #define PREFETCH 4096
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -76,7 +84,7 @@ static inline __attribute__((always_inline)) void tile_product(const uint16_t *w
         for (int h = 0; h < PARTS; h++) acc[r][h] = v_zero();
     const uint16_t *w = wt;
     for (int64_t p = 0; p < K / 2; p++, w += 2 * TILE) {
-        _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + PREFETCH, PREFETCH_HINT);
         V even[PARTS], odd[PARTS];
         widen_pair(w, even, odd);
         for (int r = 0; r < R; r++) {
