@@ -175,8 +175,8 @@ def weight_prefetch() -> str:
     """Where the bf16-weight decode kernel (kernels/csrc/bf16w_gemv.c) prefetches: "l2" or "l1".
     NOTE: on Intel cores a prefetch into L1 takes one of the few line-fill buffers that demand loads also need,
     so one core streams less than memory gives it (a 1-row product over 716 MB at the AVX2 class, 2 threads:
-    20 GB/s prefetching into L1, 25 GB/s into L2); AMD's Zen 4 drops L2 prefetches at times, so elsewhere the
-    kernel keeps prefetching into L1, as measured on Zen 4."""
+    20 GB/s prefetching into L1, 25 GB/s into L2). AMD documents L2 prefetches only from Zen 4 on, and our Zen 4
+    figures were measured prefetching into L1, so elsewhere the kernel keeps doing that."""
     chosen = envs.WEIGHT_PREFETCH.get()
     if chosen != "auto":
         return chosen
