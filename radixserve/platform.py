@@ -87,6 +87,7 @@ class CpuInfo:
     physical_cores: int
     logical_cpus: int
     torch_capability: str  # torch.backends.cpu.get_cpu_capability(): what torch's own kernels run at
+    vendor: str = ""  # /proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD ("" where it does not say)
 
     @property
     def is_x86(self) -> bool:
@@ -115,7 +116,8 @@ def cpu_info() -> CpuInfo:
     fields = _cpuinfo_fields()
     features = _features(arch, fields)
     return CpuInfo(arch, _model_name(fields), features, _physical_cores(fields),
-                   os.cpu_count() or 1, torch.backends.cpu.get_cpu_capability())
+                   os.cpu_count() or 1, torch.backends.cpu.get_cpu_capability(),
+                   fields[0].get("vendor_id", "") if fields else "")
 
 
 def cpu_name() -> str:
@@ -172,7 +174,7 @@ def kernel_class() -> str:
 
 
 def weight_prefetch() -> str:
-    """Where the bf16-weight decode kernel (kernels/csrc/bf16w_gemv.c) prefetches: "l2" or "l1".
+    """Where the bf16-weight decode kernel's vector builds (kernels/csrc/bf16w_gemv.c) prefetch: "l2" or "l1".
     NOTE: on Intel cores a prefetch into L1 takes one of the few line-fill buffers that demand loads also need,
     so one core streams less than memory gives it (a 1-row product over 716 MB at the AVX2 class, 2 threads:
     20 GB/s prefetching into L1, 25 GB/s into L2). AMD documents L2 prefetches only from Zen 4 on, and our Zen 4
@@ -180,8 +182,7 @@ def weight_prefetch() -> str:
     chosen = envs.WEIGHT_PREFETCH.get()
     if chosen != "auto":
         return chosen
-    fields = _cpuinfo_fields()
-    return "l2" if fields and fields[0].get("vendor_id") == "GenuineIntel" else "l1"
+    return "l2" if cpu_info().vendor == "GenuineIntel" else "l1"
 
 
 def auto_dtype(device_type: str, features: frozenset[str], bf16_slowdown: float | None = None) -> DtypeChoice:

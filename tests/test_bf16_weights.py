@@ -73,10 +73,19 @@ def test_prefetch_into_l2_or_l1_gives_the_same_product(isa, monkeypatch):
     assert torch.equal(products["l1"], products["l2"])
 
 
+def test_the_portable_build_prefetches_nothing_whatever_the_switch(monkeypatch):
+    monkeypatch.setenv(envs.CPU_ISA.name, "portable")
+    monkeypatch.setenv(envs.WEIGHT_PREFETCH.name, "l2")
+    kernel = load_bf16w_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    assert (kernel.level, kernel.prefetch) == ("portable", "none")
+
+
 @pytest.mark.parametrize("vendor, want", [("GenuineIntel", "l2"), ("AuthenticAMD", "l1"), (None, "l1")])
 def test_auto_prefetches_into_l2_on_intel_only(vendor, want, monkeypatch):
-    fields = [{"vendor_id": vendor}] if vendor else []
-    monkeypatch.setattr(platform, "_cpuinfo_fields", lambda: fields)
+    info = platform.CpuInfo("x86_64", "test CPU", frozenset({"avx2", "fma"}), 2, 2, "AVX2", vendor or "")
+    monkeypatch.setattr(platform, "cpu_info", lambda: info)
     monkeypatch.delenv(envs.WEIGHT_PREFETCH.name, raising=False)
     assert platform.weight_prefetch() == want
     monkeypatch.setenv(envs.WEIGHT_PREFETCH.name, "l1" if want == "l2" else "l2")

@@ -126,7 +126,7 @@ class Bf16WeightGemv(LinearKernel):
     def __init__(self, lib: ctypes.CDLL, level: str, prefetch: str) -> None:
         super().__init__(lib.bf16w_gemv, "bf16w_gemv")
         self._unpack, self._unpack_blocked, self.level = lib.bf16w_unpack, lib.bf16w_unpack_blocked, level
-        self.prefetch = prefetch  # "l1" | "l2": where it prefetches the weights (platform.weight_prefetch)
+        self.prefetch = prefetch  # "l1" | "l2" | "none": where it prefetches the weights (platform.weight_prefetch)
         for fn in (self._unpack, self._unpack_blocked):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
@@ -157,17 +157,18 @@ class Bf16WeightGemv(LinearKernel):
 def load_bf16w_kernel() -> Bf16WeightGemv | None:
     """The bf16-weight product at this process's kernel level (read at each call, so a forced lower
     RADIXSERVE_CPU_ISA gets its own build), or None without a compiler."""
-    x86 = is_x86()
-    return _built_bf16w(rs_platform.kernel_isa() if x86 else "portable", rs_platform.weight_prefetch() if x86 else "l1")
+    level = rs_platform.kernel_isa() if is_x86() else "portable"
+    # NOTE: the portable build (plain C) has no prefetch to place
+    return _built_bf16w(level, "none" if level == "portable" else rs_platform.weight_prefetch())
 
 
 @functools.cache
 def _built_bf16w(level: str, prefetch: str) -> Bf16WeightGemv | None:
-    l2 = prefetch == "l2" and level != "portable"  # NOTE: the portable build has no prefetch
+    l2 = prefetch == "l2"
     lib = load_library(BF16W_SOURCE, f"bf16w-gemv-{level}" + ("-l2" if l2 else ""),
                        [*rs_platform.ISA_FLAGS[level], *(["-DPREFETCH_L2"] if l2 else [])], "bf16-weight kernel",
                        "bf16 weights are widened to float32 for every product")
-    return None if lib is None else Bf16WeightGemv(lib, level, "l2" if l2 else "l1")
+    return None if lib is None else Bf16WeightGemv(lib, level, prefetch)
 
 
 F32_SOURCE = CSRC / "f32_gemv.c"

@@ -242,7 +242,7 @@ class Bf16WeightLinearMethod(LinearMethod):
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
         kernel = load_bf16w_kernel()
-        return (f"bf16w_gemv ({kernel.level}, prefetch into {kernel.prefetch.upper()}) below {WIDEN_ROWS} rows, a float32 copy (in oneDNN's blocked "
+        return (f"bf16w_gemv ({kernel.level}, prefetch {kernel.prefetch}) below {WIDEN_ROWS} rows, a float32 copy (in oneDNN's blocked "
                 f"order where it holds) and oneDNN from {WIDEN_ROWS}")
 
 
