@@ -88,6 +88,12 @@ class DecodeKernel:
         code that calls it itself: models/decode_step.py)."""
         return ctypes.cast(self._fns[dtype, kv_dtype or dtype], ctypes.c_void_p).value
 
+    def prefix_address(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int | None:
+        """The prefix kernel's C function (cascade's part (a)) for `dtype` queries over a `kv_dtype` cache, or None
+        (the C decode step calls it for cascade batches)."""
+        fn = self._prefix_fns.get((dtype, kv_dtype or dtype))
+        return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
+
     def supports(self, q: torch.Tensor, num_kv_heads: int, kv_dtype: torch.dtype | None = None) -> bool:
         """Whether this kernel can run decode attention of `q` (shape and dtype) over a `kv_dtype` cache (default:
         q's dtype)."""

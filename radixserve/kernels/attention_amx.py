@@ -3,8 +3,10 @@
 On such a CPU torch's SDPA (its flash kernel) was the fastest extend path we had; this kernel computes
 the products on the tiles and the softmax in AVX-512, and measured 1.4-2.4x faster than SDPA at 32-2,048
 tokens (benchmarks/bench_prefill_attention.py). It reads K/V in place from the pool like the C extend
-kernel (same `reqs` rows), without seeds or log-sum-exps, so cascade attention keeps its own path.
-`RADIXSERVE_CPU_PREFILL_KERNEL=0` turns it off with the other extend kernel.
+kernel (same `reqs` rows), without seeds or log-sum-exps. The same blocks run unmasked, with log-sum-exps,
+as cascade's part (a) (`shared_prefix`: every query of the batch over the prefix it shares), in the Python
+layers and in the C decode step alike. `RADIXSERVE_CPU_PREFILL_KERNEL=0` turns it off with the other extend
+kernel.
 """
 
 from __future__ import annotations
@@ -25,12 +27,48 @@ MAX_DIM = 256
 
 
 class AmxExtendKernel:
-    """`extend` with the C extend kernel's arguments, bf16 only, at any length."""
+    """`extend` with the C extend kernel's arguments, bf16 only, at any length; `shared_prefix` with the C
+    prefix kernel's (cascade's part (a)), without window bounds."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.extend_attention_amx_bf16
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+        self._prefix_fn = lib.prefix_attention_amx_bf16
+        self._prefix_fn.restype = ctypes.c_int
+        self._prefix_fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
+
+    def prefix_supports(self, q: torch.Tensor, num_kv_heads: int, kv_dtype: torch.dtype | None = None) -> bool:
+        """Whether `shared_prefix` takes `q` over a `kv_dtype` cache (bf16 both, dim a multiple of 32)."""
+        heads, dim = q.shape[1], q.shape[2]
+        return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and (kv_dtype or q.dtype) == torch.bfloat16
+                and dim % 32 == 0 and dim <= MAX_DIM and heads % num_kv_heads == 0)
+
+    def prefix_address(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> int | None:
+        """The C function of `shared_prefix` for a `dtype` q over a `kv_dtype` cache (the C decode step calls it
+        for cascade batches), or None."""
+        if (dtype, kv_dtype) != (torch.bfloat16, torch.bfloat16):
+            return None
+        return ctypes.cast(self._prefix_fn, ctypes.c_void_p).value
+
+    def shared_prefix(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+                      scale: float, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token [n, heads, dim] over the same slots (int32 [prefix_len] >= 1) -> the output [n, heads,
+        dim] and the log-sum-exp, float32 [n, heads] (as `DecodeKernel.shared_prefix`, without `first`)."""
+        if first is not None:
+            raise ValueError("the AMX prefix kernel takes no window bounds (first)")
+        if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+            raise ValueError("the AMX prefix kernel needs contiguous K/V buffers")
+        q, slots = q.contiguous(), slots.to(torch.int32).contiguous()
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32)
+        status = call_profiled(
+            "radixserve::prefix_attention_amx", self._prefix_fn, q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(),
+            slots.data_ptr(), None, out.data_ptr(), lse.data_ptr(), q.shape[0], slots.shape[0], q.shape[1],
+            k_buf.shape[1], q.shape[2], scale, torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"the AMX prefix kernel rejected q {tuple(q.shape)} over {slots.shape[0]} slots of K/V "
+                             f"{tuple(k_buf.shape)} (status {status})")
+        return out, lse
 
     def extend_supports(self, q: torch.Tensor, k_buf: torch.Tensor) -> bool:
         heads, dim = q.shape[1], q.shape[2]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -35,10 +36,26 @@ class ModelStruct(ctypes.Structure):
 
 class AttentionGroup(ctypes.Structure):
     """What the layers of one attention group write and read (csrc/decode_loop.h): every layer of a model without
-    windows, or the layers of one sliding window."""
+    windows, or the layers of one sliding window; with cascade, also the shared prefix's slots and part (a)'s
+    function."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("slots", "kv_indices", "seq_lens")),
-                ("max_len", ctypes.c_int64), ("num_slots", ctypes.c_int64)]
+                ("max_len", ctypes.c_int64), ("num_slots", ctypes.c_int64), ("prefix_slots", ctypes.c_void_p),
+                ("prefix_len", ctypes.c_int64), ("prefix", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    """One attention group's tables (see AttentionGroup): where the new K/V go, what each row attends over, and
+    for cascade the shared prefix and the address of part (a)'s C function."""
+
+    slots: torch.Tensor
+    kv_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    max_len: int
+    num_slots: int
+    prefix_slots: torch.Tensor | None = None
+    prefix: int = 0
 
 
 class LoraDescriptor(ctypes.Structure):
@@ -49,16 +66,18 @@ class LoraDescriptor(ctypes.Structure):
                 ("num_segments", ctypes.c_int64), ("table", ctypes.c_void_p)]
 
 
-def attention_groups(tables: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]]
-                     ) -> tuple[ctypes.Array, list[torch.Tensor]]:
-    """AttentionGroups from (slots, kv_indices, seq_lens, max_len, num_slots) per group, and the tensors their
-    pointers name (the caller keeps them alive until the C call returns)."""
+def attention_groups(tables: list[GroupTable]) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """AttentionGroups from one GroupTable per group, and the tensors their pointers name (the caller keeps them
+    alive until the C call returns)."""
     groups, keep = (AttentionGroup * len(tables))(), []
-    for group, (slots, kv_indices, lens, max_len, rows) in zip(groups, tables, strict=True):
-        keep += [slots.to(torch.int32).contiguous(), kv_indices.to(torch.int32).contiguous(),
-                 lens.to(torch.int64).contiguous()]
+    for group, table in zip(groups, tables, strict=True):
+        keep += [table.slots.to(torch.int32).contiguous(), table.kv_indices.to(torch.int32).contiguous(),
+                 table.seq_lens.to(torch.int64).contiguous()]
         group.slots, group.kv_indices, group.seq_lens = (t.data_ptr() for t in keep[-3:])
-        group.max_len, group.num_slots = max_len, rows
+        group.max_len, group.num_slots = table.max_len, table.num_slots
+        if table.prefix_slots is not None and table.prefix_slots.numel():
+            keep.append(table.prefix_slots.to(torch.int32).contiguous())
+            group.prefix_slots, group.prefix_len, group.prefix = keep[-1].data_ptr(), keep[-1].numel(), table.prefix
     return groups, keep
 
 

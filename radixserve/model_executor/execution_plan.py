@@ -225,7 +225,8 @@ def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs
         decode = PlanEntry("attention decode", "torch", why_torch)
     if plan.cascade:
         prefix = PlanEntry("attention shared prefix",
-                           "cascade, " + ("C prefix" if plan.uses("prefix", dtype) else "torch flash"),
+                           "cascade, " + ("C prefix_amx" if plan.uses("prefix_amx", dtype) else
+                                          "C prefix" if plan.uses("prefix", dtype) else "torch flash"),
                            "a prefix the whole batch shares is attended once")
     else:
         prefix = PlanEntry("attention shared prefix", "off", no_cascade or "")

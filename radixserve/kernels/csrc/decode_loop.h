@@ -21,6 +21,9 @@
 // (slots, kv_indices, seq_lens, max_len). A model without sliding windows has one group; a window layer reads
 // its window's group: each request's last min(seq_len, W) slots, and with a hybrid KV pool the window pool's
 // slots (models/decode_step.py fills the groups from the attention backend's tables once per step).
+// Cascade: where the batch shares a prefix (layers/attention/cascade.py), a group also names those prefix slots and
+// the function of part (a) (`prefix_fn`), which attends every row over them first; its output and log-sum-exp seed
+// the attention over each row's own slots (kv_indices then hold the positions past the prefix).
 
 #ifndef RADIXSERVE_DECODE_LOOP_H
 #define RADIXSERVE_DECODE_LOOP_H
@@ -39,6 +42,10 @@ typedef int (*attention_fn)(const elem_t *q, const void *k_buf, const void *v_bu
                             const int64_t *seq_lens, const elem_t *seed_out, const float *seed_lse, elem_t *out,
                             int64_t bs, int64_t max_len, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                             int nthreads);
+// cascade's part (a) (prefix_attention.c, extend_amx.c): every row over the same slots -> out and float32 lse
+typedef int (*prefix_fn)(const elem_t *q, const void *k_buf, const void *v_buf, const int32_t *slots,
+                         const int32_t *first, elem_t *out, float *lse, int64_t n, int64_t prefix_len, int64_t heads,
+                         int64_t kv_heads, int64_t dim, float scale, int nthreads);
 
 // The addresses of one layer's tensors and of its linear layers' functions, in this order (models/decode_step.py
 // builds the table).
@@ -56,6 +63,9 @@ typedef struct {
     const int32_t *kv_indices;  // [bs * max_len] the slots each row attends over, row-major, padded
     const int64_t *seq_lens;    // [bs] the context each row attends to (<= max_len)
     int64_t max_len, num_slots; // num_slots: rows of the group's K/V buffers
+    const int32_t *prefix_slots; // cascade: [prefix_len] slots every row attends over first; prefix_len 0: none
+    int64_t prefix_len;
+    const void *prefix;          // the prefix_fn of part (a), where prefix_len > 0
 } attention_group;
 
 #define LINEAR(w, WHICH) ((linear_fn)(w)[WHICH##_FN])
@@ -104,9 +114,13 @@ static void rotary_kv_row(const decode_model *m, const int64_t *layer, const ele
 static int check_inputs(const decode_model *m, const int64_t *positions, const attention_group *groups, int64_t bs) {
     for (int64_t r = 0; r < bs; r++)
         if (positions[r] < 0 || positions[r] >= m->max_position) return 1;
-    for (int64_t g = 0; g < m->num_groups; g++)
+    for (int64_t g = 0; g < m->num_groups; g++) {
         for (int64_t r = 0; r < bs; r++)
             if (groups[g].slots[r] < 0 || groups[g].slots[r] >= groups[g].num_slots) return 1;
+        if (groups[g].prefix_len > 0 && groups[g].prefix == NULL) return 1;
+        for (int64_t i = 0; i < groups[g].prefix_len; i++)
+            if (groups[g].prefix_slots[i] < 0 || groups[g].prefix_slots[i] >= groups[g].num_slots) return 1;
+    }
     for (int64_t l = 0; l < m->num_layers; l++) {
         const int64_t group = m->layers[l * LAYER_POINTERS + GROUP];
         if (group < 0 || group >= m->num_groups) return 1;
@@ -116,7 +130,8 @@ static int check_inputs(const decode_model *m, const int64_t *positions, const a
 
 // The work buffer's parts, `bs` rows each (decode_work_size is their sum).
 typedef struct {
-    elem_t *normed, *qkv, *q, *attn, *gate_up, *act;
+    elem_t *normed, *qkv, *q, *attn, *gate_up, *act, *seed; // seed: cascade's part (a) output
+    float *seed_lse;                                         // and its log-sum-exps [bs, heads]
 } step_buffers;
 
 static step_buffers split_work(const decode_model *m, elem_t *work, int64_t bs) {
@@ -128,6 +143,9 @@ static step_buffers split_work(const decode_model *m, elem_t *work, int64_t bs) 
     b.attn = b.q + bs * q_size;
     b.gate_up = b.attn + bs * q_size;
     b.act = b.gate_up + bs * 2 * m->intermediate;
+    b.seed = b.act + bs * m->intermediate;
+    // NOTE: float-aligned past the seed (decode_work_size leaves 4 bytes for it)
+    b.seed_lse = (float *)(((uintptr_t)(b.seed + bs * q_size) + 3) & ~(uintptr_t)3);
     return b;
 }
 
@@ -136,8 +154,17 @@ static int attend_and_project(const decode_model *m, attention_fn attention, con
                               const attention_group *grp, const step_buffers *b, elem_t *out, int64_t bs,
                               int nthreads) {
     const int64_t q_size = m->heads * m->head_dim;
-    if (attention(b->q, (const void *)w[K_CACHE], (const void *)w[V_CACHE], grp->kv_indices, grp->seq_lens,
-                  NULL, NULL, b->attn, bs, grp->max_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
+    const void *k_cache = (const void *)w[K_CACHE], *v_cache = (const void *)w[V_CACHE];
+    const elem_t *seed = NULL;
+    const float *seed_lse = NULL;
+    if (grp->prefix_len > 0) { // cascade: part (a) over the shared prefix seeds the rows' own slots (part (b))
+        if (((prefix_fn)grp->prefix)(b->q, k_cache, v_cache, grp->prefix_slots, NULL, b->seed, b->seed_lse, bs,
+                                     grp->prefix_len, m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
+            return 2;
+        seed = b->seed, seed_lse = b->seed_lse;
+    }
+    if (attention(b->q, k_cache, v_cache, grp->kv_indices, grp->seq_lens, seed, seed_lse, b->attn, bs, grp->max_len,
+                  m->heads, m->kv_heads, m->head_dim, m->scale, nthreads))
         return 2;
     return LINEAR(w, O)((const void *)w[O], b->attn, NULL, out, bs, m->hidden, q_size, nthreads) ? 3 : 0;
 }
@@ -203,7 +230,9 @@ static int decode_layers(const decode_model *m, attention_fn attention, const de
 // Elements of the work buffer `decode_layers` needs for `bs` rows.
 static int64_t decode_work_size(const decode_model *m, int64_t bs) {
     const int64_t q_size = m->heads * m->head_dim;
-    return bs * (m->hidden + q_size + 2 * m->kv_heads * m->head_dim + 2 * q_size + 3 * m->intermediate);
+    const int64_t lse_elems = (int64_t)((m->heads * sizeof(float) + sizeof(elem_t) - 1) / sizeof(elem_t));
+    return bs * (m->hidden + q_size + 2 * m->kv_heads * m->head_dim + 3 * q_size + 3 * m->intermediate + lse_elems) +
+           (int64_t)(4 / sizeof(elem_t)) + 1;
 }
 
 #endif

@@ -12,12 +12,16 @@
  * a bf16 flash kernel does), P V on the tiles added into a float32 accumulator, and one division at the
  * end. Tiles: tmm0/1 S (keys 0-15 | 16-31), then P V outputs with tmm5/6; tmm2 Q; tmm3 P; tmm4 K or V.
  *
+ * prefix_attention_amx_bf16 (at the end) runs the same blocks unmasked over a prefix the batch shares, with
+ * log-sum-exps: cascade's part (a).
+ *
  * Returns 0; 1 for a shape it does not take (dim % 32, dim > 256, heads % kv_heads, kv_len < q_len); 2
  * without memory;
  * -2 without the OS's AMX permission (amx_request, called once by the loader).
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
+#include <math.h>
 #include <stdlib.h>
 
 #include "amx_tiles.h"
@@ -53,28 +57,64 @@ static inline __m512 exp2_ps(__m512 x) {
 /* Packed block sizes in bf16 elements: one 16 x 32 tile is 512. */
 static inline int64_t block_elems(int64_t dim) { return (int64_t)KB * dim; }
 
+/* The 16 x 16 transpose of 32-bit elements r[0..15] (rows) in place: r[j][i] <- r[i][j]. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int k = 0; k < 16; k += 2) {
+        a[k] = _mm512_unpacklo_epi32(r[k], r[k + 1]);
+        a[k + 1] = _mm512_unpackhi_epi32(r[k], r[k + 1]);
+    }
+    for (int m = 0; m < 16; m += 4) { /* b[m + j], 128-bit lane L: column 4 L + j of rows m .. m + 3 */
+        b[m] = _mm512_unpacklo_epi64(a[m], a[m + 2]);
+        b[m + 1] = _mm512_unpackhi_epi64(a[m], a[m + 2]);
+        b[m + 2] = _mm512_unpacklo_epi64(a[m + 1], a[m + 3]);
+        b[m + 3] = _mm512_unpackhi_epi64(a[m + 1], a[m + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x44), c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xEE);
+        const __m512i d0 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x44), d1 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xEE);
+        r[j] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
+        r[8 + j] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
+    }
+}
+
 /* K block -> kp[s][c][p][t][e] = K[16 s + t][32 c + 2 p + e]; V block -> vp[g][p][n][e] = V[2 p + e][16 g + n].
- * Keys past the context are zero. */
+ * Keys past the context are zero. K: per 16 tokens and 32 dims, a 16 x 16 transpose of (token, dim pair) in
+ * registers; V: two token rows interleaved 16 dims at a time. */
 static void pack_block(const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *slots, int64_t count,
                        int64_t kv_heads, int64_t h, int64_t dim, uint16_t *kp, uint16_t *vp) {
-    memset(kp, 0, sizeof(uint16_t) * block_elems(dim));
-    memset(vp, 0, sizeof(uint16_t) * block_elems(dim));
     const int64_t steps = dim / 32;
+    const uint16_t *krows[KB], *vrows[KB];
     for (int64_t t = 0; t < count; t++) {
-        const uint32_t *krow = (const uint32_t *)(k_buf + ((int64_t)slots[t] * kv_heads + h) * dim);
-        const uint16_t *vrow = v_buf + ((int64_t)slots[t] * kv_heads + h) * dim;
-        uint32_t *kt = (uint32_t *)kp + (t / 16) * steps * 256 + (t % 16);
-        for (int64_t c = 0; c < steps; c++)
-            for (int64_t p = 0; p < 16; p++) kt[c * 256 + p * 16] = krow[c * 16 + p];
-        uint16_t *vt = vp + (t / 2) * 32 + (t % 2);
-        for (int64_t d = 0; d < dim; d++) vt[(d / 16) * 512 + (d % 16) * 2] = vrow[d];
+        krows[t] = k_buf + ((int64_t)slots[t] * kv_heads + h) * dim;
+        vrows[t] = v_buf + ((int64_t)slots[t] * kv_heads + h) * dim;
     }
+    for (int64_t s = 0; s < KB / 16; s++)
+        for (int64_t c = 0; c < steps; c++) {
+            __m512i r[16];
+            for (int64_t t = 0; t < 16; t++)
+                r[t] = 16 * s + t < count ? _mm512_loadu_si512(krows[16 * s + t] + 32 * c) : _mm512_setzero_si512();
+            transpose16(r);
+            uint16_t *dst = kp + (s * steps + c) * 512;
+            for (int64_t p = 0; p < 16; p++) _mm512_store_si512(dst + 32 * p, r[p]);
+        }
+    for (int64_t t = 0; t < KB; t += 2)
+        for (int64_t g = 0; g < dim / 16; g++) {
+            const __m256i a = t < count ? _mm256_loadu_si256((const __m256i *)(vrows[t] + 16 * g)) : _mm256_setzero_si256();
+            const __m256i b = t + 1 < count ? _mm256_loadu_si256((const __m256i *)(vrows[t + 1] + 16 * g)) : _mm256_setzero_si256();
+            const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+            uint16_t *dst = vp + g * 512 + (t / 2) * 32;
+            _mm256_store_si256((__m256i *)dst, _mm256_permute2x128_si256(lo, hi, 0x20));
+            _mm256_store_si256((__m256i *)(dst + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+        }
 }
 
 /* S of 16 queries x 32 keys into sbuf (scaled, masked; tmm0/1 S, tmm2 Q, tmm3 K); returns the 16 rows'
  * maxima (lane r: row r). */
 static inline __m512 scores_block(const uint16_t *qbuf, const uint16_t *kb, float *sbuf, int64_t steps, int64_t dim,
-                                  float scale, int masked, int64_t limit0) {
+                                  float scale, int masked, int64_t limit0, int causal) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     _tile_zero(0);
     _tile_zero(1);
@@ -92,7 +132,7 @@ static inline __m512 scores_block(const uint16_t *qbuf, const uint16_t *kb, floa
         __m512 s0 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB), _mm512_set1_ps(scale));
         __m512 s1 = _mm512_mul_ps(_mm512_load_ps(sbuf + r * KB + 16), _mm512_set1_ps(scale));
         if (masked) {
-            const __m512i limit = _mm512_set1_epi32((int)(limit0 + r)); /* keys <= limit */
+            const __m512i limit = _mm512_set1_epi32((int)(causal ? limit0 + r : limit0)); /* keys <= limit */
             const __m512 ninf = _mm512_set1_ps(-INFINITY);
             s0 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(lane, limit), s0);
             s1 = _mm512_mask_mov_ps(ninf, _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), limit), s1);
@@ -122,7 +162,7 @@ static inline __m512 probs_block(const float *sbuf, const float *shifts, uint16_
 /* One block of up to 16 queries of query head `head` (kv head h) over the request's packed context. */
 static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack, const uint16_t *vpack,
                          int64_t q0, int64_t rows, int64_t q_len, int64_t kv_len, int64_t heads, int64_t head,
-                         int64_t dim, float scale) {
+                         int64_t dim, float scale, int causal, float *lse) {
     __attribute__((aligned(64))) uint16_t qbuf[QB * MAX_DIM];
     __attribute__((aligned(64))) uint16_t pbuf[QB * KB];
     __attribute__((aligned(64))) float sbuf[QB * KB];
@@ -134,11 +174,12 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
     for (int64_t r = 0; r < rows; r++) memcpy(qbuf + r * dim, q + ((q0 + r) * heads + head) * dim, 2 * dim);
     memset(acc, 0, sizeof(float) * QB * dim);
     for (int r = 0; r < QB; r++) run_max[r] = -INFINITY, run_sum[r] = 0.0f;
-    const int64_t last_key = before + q0 + rows - 1; /* the block's last query sees keys 0..last_key */
+    /* the block's last query sees keys 0..last_key; unmasked (a shared prefix), every query sees all kv_len */
+    const int64_t last_key = causal ? before + q0 + rows - 1 : kv_len - 1, seen = causal ? before + q0 : kv_len - 1;
     for (int64_t b = 0; b * KB <= last_key; b++) {
         const uint16_t *kb = kpack + b * block_elems(dim), *vb = vpack + b * block_elems(dim);
-        const int masked = (b + 1) * KB - 1 > before + q0; /* some key of the block is past some query */
-        const __m512 block_max = scores_block(qbuf, kb, sbuf, steps, dim, scale, masked, before + q0 - b * KB);
+        const int masked = (b + 1) * KB - 1 > seen; /* some key of the block is past some query */
+        const __m512 block_max = scores_block(qbuf, kb, sbuf, steps, dim, scale, masked, seen - b * KB, causal);
         const __m512 old_max = _mm512_load_ps(run_max);
         const __m512 top = _mm512_max_ps(old_max, block_max);
         /* NOTE: a row with no key yet keeps max -inf; its shift is 0 so that exp never sees inf - inf */
@@ -181,6 +222,7 @@ static void attend_block(const uint16_t *q, uint16_t *out, const uint16_t *kpack
         uint16_t *o = out + ((q0 + r) * heads + head) * dim;
         for (int64_t d = 0; d < dim; d += 16)
             _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + r * dim + d), inv)));
+        if (lse) lse[(q0 + r) * heads + head] = run_max[r] + logf(run_sum[r]);
     }
 }
 
@@ -210,7 +252,7 @@ static inline void load_out_tiles(const float *acc, int64_t groups) {
  * few blocks is rare. Tiles: tmm0/1 S, then tmm0 P; tmm2 Q; tmm3 K or V; tmm4-7 O. */
 static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16_t *kpack, const uint16_t *vpack,
                                   int64_t q0, int64_t rows, int64_t q_len, int64_t kv_len, int64_t heads,
-                                  int64_t head, int64_t dim, float scale) {
+                                  int64_t head, int64_t dim, float scale, int causal, float *lse) {
     __attribute__((aligned(64))) uint16_t qbuf[QB * 64];
     __attribute__((aligned(64))) uint16_t pbuf[QB * KB];
     __attribute__((aligned(64))) float sbuf[QB * KB];
@@ -224,11 +266,11 @@ static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16
     _tile_zero(6);
     _tile_zero(7);
     _mm512_store_ps(run_sum, _mm512_setzero_ps());
-    const int64_t last_key = before + q0 + rows - 1;
+    const int64_t last_key = causal ? before + q0 + rows - 1 : kv_len - 1, seen = causal ? before + q0 : kv_len - 1;
     for (int64_t b = 0; b * KB <= last_key; b++) {
         const uint16_t *kb = kpack + b * block_elems(dim), *vb = vpack + b * block_elems(dim);
-        const int masked = (b + 1) * KB - 1 > before + q0;
-        const __m512 top = scores_block(qbuf, kb, sbuf, steps, dim, scale * LOG2E, masked, before + q0 - b * KB);
+        const int masked = (b + 1) * KB - 1 > seen;
+        const __m512 top = scores_block(qbuf, kb, sbuf, steps, dim, scale * LOG2E, masked, seen - b * KB, causal);
         /* NOTE: every row sees key 0, so after block 0 no running max is -inf */
         __m512 mx = top;
         if (b > 0) {
@@ -270,6 +312,7 @@ static void attend_block_resident(const uint16_t *q, uint16_t *out, const uint16
         uint16_t *o = out + ((q0 + r) * heads + head) * dim;
         for (int64_t d = 0; d < dim; d += 16)
             _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(acc + r * 64 + d), inv)));
+        if (lse) lse[(q0 + r) * heads + head] = run_max[r] / LOG2E + logf(run_sum[r]); /* run_max in log2 units */
     }
 }
 
@@ -323,10 +366,54 @@ int extend_attention_amx_bf16(const uint16_t *q, const uint16_t *k_buf, const ui
             const int64_t at = (h * kv_blocks + pack_at[b]) * block_elems(dim);
             (dim <= 64 ? attend_block_resident : attend_block)(q + q_start * heads * dim, out + q_start * heads * dim,
                                                                kpack + at, vpack + at, first, rows, q_len, kv_len,
-                                                               heads, head, dim, scale);
+                                                               heads, head, dim, scale, 1, NULL);
         }
         _tile_release();
     }
     free(kpack), free(vpack), free(pack_at), free(qblocks_at);
+    return 0;
+}
+
+/* Cascade's part (a) on the tiles: every query token of q [n, heads, dim] over the same prefix_len slots,
+ * unmasked (every query sits past the shared prefix); writes the normalised output and each row's log-sum-exp
+ * (float32 [n, heads], natural log). The signature of prefix_attention.c's kernels, so the C decode step calls
+ * either; `first` (window layers' lower bounds) is not taken here. The prefix's K/V are packed once per call
+ * (phase 1 as above), then each 16-token block of one query head runs the extend kernel's block unmasked.
+ * Returns 0; 1 for a shape it does not take (dim % 32, dim > MAX_DIM, heads % kv_heads, prefix_len < 1, first
+ * set); 2 without memory. */
+int prefix_attention_amx_bf16(const uint16_t *q, const uint16_t *k_buf, const uint16_t *v_buf, const int32_t *slots,
+                              const int32_t *first, uint16_t *out, float *lse, int64_t n, int64_t prefix_len,
+                              int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) {
+    if (first || dim % 32 || dim > MAX_DIM || kv_heads < 1 || heads % kv_heads || n < 0 || prefix_len < 1) return 1;
+    const int64_t group = heads / kv_heads, kv_blocks = (prefix_len + KB - 1) / KB, q_blocks = (n + QB - 1) / QB;
+    const int64_t head_elems = kv_blocks * block_elems(dim);
+    uint16_t *kpack = aligned_alloc(64, sizeof(uint16_t) * kv_heads * head_elems + 64);
+    uint16_t *vpack = aligned_alloc(64, sizeof(uint16_t) * kv_heads * head_elems + 64);
+    if (!kpack || !vpack) {
+        free(kpack), free(vpack);
+        return 2;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < kv_blocks * kv_heads; i++) {
+            const int64_t blk = i / kv_heads, h = i % kv_heads;
+            const int64_t count = prefix_len - blk * KB < KB ? prefix_len - blk * KB : KB;
+            const int64_t at = h * head_elems + blk * block_elems(dim);
+            pack_block(k_buf, v_buf, slots + blk * KB, count, kv_heads, h, dim, kpack + at, vpack + at);
+        }
+        configure();
+        /* NOTE: every block sees the whole prefix: equal work, static scheduling */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < q_blocks * heads; i++) {
+            const int64_t qblk = i / heads, head = i % heads, h = head / group;
+            const int64_t q0 = qblk * QB, rows = n - q0 < QB ? n - q0 : QB;
+            (dim <= 64 ? attend_block_resident : attend_block)(q, out, kpack + h * head_elems, vpack + h * head_elems,
+                                                               q0, rows, n, prefix_len, heads, head, dim, scale, 0,
+                                                               lse);
+        }
+        _tile_release();
+    }
+    free(kpack), free(vpack);
     return 0;
 }

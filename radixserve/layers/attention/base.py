@@ -30,7 +30,7 @@ def as_cached(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class AttentionPlan:
     """What a backend is told when it is built: its name, whether it may run cascade attention, the model's
-    sliding windows, and per dtype the C kernels it uses ("decode", "extend", "prefix", "extend_amx"); every other part runs in torch.
+    sliding windows, and per dtype the C kernels it uses ("decode", "extend", "prefix", "extend_amx", "prefix_amx"); every other part runs in torch.
     Decided once by `registry.plan_attention` (from the kernels' measured table, the CPU and the switches)."""
 
     backend: str

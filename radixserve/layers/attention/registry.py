@@ -40,8 +40,8 @@ def plan_attention(name: str, device: torch.device, cascade: bool = True, window
                    ) -> AttentionPlan:
     """The backend `name` resolves to (auto: the C kernels on a CPU, torch elsewhere) and, for the CPU backend,
     the C kernels it uses per dtype: those the measured table (kernels.attention.SELECTED) chose for this CPU's kernel
-    class, less the extend kernels where RADIXSERVE_CPU_PREFILL_KERNEL=0, plus bf16 extend on AMX tiles where
-    the CPU has them. `cascade`: may split attention over a prefix the whole batch shares. `windows`: the
+    class, less the extend kernels where RADIXSERVE_CPU_PREFILL_KERNEL=0, plus bf16 extend and cascade's part (a) on
+    AMX tiles where the CPU has them. `cascade`: may split attention over a prefix the whole batch shares. `windows`: the
     model's distinct sliding windows (ModelConfig.windows)."""
     name = resolve_backend(name, device)
     if name not in _BACKENDS:
@@ -62,8 +62,8 @@ def plan_attention(name: str, device: torch.device, cascade: bool = True, window
         chosen = set(SELECTED.get((kernel.kernel_class, dtype), ()))
         if not prefill:
             chosen.discard("extend")
-        if amx and dtype == torch.bfloat16:
-            chosen.add("extend_amx")
+        if amx and dtype == torch.bfloat16:  # extend and cascade's part (a) on the tiles
+            chosen |= {"extend_amx", "prefix_amx"}
         kernels[dtype] = frozenset(chosen)
     return AttentionPlan(name, cascade, kernels, kernel.isa, kernel.kernel_class, windows)
 

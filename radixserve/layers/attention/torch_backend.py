@@ -170,14 +170,25 @@ class TorchAttnBackend(AttentionBackend):
         return self.decode_kernel_for(q, layer.num_kv_heads, k_all.dtype)
 
     def _prefix_kernel_for(self, q: torch.Tensor, layer: RadixAttention, k_all: torch.Tensor,
-                           decode: bool = False) -> DecodeKernel | None:
+                           meta: cascade.CascadeMetadata, decode: bool = False) -> DecodeKernel | AmxExtendKernel | None:
+        return self.prefix_kernel_for(q, layer.num_kv_heads, k_all.dtype, decode, bounds=meta.prefix_first is not None)
+
+    def prefix_kernel_for(self, q: torch.Tensor, num_kv_heads: int, kv_dtype: torch.dtype, decode: bool = False,
+                          bounds: bool = False) -> DecodeKernel | AmxExtendKernel | None:
+        """The C kernel of cascade's part (a) for `q` over a `kv_dtype` cache (the C decode step asks too): on AMX
+        tiles where the plan uses them and no query has a lower bound (`bounds`: a window layer's plan), else the C
+        prefix kernel where the plan uses it; None: torch's op."""
+        amx = self.amx_extend
+        if (amx is not None and not bounds and self.plan.uses("prefix_amx", q.dtype)
+                and amx.prefix_supports(q, num_kv_heads, kv_dtype)):
+            return amx
         kernel = self.decode_kernel
         # NOTE: over a cache narrower than q (bf16 under float32), torch's path widens a copy of the prefix per call,
         # which at decode sizes costs more than the attention (32 queries x 1,000 keys, AVX2 class: torch 1.82 ms,
         # the C kernel 0.68 ms; float32 cache 0.89 ms): a decode batch's part (a) then runs where decode runs in C
-        widened = decode and k_all.dtype != q.dtype and self.plan.uses("decode", q.dtype)
+        widened = decode and kv_dtype != q.dtype and self.plan.uses("decode", q.dtype)
         ok = (kernel is not None and (self.plan.uses("prefix", q.dtype) or widened)
-              and kernel.prefix_supports(q, layer.num_kv_heads, k_all.dtype))
+              and kernel.prefix_supports(q, num_kv_heads, kv_dtype))
         return kernel if ok else None
 
     def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | None:
@@ -207,7 +218,7 @@ class TorchAttnBackend(AttentionBackend):
         cascaded = windowed if windowed is not None else self.cascade_decode_meta  # a window's own, or the batch's
         if cascaded is not None:
             out = cascade.cascade_decode(q, k_all, v_all, cascaded, layer.scaling, kernel,
-                                         self._prefix_kernel_for(q, layer, k_all, decode=True))
+                                         self._prefix_kernel_for(q, layer, k_all, cascaded, decode=True))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         meta = self.decode_meta
         if kernel is not None:
@@ -237,7 +248,8 @@ class TorchAttnBackend(AttentionBackend):
         cascaded = windowed if windowed is not None else self.cascade_extend_meta  # a window's own, or the batch's
         if cascaded is not None:
             out = cascade.cascade_extend(q, k_all, v_all, cascaded, layer.scaling,
-                                         self._prefix_kernel_for(q, layer, k_all), self._extend_kernel_for(q, k_all))
+                                         self._prefix_kernel_for(q, layer, k_all, cascaded),
+                                         self._extend_kernel_for(q, k_all))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
         extend_kernel = self._plain_extend_kernel_for(q, k_all)
         meta = self.extend_meta
@@ -295,9 +307,9 @@ class CpuAttnBackend(TorchAttnBackend):
         plan = plan or plan_attention("cpu", torch.device("cpu"), use_cascade)
         super().__init__(use_cascade, plan)
         used = set().union(*plan.kernels.values())
-        self.decode_kernel = load_decode_kernel(plan.level) if used - {"extend_amx"} else None
+        self.decode_kernel = load_decode_kernel(plan.level) if used - {"extend_amx", "prefix_amx"} else None
         self.extend_kernel = self.decode_kernel if "extend" in used else None
-        self.amx_extend = load_amx_extend_kernel() if "extend_amx" in used else None
+        self.amx_extend = load_amx_extend_kernel() if used & {"extend_amx", "prefix_amx"} else None
 
 
 def decode_block_diagonal(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, meta: DecodeMetadata,
