@@ -54,8 +54,9 @@ _SIMD_CLASSES = ("avx512_bf16", "avx512", "avx2")
 # slower end to end than the C kernels alone over the whole context (the C decode step included): on a Zen 4 EPYC
 # in bf16, 32 requests of a shared prefix + 40 own tokens, 32 new tokens each, 3.46-3.50 s without against
 # 4.04-4.40 s with at a 1,000-token prefix, 11.6-11.7 against 16.3-16.7 s at 3,000 (docs/attention.md, "When").
-# Forced to the AVX2 class in float32 cascade won (6.6-6.8 against 7.4-7.7 s), at AVX-512 it tied; not measured
-# with AMX, where it won in one layer's attention.
+# Forced to the AVX2 class in float32 cascade won (6.6-6.8 against 7.4-7.7 s), at AVX-512 it tied. With AMX in bf16,
+# where part (a) runs on the tiles and the C decode step takes cascade batches, it wins: 1.38-1.59 s against
+# 1.93-2.26 s at a 1,000-token prefix (the AMX Xeon, 2026-12-05).
 CASCADE_LOSES: frozenset[tuple[str, torch.dtype]] = frozenset({("avx512_bf16", torch.bfloat16)})
 SELECTED: dict[tuple[str, torch.dtype], frozenset[str]] = {
     **{(cls, dtype): frozenset({"decode", "extend"}) for cls in _SIMD_CLASSES for dtype in _DTYPE_SUFFIX},

@@ -12,8 +12,10 @@
 The layers' linear products and decode attention are the kernels the Python path calls too; what the C
 loop removes is ~10 Python-level calls per layer, each of which costs 25-40 us after the weight stream
 has evicted its code (docs/cpu_fast_path.md). It takes a decode forward when the model has plain rotary
-(no q/k norms), the backend's C decode kernel for plain (not cascade) attention, and no more rows than the
-linear kernel takes; anything else runs the layers in Python. Sliding-window layers (Mistral, Qwen2/3) read their
+(no q/k norms), the backend's C decode kernel, and no more rows than the linear kernel takes; a cascade batch
+(a prefix the batch shares) too where part (a) runs in a C function (the AMX prefix kernel in bf16, the C prefix
+kernel under float32 over a bf16 cache), which the step calls before the seeded decode kernel, as the Python
+layers do. Anything else runs the layers in Python. Sliding-window layers (Mistral, Qwen2/3) read their
 window's attention group (`_groups`). A batch with LoRA rows runs in the step too: after each linear layer it adds
 the adapters' deltas with the SGMV kernel the Python layers call (decode_step_lora.py). Switch:
 RADIXSERVE_DECODE_STEP=0.
