@@ -54,6 +54,31 @@ def test_kernel_matches_float32_product(rows, n, k, bias):
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("n", "k", "bias"), [(64, 32, False), (17, 2, True), (100, 78, True), (448, 96, False),
+                                              (960, 576, True), (130, 2200, False)])
+def test_one_row_in_lockstep_equals_the_tiles_sums(threads, n, k, bias):
+    """M == 1 walks up to 4 tiles per thread in lockstep (csrc/gemv_one_row.h): the same sums in the same order as
+    the tiled rows, so row r of a 2-row product equals the 1-row product of x[r], bit for bit; on AMX CPUs the AMX
+    entry point takes that path for one row too. Tile counts of 1, 2, 7 and 15 over 1-3 threads: runs of 1-4."""
+    layer, before = _layer(k, n, bias, seed=n), torch.get_num_threads()
+    packed, x = gemv_kernels.pack_gemv_weight(layer.weight), torch.randn(2, k).bfloat16()
+    torch.set_num_threads(threads)
+    try:
+        kernel = gemv_kernels.load_gemv_kernel()
+        pair = kernel(packed, x, layer.bias, n)
+        singles = [kernel(packed, x[r : r + 1].contiguous(), layer.bias, n) for r in range(2)]
+        amx = gemv_kernels.load_amx_kernel()
+        on_amx = [] if amx is None else [amx(packed, x[r : r + 1].contiguous(), layer.bias, n) for r in range(2)]
+    finally:
+        torch.set_num_threads(before)
+    for r in range(2):
+        assert torch.equal(singles[r].view(torch.int16), pair[r : r + 1].view(torch.int16))
+        if on_amx:
+            assert torch.equal(on_amx[r].view(torch.int16), singles[r].view(torch.int16))
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
 def test_kernel_refuses_more_rows_than_it_holds():
     layer = _layer(32, 64, bias=False)
     x = torch.randn(gemv.GEMV_LIMIT + 1, 32).bfloat16()

@@ -114,6 +114,22 @@ def test_a_timing_tie_goes_to_the_preferred_method():
     assert best_method([Timing("dense", 1, 1.0), Timing("onednn", 1, 1.01)]) == "dense"  # same preference
 
 
+def test_only_the_decode_rows_decide_between_onednn_and_the_gemv():
+    """Above its decode rows `onednn_gemv` runs oneDNN's product, so a slow prefill-point sample (noise) cannot
+    hand a shape to `onednn`, which would turn the C decode step off for the whole model. The cached timings of
+    Qwen2.5-0.5B's 9728x896 on the AMX Xeon, which did that, now choose the GEMV; `dense` keeps its own time."""
+    cached = [Timing("dense", 1, 1.10e-3), Timing("onednn", 1, 0.761e-3), Timing("onednn_gemv", 1, 0.705e-3),
+              Timing("dense", 32, 1.41e-3), Timing("onednn", 32, 0.893e-3), Timing("onednn_gemv", 32, 0.934e-3),
+              Timing("dense", 512, 7.48e-3), Timing("onednn", 512, 5.63e-3), Timing("onednn_gemv", 512, 7.15e-3)]
+    assert best_method(cached) == "onednn_gemv"
+    slower_at_decode = [Timing("onednn", 1, 0.50e-3), Timing("onednn_gemv", 1, 0.70e-3), Timing("onednn", 32, 0.80e-3),
+                        Timing("onednn_gemv", 32, 1.00e-3), Timing("onednn", 512, 5.0e-3), Timing("onednn_gemv", 512, 4.0e-3)]
+    assert best_method(slower_at_decode) == "onednn"  # the decode rows decide
+    dense_prefill = [Timing("dense", 1, 1.0), Timing("onednn_gemv", 1, 1.0), Timing("dense", 512, 1.0),
+                     Timing("onednn_gemv", 512, 3.0)]
+    assert best_method(dense_prefill) == "dense"  # only onednn's own product stands in for the GEMV's
+
+
 def test_choice_measured_once_then_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
     measured = []

@@ -17,7 +17,8 @@ SOURCE = CSRC / "bf16_gemv.c"
 FLAGS = ISA_FLAGS["avx512_bf16"]
 TILE = 64  # output rows per tile of the packed layout (csrc/bf16_gemv.c)
 AMX_SOURCE = CSRC / "bf16_amx.c"
-AMX_HEADERS = (CSRC / "amx_tiles.h",)
+AMX_HEADERS = (CSRC / "amx_tiles.h", CSRC / "gemv_one_row.h")
+HEADERS = (CSRC / "gemv_one_row.h",)
 
 
 class LinearKernel:
@@ -111,7 +112,7 @@ def load_gemv_kernel() -> Bf16Gemv | None:
     """The kernel, or None (logged once) where the CPU or the kernel level lacks AVX512-BF16 or no compiler."""
     if not is_x86() or rs_platform.kernel_isa() != "avx512_bf16":
         return None
-    lib = load_library(SOURCE, "bf16-gemv", FLAGS, "bf16 GEMV kernel", "linear layers use oneDNN alone")
+    lib = load_library(SOURCE, "bf16-gemv", FLAGS, "bf16 GEMV kernel", "linear layers use oneDNN alone", HEADERS)
     return None if lib is None else Bf16Gemv(lib.bf16_gemv, "bf16_gemv")
 
 

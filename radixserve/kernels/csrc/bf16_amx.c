@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "gemv_one_row.h"
 
 #define TILE 64        // W rows per packed tile (bf16_gemv.c)
 #define PAIR_BYTES 256 // one input pair of a packed tile: 64 rows x 2 bf16
@@ -155,5 +156,9 @@ int bf16_amx_gemm_large(const uint16_t *packed, const uint16_t *x, const uint16_
 int bf16_amx_gemm(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t m,
                   int64_t n, int64_t k, int nthreads) {
     if (m > 32) return -1;
+    if (m == 1 && n > 0 && k % 2 == 0) { /* NOTE: one row reads faster as dot products in several streams */
+        gemv_one_row(packed, x, bias, y, n, k, nthreads);
+        return 0;
+    }
     return bf16_amx_gemm_large(packed, x, bias, y, m, n, k, nthreads);
 }

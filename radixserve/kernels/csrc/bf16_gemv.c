@@ -25,6 +25,8 @@
 #include <string.h>
 #include <immintrin.h>
 
+#include "gemv_one_row.h"
+
 #define TILE 64
 #define PREFETCH 4096
 #define DP_ROWS 6
@@ -56,6 +58,10 @@ static inline __attribute__((always_inline)) void tile_dp(const __m512i *w, cons
 int bf16_gemv(const uint16_t *packed, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t M, int64_t N,
               int64_t K, int nthreads) {
     if (K % 2 || M < 1 || M > DP_MAX_M || N < 1) return -1;
+    if (M == 1) { /* several tiles in lockstep (gemv_one_row.h): the same sums, read faster */
+        gemv_one_row(packed, x, bias, y, N, K, nthreads);
+        return 0;
+    }
     const int64_t tiles = (N + TILE - 1) / TILE, K2 = K / 2, blocks = (M + DP_ROWS - 1) / DP_ROWS;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
