@@ -1,7 +1,8 @@
 """The memory read bandwidth of this machine, for a decode step's bandwidth bound (bench_ladder.py).
 
 The best of two readers, each over 1 GiB (far beyond any cache), best of five passes: a C loop built at this
-CPU's kernel level (read_bandwidth.c) and torch.mv over a bf16 matrix (how a framework reads weights).
+CPU's kernel level (read_bandwidth.c: four sequential streams per thread, as our one-row GEMV kernels read) and
+torch.mv over a bf16 matrix (how a framework reads weights).
 
     python benchmarks/read_bandwidth.py            # GB/s with torch's thread count
 """
@@ -34,7 +35,7 @@ def c_reader_gb_s(data: torch.Tensor, threads: int) -> float | None:
 
     level = platform.kernel_isa()
     try:
-        lib = ctypes.CDLL(str(build_library(SOURCE, f"read-bandwidth-{level}", platform.ISA_FLAGS[level])))
+        lib = ctypes.CDLL(str(build_library(SOURCE, f"read-bandwidth-streams-{level}", platform.ISA_FLAGS[level])))
     except BUILD_ERRORS:
         return None
     lib.read_sum.restype = ctypes.c_double

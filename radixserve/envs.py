@@ -105,7 +105,8 @@ CPU_ISA = _declare("RADIXSERVE_CPU_ISA", "auto", _choice("auto", "avx512_bf16", 
                     "path (and hides the features above it from --dtype auto)")
 WEIGHT_PREFETCH = _declare("RADIXSERVE_WEIGHT_PREFETCH", "auto", _choice("auto", "l1", "l2"),
                             "where the bf16-weight decode kernel prefetches the weights it streams: l2 (8 KiB ahead "
-                            "into L2), l1 (4 KiB ahead into L1); auto: l2 on Intel CPUs, l1 elsewhere")
+                            "into L2), l1 (4 KiB ahead into L1); auto: l2 on Intel CPUs, l1 elsewhere; products of one "
+                            "row prefetch into L1 on every CPU")
 STRICT_CHECKS = _declare("RADIXSERVE_STRICT_CHECKS", False, parse_bool,
                          "the idle KV conservation check raises instead of logging (the tests turn it on)")
 DEBUG_ALLOC = _declare("RADIXSERVE_DEBUG_ALLOC", False, parse_bool,

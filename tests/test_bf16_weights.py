@@ -73,6 +73,30 @@ def test_prefetch_into_l2_or_l1_gives_the_same_product(isa, monkeypatch):
     assert torch.equal(products["l1"], products["l2"])
 
 
+@pytest.mark.parametrize("isa", [isa for isa in platform.KERNEL_ISAS if isa != "portable"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_in_lockstep_equals_the_tiles_sums(isa, threads, monkeypatch):
+    """One row walks up to four tiles per thread in lockstep (csrc/bf16w_gemv.c's one_row): row r of a 2-row product
+    equals the 1-row product of x[r], bit for bit, over tile counts of 1, 2, 7 and 13 split over 1-3 threads."""
+    skip_unless_runnable(isa)
+    monkeypatch.setenv(envs.CPU_ISA.name, isa)
+    kernel = load_bf16w_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((16, 64), (17, 2), (100, 38), (200, 576)):
+            g = torch.Generator().manual_seed(n)
+            w, x = (torch.randn(n, k, generator=g) * 0.05).bfloat16(), torch.randn(2, k, generator=g)
+            bias, packed = torch.randn(n, generator=g), pack_gemv_weight(w, BF16W_TILE)
+            pair = kernel(packed, x, bias, n)
+            for r in range(2):
+                assert torch.equal(kernel(packed, x[r : r + 1].contiguous(), bias, n), pair[r : r + 1]), (n, k, r)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_portable_build_prefetches_nothing_whatever_the_switch(monkeypatch):
     monkeypatch.setenv(envs.CPU_ISA.name, "portable")
     monkeypatch.setenv(envs.WEIGHT_PREFETCH.name, "l2")
