@@ -96,6 +96,8 @@ def test_amx_prefix_takes_only_what_it_computes():
         kernel.shared_prefix(q, k_buf, v_buf, slots, 0.125, first=torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="rejected"):
         kernel.shared_prefix(q, k_buf, v_buf, slots[:0], 0.125)  # an empty prefix is not cascade
+    with pytest.raises(ValueError, match="takes bf16"):
+        kernel.shared_prefix(q.float(), k_buf.float(), v_buf.float(), slots, 0.125)
 
 
 def test_cpu_backend_runs_part_a_on_amx(monkeypatch):

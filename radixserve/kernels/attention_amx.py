@@ -57,6 +57,9 @@ class AmxExtendKernel:
         dim] and the log-sum-exp, float32 [n, heads] (as `DecodeKernel.shared_prefix`, without `first`)."""
         if first is not None:
             raise ValueError("the AMX prefix kernel takes no window bounds (first)")
+        if not self.prefix_supports(q, k_buf.shape[1], k_buf.dtype) or v_buf.dtype != k_buf.dtype:
+            raise ValueError(f"the AMX prefix kernel takes bf16 q and K/V with dim a multiple of 32, not q {q.dtype} "
+                             f"{tuple(q.shape)} over K/V {k_buf.dtype}")
         if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
             raise ValueError("the AMX prefix kernel needs contiguous K/V buffers")
         q, slots = q.contiguous(), slots.to(torch.int32).contiguous()
