@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -54,6 +54,11 @@ if TYPE_CHECKING:
     from radixserve.models.llama import DecoderWeights
 
 logger = logging.getLogger(__name__)
+
+class StepFunctions(NamedTuple):
+    attention: int | None  # the decode attention kernel's C function
+    prefix: int | None  # cascade's part (a): the prefix kernel's C function
+
 
 class DecodeStep:
     """`__call__(hidden, fb)` runs every decoder layer of a decode forward; `takes(fb)` says whether it can.
@@ -90,9 +95,8 @@ class DecodeStep:
         self._group_slots = [0] * (1 + len(self._windows))  # rows of each group's K/V buffers (_bind_pool)
         self._work_per_row = kernel.work_size(self._struct, 1)
         self._pool = None  # the KV pool whose buffers the layer table points at
-        # (backend, KV cache dtype) -> the decode attention function the step calls, and cascade's part (a)
-        self._attention: tuple[object, int | None] = (None, None)
-        self._prefix: tuple[object, int | None] = (None, None)
+        # (backend, KV cache dtype) -> the C functions the step calls: decode attention, cascade's part (a)
+        self._functions: tuple[object, StepFunctions] = (None, StepFunctions(None, None))
         self._lora = StepLora(weights, self.dtype)  # the forward's LoRA rows (the manager's segments)
 
     def takes(self, fb) -> bool:
@@ -101,21 +105,22 @@ class DecodeStep:
         # NOTE: the full layers' plain table, or their cascade plan where part (a) runs in a C function (the one the
         # Python layers call: the same results). A model with windows needs the backend's window tables (window.py),
         # not a window's cascade plan (window_cascade.py).
+        fns = self._functions_for(backend, kv_dtype)
         plain = getattr(backend, "decode_meta", None) is not None
-        cascaded = (not plain and getattr(backend, "cascade_decode_meta", None) is not None
-                    and self._prefix_fn(backend, kv_dtype) is not None)
+        cascaded = not plain and getattr(backend, "cascade_decode_meta", None) is not None and fns.prefix is not None
         return (fb.batch_size <= self.max_rows and (plain or cascaded)
                 and (not self._windows or (hasattr(backend, "window_decode_meta") and all(
                     isinstance(m, WindowDecodeMetadata) for m in backend.window_decode_meta.values())))
-                and self._attention_fn(backend, kv_dtype) is not None
+                and fns.attention is not None
                 and self._lora.refusal() is None)
 
     def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden]; Gemma's
         layers add their last output into the stream themselves (the first is then scratch)."""
         bs, backend = hidden.shape[0], fb.attn_backend
-        attention = self._attention_fn(backend, fb.token_to_kv_pool.dtype)
-        if attention is None or not self.takes(fb):
+        fns = self._functions_for(backend, fb.token_to_kv_pool.dtype)
+        plain = backend.decode_meta is not None
+        if fns.attention is None or bs > self.max_rows or not (plain or fns.prefix is not None):
             raise ValueError("the C decode step does not take this forward (check `takes` first)")
         if fb.token_to_kv_pool is not self._pool:
             self._bind_pool(fb.token_to_kv_pool)
@@ -123,9 +128,9 @@ class DecodeStep:
         residual = torch.empty_like(hidden)
         work = torch.empty(bs * self._work_per_row, dtype=self.dtype)
         positions = fb.positions.to(torch.int64).contiguous()
-        groups, keep = self._groups(fb)
+        groups, keep = self._groups(fb, fns.prefix)
         lora, keep_lora = self._lora.descriptor()
-        status = self._kernel.run(self._struct, attention, hidden, residual, positions, groups, work, lora)
+        status = self._kernel.run(self._struct, fns.attention, hidden, residual, positions, groups, work, lora)
         del keep, keep_lora  # NOTE: the group and LoRA tables' tensors live until the C call returns
         if status == 1:
             raise ValueError("decode step: a position beyond the rotary table, a slot beyond the KV pool or a LoRA "
@@ -134,18 +139,17 @@ class DecodeStep:
             raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
         return hidden, residual
 
-    def _groups(self, fb) -> tuple[ctypes_array, list[torch.Tensor]]:
+    def _groups(self, fb, prefix: int | None) -> tuple[ctypes_array, list[torch.Tensor]]:
         """This step's attention groups: the full layers' (the backend's decode table, or its cascade plan: the
-        shared prefix and each request's own positions), then each window's: its window table where the window
-        hides keys or the pool is hybrid, else the full layers' own."""
+        shared prefix, read by the C function `prefix`, and each request's own positions), then each window's: its
+        window table where the window hides keys or the pool is hybrid, else the full layers' own."""
         backend = fb.attn_backend
         meta, cascaded = backend.decode_meta, backend.cascade_decode_meta
         if meta is not None:
             full = GroupTable(fb.out_cache_loc, meta.kv_indices, fb.seq_lens, meta.max_len, self._group_slots[0])
         else:
             full = GroupTable(fb.out_cache_loc, cascaded.suffix_indices, cascaded.suffix_lens,
-                              cascaded.suffix_max_len, self._group_slots[0], cascaded.prefix_slots,
-                              self._prefix_fn(backend, fb.token_to_kv_pool.dtype))
+                              cascaded.suffix_max_len, self._group_slots[0], cascaded.prefix_slots, prefix)
         window_loc = getattr(backend, "window_out_loc", None)  # hybrid pool: window layers write window slots
         tables = [full]
         for w, rows in zip(self._windows, self._group_slots[1:], strict=True):
@@ -155,28 +159,21 @@ class DecodeStep:
                                      wmeta.lens, wmeta.max_len, rows))
         return attention_groups(tables)
 
-    def _attention_fn(self, backend, kv_dtype: torch.dtype) -> int | None:
-        """The decode attention function (this build's dtype over a `kv_dtype` cache) the backend's plan runs for
-        the model's heads, or None."""
-        if (backend, kv_dtype) != self._attention[0]:
+    def _functions_for(self, backend, kv_dtype: torch.dtype) -> StepFunctions:
+        """The C functions the backend's plan runs for the model's heads in this build's dtype over a `kv_dtype`
+        cache: decode attention, and cascade's part (a) for a decode batch (the one the Python layers call); None
+        where the backend has none (torch's op: the step does not take such a batch)."""
+        if (backend, kv_dtype) != self._functions[0]:
             cfg = self._config
             q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
-            kernel = (backend.decode_kernel_for(q, cfg.num_kv_heads, kv_dtype)
+            decode = (backend.decode_kernel_for(q, cfg.num_kv_heads, kv_dtype)
                       if hasattr(backend, "decode_kernel_for") else None)
-            self._attention = ((backend, kv_dtype),
-                               None if kernel is None else kernel.decode_address(self.dtype, kv_dtype))
-        return self._attention[1]
-
-    def _prefix_fn(self, backend, kv_dtype: torch.dtype) -> int | None:
-        """The C function of cascade's part (a) the backend runs for a decode batch of the model's heads over a
-        `kv_dtype` cache (the one the Python layers call), or None (torch's op: the step does not take the batch)."""
-        if (backend, kv_dtype) != self._prefix[0]:
-            cfg = self._config
-            q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
-            kernel = (backend.prefix_kernel_for(q, cfg.num_kv_heads, kv_dtype, decode=True)
+            prefix = (backend.prefix_kernel_for(q, cfg.num_kv_heads, kv_dtype, decode=True)
                       if hasattr(backend, "prefix_kernel_for") else None)
-            self._prefix = ((backend, kv_dtype), None if kernel is None else kernel.prefix_address(self.dtype, kv_dtype))
-        return self._prefix[1]
+            self._functions = ((backend, kv_dtype), StepFunctions(
+                None if decode is None else decode.decode_address(self.dtype, kv_dtype),
+                None if prefix is None else prefix.prefix_address(self.dtype, kv_dtype)))
+        return self._functions[1]
 
     def _bind_pool(self, pool) -> None:
         if pool.dtype not in (self.dtype, torch.bfloat16):
