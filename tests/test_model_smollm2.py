@@ -114,17 +114,47 @@ def test_float32_greedy_equals_transformers(chat_prompts, hf_float32):
 
 @pytest.mark.long
 def test_bfloat16_agreement_with_transformers(chat_prompts, hf_float32):
-    """bf16 rounds differently in each engine, so only the agreement rate is reported (and loosely bounded)."""
+    """bf16 rounds differently in each engine, so greedy agreement is only reported. What is asserted is the
+    size of the rounding: our bf16 logits at the first position stay as close to the float32 reference as
+    transformers' bf16 logits do, and where our first token is not the reference's, the two are a tie within
+    that rounding (SmolLM2 puts "The" 0.08 above "L" for the capital of France)."""
     _, prompts = chat_prompts
     runner = _runner("bfloat16")
     hf = copy.deepcopy(hf_float32).to(torch.bfloat16)
     eos = runner.model_config.eos_token_ids[0]
+    ours_first = _first_logits(runner, prompts)
+    errors_ours, errors_hf = [], []
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            reference = hf_float32(torch.tensor([prompt])).logits[0, -1].float()
+            theirs_first = hf(torch.tensor([prompt])).logits[0, -1].float()
+        error = (ours_first[i] - reference).abs()
+        errors_ours.append(error.mean().item())
+        errors_hf.append((theirs_first - reference).abs().mean().item())
+        gap = (reference.max() - reference[ours_first[i].argmax()]).item()
+        assert gap <= min(2 * error.max().item(), 1.0), f"prompt {i}: our first token is {gap:.3f} below the best"
+    print(f"\nmean |logit error| against float32, ours {errors_ours}, transformers bf16 {errors_hf}")
+    # NOTE: both engines' errors move by 2x between kernel levels (each rounds in its own order); a wrong kernel
+    # is off by whole logits.
+    mean_ours, mean_hf = sum(errors_ours) / len(prompts), sum(errors_hf) / len(prompts)
+    assert mean_ours <= 2 * mean_hf + 0.1, "our bf16 logits are further from float32 than transformers'"
+
     ours = our_greedy(runner, prompts)
     theirs = [hf_greedy(hf, p, eos) for p in prompts]
     same_prefix = [_common_prefix(a, b) for a, b in zip(ours, theirs, strict=True)]
     identical = sum(a == b for a, b in zip(ours, theirs, strict=True))
-    print(f"\nbf16 vs transformers bf16: {identical}/{len(prompts)} identical; common prefix lengths {same_prefix}")
-    assert all(n >= 1 for n in same_prefix), "first greedy token differs in bf16"
+    print(f"bf16 vs transformers bf16: {identical}/{len(prompts)} identical; common prefix lengths {same_prefix}")
+    assert all(len(o) >= 1 for o in ours)
+
+
+def _first_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tensor:
+    """The logits after each whole prompt, from one batched prefill."""
+    driver = DirectDriver(runner)
+    reqs = [driver.new_request() for _ in prompts]
+    logits = driver.extend(reqs, prompts).float()
+    driver.release(reqs)
+    check_conservation(runner.token_to_kv_pool_allocator, None, runner.req_to_token_pool, [])
+    return logits
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

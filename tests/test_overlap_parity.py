@@ -83,7 +83,9 @@ def run_scheduler(loaded, work, overlap: bool, device: str = "cpu", **kw):
             rec = outputs.setdefault(o.rid, {"ids": [], "finish": None})
             rec["ids"].extend(o.new_token_ids)
             rec["finish"] = o.finished_reason
-            rec["spec"] = o.spec or rec.get("spec")
+            # NOTE: queue_steps counts the step launched ahead under overlap, so only the speculative figures
+            spec = {k: v for k, v in (o.figures or {}).items() if k.startswith("spec_")}
+            rec["spec"] = spec or rec.get("spec")
 
     sched = Scheduler(args, ModelRunner(args, loaded), output_sink=sink)
     if overlap:

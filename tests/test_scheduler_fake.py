@@ -125,6 +125,8 @@ def make_scheduler(pool_tokens=256, page_size=1, max_running=8, chunk=-1, disabl
             rec["ids"].extend(o.new_token_ids)
             rec["finish"] = o.finished_reason
             rec["cached"] = o.cached_tokens
+            if o.figures:
+                rec["figures"] = o.figures
             if o.input_token_logprobs is not None:
                 rec["input_logprobs"] = o.input_token_logprobs
 
@@ -196,6 +198,20 @@ def test_in_batch_dedup_computes_a_shared_prefix_once():
     # first batch: r0 alone computes the 80-token prefix; the rest wait a round and hit it
     assert sched.stats.prefill_tokens_computed == 81 + 7 * 1
     assert [outputs[f"r{i}"]["cached"] for i in range(8)] == [0] + [80] * 7
+
+
+def test_queue_steps_count_the_forward_steps_from_arrival_to_the_first_token():
+    """meta_info's queue_steps: a 100-token prompt in chunks of 32 takes four prefill steps; a 3-token prompt
+    queued behind it joins the last chunk; a request arriving at an idle scheduler gets its token from the next
+    step, whatever ran before it."""
+    sched, outputs = make_scheduler(pool_tokens=512, chunk=32)
+    submit(sched, "long", list(range(1, 101)), max_new_tokens=3, ignore_eos=True)
+    submit(sched, "short", [7, 8, 9], max_new_tokens=3, ignore_eos=True)
+    drain(sched)
+    assert outputs["long"]["figures"] == {"queue_steps": 4} and outputs["short"]["figures"] == {"queue_steps": 4}
+    submit(sched, "late", [5, 6], max_new_tokens=2, ignore_eos=True)
+    drain(sched)
+    assert sched.pipeline_counters.launched > 6 and outputs["late"]["figures"] == {"queue_steps": 1}
 
 
 def test_reject_never_blocks_the_queue():

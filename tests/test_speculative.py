@@ -384,7 +384,7 @@ def test_spec_figures_reach_metrics_and_native_meta_info():
     text = ServerMetrics(lambda: stats.as_dict(), lambda: True).expose().decode()
     assert "radixserve:spec_accepted_tokens_total 30.0" in text
     assert "radixserve:spec_accept_rate 0.75" in text and "radixserve:spec_accept_length 4.0" in text
-    result = ChoiceResult(rid="a", spec={"spec_verify_ct": 3, "spec_accept_length": 2.5})
+    result = ChoiceResult(rid="a", figures={"spec_verify_ct": 3, "spec_accept_length": 2.5})
     meta = _meta("a", result, time.monotonic())
     assert meta["spec_verify_ct"] == 3 and meta["spec_accept_length"] == 2.5
     assert "spec_verify_ct" not in _meta("b", ChoiceResult(rid="b"), time.monotonic())

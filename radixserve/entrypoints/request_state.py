@@ -36,7 +36,7 @@ class RequestState:
         self.prompt_tokens = len(input_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
-        self.spec: dict[str, float] | None = None  # speculative decoding's figures, once it verified a draft
+        self.figures: dict[str, float] | None = None  # the scheduler's (TokenIDOut.figures)
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
@@ -57,7 +57,7 @@ class RequestState:
         self.top_logprobs.extend(out.output_top_logprobs or ())
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = (
             out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        self.spec = out.spec or self.spec
+        self.figures = out.figures or self.figures
         if finish_reason is not None:
             self.finish_reason = finish_reason
             self.finished_at = now
@@ -84,7 +84,7 @@ class RequestState:
             "finish_reason": self.finish_reason,
             "e2e_latency": end - self.submitted_at,
             "ttft": ttft,
-            **(self.spec or {}),
+            **(self.figures or {}),
         }
         spec = self.logprob
         if spec.return_logprob:

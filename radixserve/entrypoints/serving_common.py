@@ -148,7 +148,7 @@ class ChoiceResult(FinishView):
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None  # with prompt logprobs, once they arrived
     input_top_logprobs: list[TopLogprobs] | None = None
-    spec: dict[str, float] | None = None
+    figures: dict[str, float] | None = None  # the scheduler's (TokenIDOut.figures)
 
     def add(self, out: GenerateOutput) -> None:
         self.rid = out.rid
@@ -158,7 +158,7 @@ class ChoiceResult(FinishView):
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
-        self.spec = out.spec or self.spec
+        self.figures = out.figures or self.figures
         self.logprobs += out.logprobs or []
         self.top_logprobs += out.top_logprobs or []
         if out.input_logprobs is not None:

@@ -98,7 +98,7 @@ def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float) -> dict[st
     # reached, an abort's message and status), the same dict the Engine returns.
     return {"id": rid, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
             "cached_tokens": r.cached_tokens, "finish_reason": r.finish, "e2e_latency": time.monotonic() - started,
-            **(r.spec or {})}
+            **(r.figures or {})}
 
 
 async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest, extra_key: Any,

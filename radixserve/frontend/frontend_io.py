@@ -92,4 +92,4 @@ class GenerateOutput(FinishView):
     # entry per prompt position from logprob_start_len on (None and [] at position 0); else None.
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[TopLogprobs] | None = None
-    spec: dict[str, float] | None = None  # speculative decoding's figures (TokenIDOut.spec)
+    figures: dict[str, float] | None = None  # the scheduler's figures of the request (TokenIDOut.figures)

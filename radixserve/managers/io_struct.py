@@ -139,9 +139,10 @@ class TokenIDOut:
     # sent once, in the first message after the prompt was fully computed; else None.
     input_token_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]]] | None = None
-    # Speculative decoding, once the request verified a draft: spec_verify_ct, spec_draft_tokens,
-    # spec_accepted_tokens, spec_accept_rate, spec_accept_length (speculative/ngram.SpecState.meta).
-    spec: dict[str, float] | None = None
+    # The request's scheduler figures, merged into its meta_info: `queue_steps` once it has a first token
+    # (Req.queue_steps); with speculative decoding, once it verified a draft, spec_verify_ct,
+    # spec_draft_tokens, spec_accepted_tokens, spec_accept_rate, spec_accept_length (SpecState.meta).
+    figures: dict[str, float] | None = None
 
 
 @dataclass

@@ -101,6 +101,10 @@ class Req:
         self.already_computed = 0
         self.num_matched_prefix_tokens = 0
         self.wait_since = time.monotonic()
+        self.arrival_step = 0  # forward steps the scheduler had launched when it arrived
+        # Steps launched from its arrival to the one whose result gave its first token, that one included (under
+        # the overlap loop, the step launched before that result was read too); None until then.
+        self.queue_steps: int | None = None
         self.sent_output_len = 0  # output ids already sent to the front end
         self.finish_sent = False
         self.stats_counted = False  # prompt/cached tokens counted (at the first prefill)
@@ -219,7 +223,14 @@ class Req:
             self.output_top_logprobs[sent:] if logprobs else None,
             self.input_token_logprobs if send_input else None,
             self.input_top_logprobs if send_input else None,
-            self.spec.meta() if self.spec is not None and self.spec.verify_steps else None)
+            self.figures())
+
+    def figures(self) -> dict[str, float] | None:
+        """Its figures for meta_info (TokenIDOut.figures)."""
+        spec = self.spec.meta() if self.spec is not None and self.spec.verify_steps else {}
+        if self.queue_steps is None:
+            return spec or None
+        return {"queue_steps": self.queue_steps, **spec}
 
     @property
     def wants_input_logprobs(self) -> bool:

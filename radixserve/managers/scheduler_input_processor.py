@@ -7,6 +7,7 @@ arrival (with the numbers), so it never blocks the queue; an abort ends a reques
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from radixserve.client.requests import RequestLimits, check_request
 from radixserve.managers.grammar_manager import GrammarManager
@@ -22,8 +23,10 @@ logger = logging.getLogger(__name__)
 
 class InputProcessor:
     def __init__(self, queue: RequestQueue, output: OutputProcessor, stats: SchedulerStats,
-                 limits: RequestLimits, grammars: GrammarManager, lora: LoraControl | None = None) -> None:
+                 limits: RequestLimits, grammars: GrammarManager, lora: LoraControl | None = None,
+                 launched_steps: Callable[[], int] = lambda: 0) -> None:
         self.queue = queue
+        self.launched_steps = launched_steps  # forward steps launched so far (PipelineCounters.launched)
         self.output = output
         self.stats = stats
         self.limits = limits
@@ -44,6 +47,7 @@ class InputProcessor:
             self.output.finish_now(req, FinishReason.abort(error, status_code=status))
             return
         req.admit(self.limits.context_len)
+        req.arrival_step = self.launched_steps()
         self.stats.num_requests += 1
         if not self.grammars.submit(req):  # NOTE: a request with a grammar is queued once it has compiled
             self.queue.add(req)

@@ -117,7 +117,7 @@ class OutputProcessor:
         counters.dropped_tokens += len(result.next_token_ids) - len(live)
         batch, result = launched.batch.empty_copy(live), result.select(keep)
         if is_extend:
-            self.process_batch_result_prefill(batch, result)
+            self.process_batch_result_prefill(batch, result, counters.launched)
         else:
             self.process_batch_result_decode(batch, result)
 
@@ -128,7 +128,9 @@ class OutputProcessor:
             self.stats.grammar_rows_checked += len(mask.checked)
             self.stats.grammar_rows_refused += mask.num_refused
 
-    def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
+    def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult,
+                                     launched: int = 0) -> None:
+        """`launched`: the forward steps launched so far, for each first token's `queue_steps`."""
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if result.input_logprobs is not None and result.input_logprobs[i] is not None and not req.finished():
                 req.add_input_logprobs(*result.input_logprobs[i])
@@ -140,6 +142,8 @@ class OutputProcessor:
                 # NOTE: an abort that arrived while the batch ran ends it without the sampled token.
                 req.finish(req.to_abort or FinishReason("length", length=0))
             else:
+                if req.queue_steps is None:
+                    req.queue_steps = launched - req.arrival_step
                 self.append_output_token(req, token, result, i)
                 req.check_finished(self.tokenizer)
             if req.finished():
