@@ -20,7 +20,7 @@ from radixserve.layers.sampler import (
 from radixserve.mem_cache.kv_manager import WINDOW_SLIDE_TOKENS
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.mem_cache.swa_memory import SWAKVPool, SWATokenToKVPoolAllocator
-from radixserve.model_executor.cpu_memory import keep_freed_memory
+from radixserve.model_executor.cpu_memory import keep_freed_memory, serve_from_heap
 from radixserve.model_executor.execution_plan import plan_execution
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.models.device_setup import setup_model_for_device
@@ -65,6 +65,8 @@ class ModelRunner:
         self.dtype = DTYPES[self.dtype_choice.dtype]
         self.page_size = server_args.page_size
         self.malloc_tuned = self.device.type == "cpu" and keep_freed_memory()
+        if self.malloc_tuned:
+            serve_from_heap(on=False)  # NOTE: another runner of this process may have turned it on
         if server_args.torch_threads is not None:
             # NOTE: process-wide; set only when asked (on a busy machine 1 thread can beat 2)
             torch.set_num_threads(server_args.torch_threads)
@@ -93,6 +95,7 @@ class ModelRunner:
                                                      plan=self.execution_plan.attention)
         self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
         self.lora = self._init_lora() if server_args.lora_enabled else None  # lora/manager.LoraManager
+        self.malloc_tuned = self.malloc_tuned and serve_from_heap()
         self._log_startup()
 
     def forward(self, forward_batch: ForwardBatch, read_done: Any = None) -> torch.Tensor:

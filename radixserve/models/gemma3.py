@@ -28,6 +28,7 @@ from torch import nn
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from radixserve.model_executor.cpu_memory import in_row_pieces
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import DecoderLayerWeights, DecoderWeights, LlamaForCausalLM, _last_token_index
@@ -81,6 +82,9 @@ class Gemma3MLP(nn.Module):
         self.down_proj = LinearBase(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return in_row_pieces(self._rows, hidden, self.gate_up_proj, self.down_proj)
+
+    def _rows(self, hidden: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 

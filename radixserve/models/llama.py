@@ -23,6 +23,7 @@ from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from radixserve.model_executor.cpu_memory import in_row_pieces
 from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.models.config import ModelConfig, ModelLoadError
 
@@ -76,6 +77,9 @@ class LlamaMLP(nn.Module):
         self.act = silu_and_mul  # or the fused op (set_fused_ops)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return in_row_pieces(self._rows, hidden, self.gate_up_proj, self.down_proj)
+
+    def _rows(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(hidden)))
 
 
