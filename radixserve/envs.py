@@ -98,8 +98,8 @@ GEMV_MAX_ROWS = _declare("RADIXSERVE_GEMV_MAX_ROWS", 32, int,
                          "most rows of a bf16 decode product our GEMV takes on CPUs without AMX, at most 64 "
                          "(oneDNN above; the C decode step takes batches up to it there)")
 CPU_MALLOC_TUNING = _declare("RADIXSERVE_CPU_MALLOC_TUNING", True, parse_bool,
-                             "0: leave glibc's malloc thresholds alone (large CPU tensors then fault pages in "
-                             "on every forward)")
+                             "0: leave glibc's malloc alone: its thresholds, and no block mapped once the model is "
+                             "loaded (large CPU tensors then fault pages in on every forward)")
 CPU_ISA = _declare("RADIXSERVE_CPU_ISA", "auto", _choice("auto", "avx512_bf16", "avx512", "avx2", "portable"),
                     "auto: the best level of the C attention kernels this CPU runs; a lower level forces that "
                     "path (and hides the features above it from --dtype auto)")
