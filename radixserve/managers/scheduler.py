@@ -133,7 +133,7 @@ class Scheduler:
                                 args.max_loras_per_batch)
         self.prefill.lora = self.lora
         self.inputs = InputProcessor(self.queue, self.output, self.stats, RequestLimits.of_runner(self.model_runner),
-                                     self.grammars, self.lora, lambda: self.pipelines.counters.launched)
+                                     self.grammars, lambda: self.pipelines.counters.launched, self.lora)
         self.pipelines = Pipelines(self.model_runner, self.device, release=self.grammars.release)
         self.failures = FailureContainment(self, self.pipelines, self.queue, self.prefill, self.output)
         self.state_report = StateReport(self)

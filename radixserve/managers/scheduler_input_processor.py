@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 
 class InputProcessor:
     def __init__(self, queue: RequestQueue, output: OutputProcessor, stats: SchedulerStats,
-                 limits: RequestLimits, grammars: GrammarManager, lora: LoraControl | None = None,
-                 launched_steps: Callable[[], int] = lambda: 0) -> None:
+                 limits: RequestLimits, grammars: GrammarManager, launched_steps: Callable[[], int],
+                 lora: LoraControl | None = None) -> None:
         self.queue = queue
         self.launched_steps = launched_steps  # forward steps launched so far (PipelineCounters.launched)
         self.output = output

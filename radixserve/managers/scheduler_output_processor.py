@@ -129,7 +129,7 @@ class OutputProcessor:
             self.stats.grammar_rows_refused += mask.num_refused
 
     def process_batch_result_prefill(self, batch: ScheduleBatch, result: GenerationBatchResult,
-                                     launched: int = 0) -> None:
+                                     launched: int) -> None:
         """`launched`: the forward steps launched so far, for each first token's `queue_steps`."""
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if result.input_logprobs is not None and result.input_logprobs[i] is not None and not req.finished():

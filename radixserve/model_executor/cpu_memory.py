@@ -18,11 +18,12 @@ import functools
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from radixserve import envs
+
+if TYPE_CHECKING:
+    import torch
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -2, -3, -4  # glibc's mallopt parameters
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
@@ -87,8 +88,9 @@ def rows_per_piece(rows: int, widest_row_bytes: int) -> int:
     `serve_from_heap` is on, THREAD_PIECE_BYTES in another thread (Qwen2.5-1.5B's gate_up at 2,048 bf16 rows, 70
     MiB, runs in two pieces there). Each piece reads the whole weight again, so pieces are as large as they can
     be; `rows` (one piece) where the heap keeps no block anyway."""
-    if not _serving or threading.current_thread() is threading.main_thread() \
-            or rows * widest_row_bytes <= THREAD_PIECE_BYTES:
+    # NOTE: the size first: a decode batch's MLP asks on every layer
+    if rows * widest_row_bytes <= THREAD_PIECE_BYTES or not _serving \
+            or threading.current_thread() is threading.main_thread():
         return rows
     pieces = -(-rows * widest_row_bytes // THREAD_PIECE_BYTES)
     return -(-rows // pieces)
