@@ -4,11 +4,14 @@
 bandwidth (summing 1 GiB). `profile_step` runs one forward under torch.profiler and sorts the self
 CPU time of its ops into GEMMs, attention, fused ops, the C decode step (all decoder layers of a decode
 step in one call: its GEMMs, attention and passes are not told apart), other ops; whatever of the step's wall time (timed
-without the profiler) no op accounts for is Python and dispatch between ops.
+without the profiler) no op accounts for is Python and dispatch between ops. It also counts the process's minor
+page faults per step (`getrusage`): a block over malloc's mmap threshold, mapped afresh at every call, shows there
+(cpu_memory.serve_from_heap).
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -72,6 +75,7 @@ class StepProfile:
     ms: dict[str, float]  # category -> ms per step
     gemm_gflops: float  # the step's linear-layer FLOPs over its time in GEMM ops
     table: str  # torch.profiler's own table, for stdout
+    page_faults: float  # minor page faults of the process per step, median (a large tensor mapped afresh each time)
 
     def share(self, category: str) -> float:
         return self.ms[category] / self.step_ms if self.step_ms else 0.0
@@ -82,16 +86,22 @@ def profile_step(title: str, path: str, step: Callable[[], None], linear_flops: 
     """Profiles `step` (a forward; `reset` undoes its state after each call) and splits its time."""
     from torch.profiler import ProfilerActivity, profile
 
+    faults: list[int] = []
+
     def run_once() -> float:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         step()
         elapsed = time.perf_counter() - start
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         if reset is not None:
             reset()
         return elapsed
 
     run_once()
+    faults.clear()
     wall = statistics.median(run_once() for _ in range(repeats)) * 1e3
+    step_faults = statistics.median(faults)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeats):
             run_once()
@@ -102,7 +112,7 @@ def profile_step(title: str, path: str, step: Callable[[], None], linear_flops: 
     ms["Python & dispatch"] = max(0.0, wall - sum(ms.values()))
     gemm_s = ms["GEMM"] / 1e3
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
-    return StepProfile(title, path, wall, ms, linear_flops / gemm_s / 1e9 if gemm_s else 0.0, table)
+    return StepProfile(title, path, wall, ms, linear_flops / gemm_s / 1e9 if gemm_s else 0.0, table, step_faults)
 
 
 def linear_flops(model: torch.nn.Module, tokens: int, head_rows: int) -> float:
@@ -121,10 +131,10 @@ def render_profiles(profiles: list[StepProfile], limits: Limits, dtype: str) -> 
     lines = [f"Measured here: {dtype} GEMM peak {peak:.0f} GFLOP/s (2048^3 matmul, "
              f"{torch.get_num_threads()} threads; float32 {limits.fp32_gemm_gflops:.0f}, bf16 "
              f"{limits.bf16_gemm_gflops:.0f}), memory read {limits.read_gb_s:.1f} GB/s (sum of 1 GiB).", "",
-             "| step | path | wall ms | " + " | ".join(CATEGORIES) + " | GEMM GFLOP/s (of peak) |",
-             "|---|---|---:|" + "---:|" * len(CATEGORIES) + "---:|"]
+             "| step | path | wall ms | " + " | ".join(CATEGORIES) + " | GEMM GFLOP/s (of peak) | page faults |",
+             "|---|---|---:|" + "---:|" * len(CATEGORIES) + "---:|---:|"]
     for p in profiles:
         cells = [f"{p.ms[c]:.1f} ({100 * p.share(c):.0f}%)" for c in CATEGORIES]
         lines.append(f"| {p.title} | {p.path} | {p.step_ms:.1f} | " + " | ".join(cells)
-                     + f" | {p.gemm_gflops:.0f} ({100 * p.gemm_gflops / peak:.0f}%) |")
+                     + f" | {p.gemm_gflops:.0f} ({100 * p.gemm_gflops / peak:.0f}%) | {p.page_faults:.0f} |")
     return "\n".join(lines)

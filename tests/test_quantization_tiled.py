@@ -69,6 +69,27 @@ def test_tiled_kernel_matches_the_row_kernel(level, bits, per_channel, m):
 
 
 @pytest.mark.parametrize(("bits", "per_channel"), FORMATS)
+@pytest.mark.parametrize("n", [64, 130, 64 * 9 + 5, 64 * 17])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_one_row_reads_tiles_in_lockstep_with_the_same_sums(level, bits, per_channel, n, threads):
+    """One row (a decode step at batch 1) walks up to four tiles per thread in lockstep; each tile's sums still
+    run over its records in order, so the result is the first row of a two-row product bit for bit, for any
+    count of tiles against threads (a partial last tile, fewer tiles than four per thread, several groups)."""
+    t = tiled.tile_weight(_packed(bits, per_channel, n, 576, seed=n))
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(3)) * 2
+    kernel = quant_tiled.load_tiled_kernel()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            one = kernel.matmul(t, x[:1].to(dtype).contiguous(), dtype)
+            two = kernel.matmul(t, x.to(dtype), dtype)
+            assert one.shape == (1, n) and torch.equal(one[0], two[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("bits", "per_channel"), FORMATS)
 def test_every_level_computes_the_same(bits, per_channel):
     """The levels differ in how they form each block's integer dot (vpdpbusd, or maddubs/madd with int8's
     unsigned offset added back), not in its value, and share the float steps after it: equal results."""

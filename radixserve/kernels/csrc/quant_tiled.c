@@ -23,6 +23,7 @@
 #include <string.h>
 #include <math.h>
 #include <immintrin.h>
+#include <omp.h>
 
 #define QK 32
 #define TILE 64
@@ -83,63 +84,56 @@ static inline void store16(void *y, int bf16, int64_t i, __m512 v, __mmask16 k) 
     _mm256_mask_storeu_epi16((uint16_t *)y + i, k, _mm512_cvtepi32_epi16(bits));
 }
 
-// One tile against R activation rows: acc[r][s] sums sub-tile s's 16 rows.
-static inline __attribute__((always_inline)) void tile_product(
-    int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs, int64_t K,
-    int R, __m512 acc[MAX_ROWS][4]) {
-    const int64_t record = RECORD(bits);
+typedef __m512 tile_acc[MAX_ROWS][4];  // acc[r][s]: activation row r's sums for sub-tile s's 16 rows
+
+static inline __attribute__((always_inline)) void acc_zero(tile_acc acc, int R) {
     for (int r = 0; r < R; r++)
         for (int s = 0; s < 4; s++) acc[r][s] = _mm512_setzero_ps();
+}
+
+// Record b of a tile (its 64 rows over inputs 32b .. 32b + 31) added into acc for R activation rows.
+static inline __attribute__((always_inline)) void record_product(
+    int bits, const uint8_t *rec, int64_t b, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+    const int32_t *sums, int64_t K, int R, tile_acc acc) {
+    (void)sums;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = tile + b * record;
-        for (int64_t i = 0; i < record; i += 64) _mm_prefetch((const char *)rec + PREFETCH + i, _MM_HINT_T0);
-        const uint8_t *w = rec + 4 * TILE;
-        for (int s = 0; s < 4; s++) {
-            // NOTE: two sums per row (even and odd quads), so that the dependent vpdpbusd chain is half as long
-            __m512i dot[MAX_ROWS], odd[MAX_ROWS];
-            for (int r = 0; r < R; r++) dot[r] = odd[r] = _mm512_setzero_si512();
-            if (bits == 4) {
-                for (int j = 0; j < 4; j++) {
-                    __m512i v = _mm512_loadu_si512(w + (j * 4 + s) * 64);
-                    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                    for (int r = 0; r < R; r++) {
-                        const int8_t *xb = xq + r * K + b * QK;
-                        dot[r] = _mm512_dpbusd_epi32(dot[r], lo, quad(xb, 4 * j));
-                        odd[r] = _mm512_dpbusd_epi32(odd[r], hi, quad(xb, 4 * j + 16));
-                    }
-                }
-            } else {
-                for (int j = 0; j < 8; j += 2) {
-                    __m512i v0 = _mm512_loadu_si512(w + (j * 4 + s) * 64), v1 = _mm512_loadu_si512(w + (j * 4 + 4 + s) * 64);
-                    for (int r = 0; r < R; r++) {
-                        dot[r] = _mm512_dpbusd_epi32(dot[r], v0, quad(xq + r * K + b * QK, 4 * j));
-                        odd[r] = _mm512_dpbusd_epi32(odd[r], v1, quad(xq + r * K + b * QK, 4 * j + 4));
-                    }
+    for (int64_t i = 0; i < RECORD(bits); i += 64) _mm_prefetch((const char *)rec + PREFETCH + i, _MM_HINT_T0);
+    const uint8_t *w = rec + 4 * TILE;
+    for (int s = 0; s < 4; s++) {
+        // NOTE: two sums per row (even and odd quads), so that the dependent vpdpbusd chain is half as long
+        __m512i dot[MAX_ROWS], odd[MAX_ROWS];
+        for (int r = 0; r < R; r++) dot[r] = odd[r] = _mm512_setzero_si512();
+        if (bits == 4) {
+            for (int j = 0; j < 4; j++) {
+                __m512i v = _mm512_loadu_si512(w + (j * 4 + s) * 64);
+                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xb = xq + r * K + b * QK;
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], lo, quad(xb, 4 * j));
+                    odd[r] = _mm512_dpbusd_epi32(odd[r], hi, quad(xb, 4 * j + 16));
                 }
             }
-            for (int r = 0; r < R; r++) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
-            __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 32 * s)));
-            __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 2 * TILE + 32 * s)));
-            for (int r = 0; r < R; r++) {
-                __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(xd[r * nb + b]));
-                acc[r][s] = _mm512_fmadd_ps(min, _mm512_set1_ps(xs[r * nb + b]), _mm512_fmadd_ps(t, scale, acc[r][s]));
+        } else {
+            for (int j = 0; j < 8; j += 2) {
+                __m512i v0 = _mm512_loadu_si512(w + (j * 4 + s) * 64), v1 = _mm512_loadu_si512(w + (j * 4 + 4 + s) * 64);
+                for (int r = 0; r < R; r++) {
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], v0, quad(xq + r * K + b * QK, 4 * j));
+                    odd[r] = _mm512_dpbusd_epi32(odd[r], v1, quad(xq + r * K + b * QK, 4 * j + 4));
+                }
             }
+        }
+        for (int r = 0; r < R; r++) dot[r] = _mm512_add_epi32(dot[r], odd[r]);
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 32 * s)));
+        __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + 2 * TILE + 32 * s)));
+        for (int r = 0; r < R; r++) {
+            __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_set1_ps(xd[r * nb + b]));
+            acc[r][s] = _mm512_fmadd_ps(min, _mm512_set1_ps(xs[r * nb + b]), _mm512_fmadd_ps(t, scale, acc[r][s]));
         }
     }
 }
 
-// Rows r0.. r0 + R of y for tile t (R <= MAX_ROWS; the activations from row r0 on).
-static void tile_rows(int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
-                      const int32_t *sums, int64_t K, int R, void *y, int y_bf16, int64_t N, int64_t r0, int64_t t) {
-    (void)sums;
-    __m512 acc[MAX_ROWS][4];
-    switch (R) {  // NOTE: a constant R per call lets the compiler keep the sums in registers
-        case 1: tile_product(bits, tile, nb, xq, xd, xs, K, 1, acc); break;
-        case 2: tile_product(bits, tile, nb, xq, xd, xs, K, 2, acc); break;
-        case 3: tile_product(bits, tile, nb, xq, xd, xs, K, 3, acc); break;
-        default: tile_product(bits, tile, nb, xq, xd, xs, K, 4, acc); break;
-    }
+// Rows r0 .. r0 + R of y for tile t, from its sums.
+static inline void tile_store(tile_acc acc, int R, void *y, int y_bf16, int64_t N, int64_t r0, int64_t t) {
     for (int s = 0; s < 4; s++) {
         const int64_t n = t * TILE + 16 * s;
         if (n >= N) break;
@@ -194,8 +188,64 @@ int tiled_expand_t(int bits, const uint8_t *data, int64_t n0, int64_t n1, int64_
 #include "quant_tiled_avx2.h"
 #endif
 
-// y[M, N] = x[M, K] @ W^T; data: the tiled weight of N (padded to 64) rows. Each level supplies quantize_row
-// and tile_rows.
+// Each level above supplies quantize_row, tile_acc with acc_zero, record_product and tile_store.
+
+// Rows r0 .. r0 + R of y for tile t (R <= MAX_ROWS; the activations from row r0 on).
+static inline __attribute__((always_inline)) void tile_rows_of(
+    int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+    const int32_t *sums, int64_t K, const int R, void *y, int y_bf16, int64_t N, int64_t r0, int64_t t) {
+    tile_acc acc;
+    acc_zero(acc, R);
+    for (int64_t b = 0; b < nb; b++) record_product(bits, tile + b * RECORD(bits), b, nb, xq, xd, xs, sums, K, R, acc);
+    tile_store(acc, R, y, y_bf16, N, r0, t);
+}
+
+static void tile_rows(int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+                      const int32_t *sums, int64_t K, int R, void *y, int y_bf16, int64_t N, int64_t r0, int64_t t) {
+    switch (R) {  // NOTE: a constant R per call lets the compiler keep the sums in registers
+        case 1: tile_rows_of(bits, tile, nb, xq, xd, xs, sums, K, 1, y, y_bf16, N, r0, t); break;
+        case 2: tile_rows_of(bits, tile, nb, xq, xd, xs, sums, K, 2, y, y_bf16, N, r0, t); break;
+        case 3: tile_rows_of(bits, tile, nb, xq, xd, xs, sums, K, 3, y, y_bf16, N, r0, t); break;
+        default: tile_rows_of(bits, tile, nb, xq, xd, xs, sums, K, 4, y, y_bf16, N, r0, t); break;
+    }
+}
+
+// One activation row (a decode step at batch 1), whose time is reading the weight once: nt (1 .. ONE_ROW_LOCK, a
+// constant where inlined) tiles from `first` on read in lockstep, record b of each in turn, so the thread reads nt
+// streams at once (as gemv_one_row.h does for bf16: the memory system serves several sequential streams per core
+// faster than one). Each tile's sums run over its records in order, as in tile_rows: the same result.
+#define ONE_ROW_LOCK 4
+static inline __attribute__((always_inline)) void one_row_tiles(
+    int bits, const uint8_t *data, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+    const int32_t *sums, int64_t K, void *y, int y_bf16, int64_t N, int64_t first, const int nt) {
+    const int64_t record = RECORD(bits), tile_bytes = nb * record;
+    tile_acc acc[ONE_ROW_LOCK];
+    for (int i = 0; i < nt; i++) acc_zero(acc[i], 1);
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < nt; i++)
+            record_product(bits, data + (first + i) * tile_bytes + b * record, b, nb, xq, xd, xs, sums, K, 1, acc[i]);
+    for (int i = 0; i < nt; i++) tile_store(acc[i], 1, y, y_bf16, N, 0, first + i);
+}
+
+static void one_row(int bits, const uint8_t *data, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+                    const int32_t *sums, int64_t K, void *y, int y_bf16, int64_t N, int nthreads) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = tiles * me / threads, hi = tiles * (me + 1) / threads;  // NOTE: near-equal runs
+        for (int64_t t0 = lo; t0 < hi; t0 += ONE_ROW_LOCK) {
+            switch (hi - t0 < ONE_ROW_LOCK ? (int)(hi - t0) : ONE_ROW_LOCK) {
+                case 1: one_row_tiles(bits, data, nb, xq, xd, xs, sums, K, y, y_bf16, N, t0, 1); break;
+                case 2: one_row_tiles(bits, data, nb, xq, xd, xs, sums, K, y, y_bf16, N, t0, 2); break;
+                case 3: one_row_tiles(bits, data, nb, xq, xd, xs, sums, K, y, y_bf16, N, t0, 3); break;
+                default: one_row_tiles(bits, data, nb, xq, xd, xs, sums, K, y, y_bf16, N, t0, 4); break;
+            }
+        }
+    }
+}
+
+// y[M, N] = x[M, K] @ W^T; data: the tiled weight of N (padded to 64) rows.
 int tiled_matmul(int bits, const uint8_t *data, const void *x, int x_bf16, void *y, int y_bf16, int64_t M,
                  int64_t N, int64_t K, int nthreads) {
     if (K % QK || M < 1 || N < 1 || (bits != 4 && bits != 8)) return -1;
@@ -208,11 +258,15 @@ int tiled_matmul(int bits, const uint8_t *data, const void *x, int x_bf16, void 
     for (int64_t r = 0; r < M; r++)
         quantize_row((const char *)x + r * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + r * K, xd + r * nb, xs + r * nb,
                      sums + r * nb);
+    if (M == 1) {
+        one_row(bits, data, nb, xq, xd, xs, sums, K, y, y_bf16, N, nthreads);
+    } else {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS)
-            tile_rows(bits, data + t * tile_bytes, nb, xq + r0 * K, xd + r0 * nb, xs + r0 * nb, sums + r0 * nb, K,
-                      M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS, y, y_bf16, N, r0, t);
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS)
+                tile_rows(bits, data + t * tile_bytes, nb, xq + r0 * K, xd + r0 * nb, xs + r0 * nb, sums + r0 * nb,
+                          K, M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS, y, y_bf16, N, r0, t);
+    }
     free(xq); free(xd); free(xs); free(sums);
     return 0;
 }

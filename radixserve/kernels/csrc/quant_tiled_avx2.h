@@ -83,44 +83,37 @@ static inline __attribute__((always_inline)) __m256i half_dot(int bits, const __
 #endif
 }
 
-// One tile against R activation rows: acc[r][row] for the tile's 64 rows.
-static inline __attribute__((always_inline)) void tile_product(
-    int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
-    const int32_t *sums, int64_t K, int R, float acc[MAX_ROWS][TILE]) {
-    const int64_t record = RECORD(bits);
-    memset(acc, 0, sizeof(float) * MAX_ROWS * TILE);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *rec = tile + b * record;
-        for (int64_t i = 0; i < record; i += 64) _mm_prefetch((const char *)rec + PREFETCH + i, _MM_HINT_T0);
-        const uint8_t *w = rec + 4 * TILE;
-        for (int s = 0; s < 4; s++)
-            for (int h = 0; h < 2; h++) {
-                const int row = 16 * s + 8 * h;
-                const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2 * row)));
-                const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2 * TILE + 2 * row)));
-                __m256i u[8];
-                unpack_half(bits, w, s, h, u);
-                for (int r = 0; r < R; r++) {
-                    const __m256i dot = half_dot(bits, u, xq + r * K + b * QK, sums[r * nb + b]);
-                    const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[r * nb + b]));
-                    __m256 a = _mm256_loadu_ps(acc[r] + row);
-                    a = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[r * nb + b]), _mm256_fmadd_ps(t, scale, a));
-                    _mm256_storeu_ps(acc[r] + row, a);
-                }
-            }
-    }
+typedef float tile_acc[MAX_ROWS][TILE];  // acc[r][row]: activation row r's sums for the tile's 64 rows
+
+static inline __attribute__((always_inline)) void acc_zero(tile_acc acc, int R) {
+    memset(acc, 0, sizeof(float) * (size_t)R * TILE);
 }
 
-// Rows r0.. r0 + R of y for tile t (R <= MAX_ROWS; the activations from row r0 on).
-static void tile_rows(int bits, const uint8_t *tile, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
-                      const int32_t *sums, int64_t K, int R, void *y, int y_bf16, int64_t N, int64_t r0, int64_t t) {
-    float acc[MAX_ROWS][TILE];
-    switch (R) {  // NOTE: a constant R per call lets the compiler unroll the rows
-        case 1: tile_product(bits, tile, nb, xq, xd, xs, sums, K, 1, acc); break;
-        case 2: tile_product(bits, tile, nb, xq, xd, xs, sums, K, 2, acc); break;
-        case 3: tile_product(bits, tile, nb, xq, xd, xs, sums, K, 3, acc); break;
-        default: tile_product(bits, tile, nb, xq, xd, xs, sums, K, 4, acc); break;
-    }
+// Record b of a tile (its 64 rows over inputs 32b .. 32b + 31) added into acc for R activation rows.
+static inline __attribute__((always_inline)) void record_product(
+    int bits, const uint8_t *rec, int64_t b, int64_t nb, const int8_t *xq, const float *xd, const float *xs,
+    const int32_t *sums, int64_t K, int R, tile_acc acc) {
+    for (int64_t i = 0; i < RECORD(bits); i += 64) _mm_prefetch((const char *)rec + PREFETCH + i, _MM_HINT_T0);
+    const uint8_t *w = rec + 4 * TILE;
+    for (int s = 0; s < 4; s++)
+        for (int h = 0; h < 2; h++) {
+            const int row = 16 * s + 8 * h;
+            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2 * row)));
+            const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(rec + 2 * TILE + 2 * row)));
+            __m256i u[8];
+            unpack_half(bits, w, s, h, u);
+            for (int r = 0; r < R; r++) {
+                const __m256i dot = half_dot(bits, u, xq + r * K + b * QK, sums[r * nb + b]);
+                const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[r * nb + b]));
+                __m256 a = _mm256_loadu_ps(acc[r] + row);
+                a = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[r * nb + b]), _mm256_fmadd_ps(t, scale, a));
+                _mm256_storeu_ps(acc[r] + row, a);
+            }
+        }
+}
+
+// Rows r0 .. r0 + R of y for tile t, from its sums.
+static inline void tile_store(tile_acc acc, int R, void *y, int y_bf16, int64_t N, int64_t r0, int64_t t) {
     const int64_t valid = N - t * TILE < TILE ? N - t * TILE : TILE;
     for (int r = 0; r < R; r++) {
         const int64_t at = (r0 + r) * N + t * TILE;
