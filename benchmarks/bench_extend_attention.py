@@ -55,12 +55,17 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def baseline_sources(rev: str, into: Path) -> tuple[list[Path], list[Path]]:
-    """The attention kernel sources and headers of git revision `rev`, extracted under `into`."""
+def baseline_csrc(rev: str, into: Path) -> Path:
+    """The kernel sources folder (radixserve/kernels/csrc) of git revision `rev`, extracted under `into`."""
     tar = subprocess.run(["git", "archive", rev, "radixserve/kernels/csrc"], cwd=ROOT, capture_output=True,
                          check=True).stdout
     tarfile.open(fileobj=io.BytesIO(tar)).extractall(into, filter="data")
-    csrc = into / "radixserve" / "kernels" / "csrc"
+    return into / "radixserve" / "kernels" / "csrc"
+
+
+def baseline_sources(rev: str, into: Path) -> tuple[list[Path], list[Path]]:
+    """The attention kernel sources and headers of git revision `rev`, extracted under `into`."""
+    csrc = baseline_csrc(rev, into)
     return [csrc / p.name for p in attn.SOURCES], [csrc / p.name for p in attn.HEADERS]
 
 

@@ -4,7 +4,8 @@ same sources at another git revision.
 80 weights of Qwen2.5-1.5B's decoder shapes (60 of 3072 x 1536, 20 of 1536 x 8960; ~349 MB in int4, ~628 MB in
 int8: more than the last-level cache) are multiplied one after another by --rows activation rows; a sweep over
 all of them is timed. The kernel of this tree and the one built from --baseline's sources (same level, same
-flags) run in one process, sweeps alternating, and must agree bit for bit. Medians of --rounds sweeps.
+flags) run in one process, sweeps alternating (radixserve.bench.timing), and must agree bit for bit. Medians
+of --rounds sweeps.
 
     python benchmarks/bench_tiled_rows.py --level avx512_vnni --bits 4 --rows 1 --baseline HEAD
     python benchmarks/bench_tiled_rows.py --level avx2 --bits 8 --rows 1,4,32 --baseline 1a48fb0
@@ -13,21 +14,20 @@ flags) run in one process, sweeps alternating, and must agree bit for bit. Media
 from __future__ import annotations
 
 import argparse
-import statistics
-import subprocess
+import functools
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from bench_extend_attention import baseline_csrc
 
+from radixserve.bench.timing import median_times
 from radixserve.kernels.build import CSRC, load_library
 from radixserve.kernels.quant_tiled import HEADERS, SOURCE, TiledKernel
 from radixserve.layers.quantization.formats import quantize
 from radixserve.layers.quantization.tiled import TiledWeight, tile_weight
 from radixserve.platform import QUANT_ISA_FLAGS
 
-REPO = Path(__file__).resolve().parents[1]
 SHAPES = [(3072, 1536)] * 60 + [(1536, 8960)] * 20
 
 
@@ -39,20 +39,9 @@ def build(level: str, source_dir: Path, stem: str) -> TiledKernel:
     return TiledKernel(lib, level)
 
 
-def baseline_sources(rev: str, into: Path) -> Path:
-    """The tiled kernel's sources at git revision `rev`, written into `into`."""
-    for path in (SOURCE, *HEADERS):
-        rel = path.relative_to(REPO).as_posix()
-        text = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=REPO, check=True, capture_output=True).stdout
-        (into / path.name).write_bytes(text)
-    return into
-
-
-def sweep_seconds(kernel: TiledKernel, weights: list[TiledWeight], xs: dict[int, torch.Tensor]) -> float:
-    start = time.perf_counter()
+def sweep(kernel: TiledKernel, weights: list[TiledWeight], xs: dict[int, torch.Tensor]) -> None:
     for w in weights:
         kernel.matmul(w, xs[w.shape[1]], torch.bfloat16)
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -69,19 +58,16 @@ def main() -> None:
     weights = [tile_weight(quantize(torch.randn(n, k) * 0.02, args.bits, per_channel=False)) for n, k in SHAPES]
     total = sum(w.data.numel() * w.data.element_size() for w in weights)
     with tempfile.TemporaryDirectory() as tmp:
-        kernels = {"before": build(args.level, baseline_sources(args.baseline, Path(tmp)), f"bench-tiled-base-{args.level}"),
+        kernels = {"before": build(args.level, baseline_csrc(args.baseline, Path(tmp)), f"bench-tiled-base-{args.level}"),
                    "after": build(args.level, CSRC, f"bench-tiled-{args.level}")}
     for rows in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, k in SHAPES}}
         for w in weights[:3] + weights[-1:]:
             x = xs[w.shape[1]]
             assert torch.equal(kernels["before"].matmul(w, x, torch.bfloat16), kernels["after"].matmul(w, x, torch.bfloat16))
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        for r in range(args.rounds):
-            for name in (("before", "after") if r % 2 else ("after", "before")):
-                times[name].append(sweep_seconds(kernels[name], weights, xs))
-        cells = [f"{name} {statistics.median(t) * 1e3:.2f} ms = {total / statistics.median(t) / 1e9:.1f} GB/s"
-                 for name, t in times.items()]
+        times = median_times({name: functools.partial(sweep, k, weights, xs) for name, k in kernels.items()},
+                             args.rounds)
+        cells = [f"{name} {t * 1e3:.2f} ms = {total / t / 1e9:.1f} GB/s" for name, t in times.items()]
         print(f"{args.level} int{args.bits} rows={rows} ({total / 1e6:.0f} MB): " + ", ".join(cells), flush=True)
 
 
