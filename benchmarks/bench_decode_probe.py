@@ -1,4 +1,5 @@
-"""Decode speed of one configuration through the offline Engine, at batch 1 and 8: a quick probe for A/B runs.
+"""Decode speed of one configuration through the offline Engine, at batch 1 and 8 (--batches): a quick probe for A/B
+runs.
 
     python benchmarks/bench_decode_probe.py embedded int4                 # model (or a folder), --quantization
     PYTHONPATH=<worktree of the base> python benchmarks/bench_decode_probe.py <folder> int4    # the same, before
@@ -6,7 +7,7 @@
 Prompts of 100 tokens, their prefixes cached by a first call. Per batch size and round, the same prompts run
 once with 1 new token and once with --new tokens (greedy, no EOS), so the difference of the two walls is decode:
 tokens/s = batch x (new - 1) / (wall with new - wall with one). Best of --rounds. Prints one line,
-`RESULT <model> <quantization> bs1=<tok/s> bs8=<tok/s>`.
+`RESULT <model> <quantization> bs1=<tok/s> bs8=<tok/s>` (one figure per batch size).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     args = parser.parse_args()
     engine = Engine(dtype=args.dtype, quantization=args.quantization,
                     **({} if args.model == "embedded" else {"model_path": args.model}))
     params = {"temperature": 0.0, "ignore_eos": True}
     engine.generate(input_ids=[list(range(1000, 1040))], sampling_params={**params, "max_new_tokens": 4})
     figures = []
-    for bs in (1, 8):
+    for bs in (int(b) for b in args.batches.split(",")):
         prompts = [[i * 7 + 1000 + j for j in range(100)] for i in range(bs)]
         engine.generate(input_ids=prompts, sampling_params={**params, "max_new_tokens": 1})  # NOTE: caches them
         best = 0.0

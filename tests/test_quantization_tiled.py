@@ -71,20 +71,22 @@ def test_tiled_kernel_matches_the_row_kernel(level, bits, per_channel, m):
 @pytest.mark.parametrize(("bits", "per_channel"), FORMATS)
 @pytest.mark.parametrize("n", [64, 130, 64 * 9 + 5, 64 * 17])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_one_row_reads_tiles_in_lockstep_with_the_same_sums(level, bits, per_channel, n, threads):
-    """One row (a decode step at batch 1) walks up to four tiles per thread in lockstep; each tile's sums still
-    run over its records in order, so the result is the first row of a two-row product bit for bit, for any
-    count of tiles against threads (a partial last tile, fewer tiles than four per thread, several groups)."""
+def test_few_rows_read_tiles_in_lockstep_with_the_same_sums(level, bits, per_channel, n, threads):
+    """A decode batch of 1-4 rows walks up to four tiles per thread in lockstep; each tile's sums still run over
+    its records in order, so its rows equal, bit for bit, the same rows at the tail of a longer product (above
+    four rows, one tile at a time), for any count of tiles against threads (a partial last tile,
+    fewer tiles than four per thread, several groups)."""
     t = tiled.tile_weight(_packed(bits, per_channel, n, 576, seed=n))
-    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(3)) * 2
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3)) * 2
     kernel = quant_tiled.load_tiled_kernel()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            one = kernel.matmul(t, x[:1].to(dtype).contiguous(), dtype)
-            two = kernel.matmul(t, x.to(dtype), dtype)
-            assert one.shape == (1, n) and torch.equal(one[0], two[0])
+            for m in (1, 2, 3, 4):
+                few = kernel.matmul(t, x[4:4 + m].to(dtype).contiguous(), dtype)
+                tail = kernel.matmul(t, x[:4 + m].to(dtype).contiguous(), dtype)[4:]
+                assert few.shape == (m, n) and torch.equal(few, tail), (dtype, m)
     finally:
         torch.set_num_threads(before)
 
