@@ -45,6 +45,9 @@ ISA_REQUIRES: dict[str, frozenset[str]] = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "portable": frozenset(),
 }
+# NOTE: every CPU with the AVX-512 BF16 instructions (Cooper Lake, Sapphire Rapids on, Zen 4 on) also has AVX512-VNNI,
+# so a forced avx512_bf16 level keeps it visible: the packed int8/int4 kernels then run as on such a CPU.
+FORCED_ALSO_SHOWS: dict[str, frozenset[str]] = {"avx512_bf16": frozenset({"avx512_vnni"})}
 # The compiler flags of each level: the one table every C build uses (`kernels/build.py`). Never -march=native,
 # so a machine builds and tests the lower levels too.
 _AVX512_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
@@ -157,12 +160,13 @@ def kernel_isa() -> str:
 
 def visible_features(info: CpuInfo | None = None) -> frozenset[str]:
     """The features radixserve decides by. Forcing a level (RADIXSERVE_CPU_ISA) hides every x86 feature that
-    level does not need, so that e.g. avx2 makes radixserve decide as on an AVX2-only CPU and avx512_bf16 as
-    on one without AMX (torch's own kernels still use what the CPU has; see bench/docs.TORCH_ISA_ENV)."""
+    level does not need (or every CPU of it has: FORCED_ALSO_SHOWS), so that e.g. avx2 makes radixserve decide as
+    on an AVX2-only CPU and avx512_bf16 as on one without AMX (torch's own kernels still use what the CPU has; see bench/docs.TORCH_ISA_ENV)."""
     info = info or cpu_info()
     if envs.CPU_ISA.get() == "auto":
         return info.features
-    allowed = ISA_REQUIRES[kernel_isa()]
+    level = kernel_isa()
+    allowed = ISA_REQUIRES[level] | FORCED_ALSO_SHOWS.get(level, frozenset())
     return frozenset(f for f in info.features if f not in X86_FEATURES or f in allowed)
 
 

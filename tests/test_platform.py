@@ -18,7 +18,7 @@ from radixserve.platform import CpuInfo, auto_dtype
 AVX2 = frozenset({"avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 ZEN4 = AVX512 | {"avx512_bf16"}
-SAPPHIRE_RAPIDS = AVX512 | {"avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16"}
+SAPPHIRE_RAPIDS = AVX512 | {"avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16"}
 GRAVITON3 = frozenset({"neon", "sve", "arm_bf16"})
 GRAVITON2 = frozenset({"neon"})
 NO_NATIVE = "no native bf16 matrix products"
@@ -85,10 +85,15 @@ def test_forcing_a_level_hides_the_features_above_it(monkeypatch):
     assert platform.visible_features() == SAPPHIRE_RAPIDS and platform.kernel_class() == "amx"
     monkeypatch.setenv(envs.CPU_ISA.name, "avx512_bf16")  # a Zen 4: no AMX
     assert "amx_bf16" not in platform.visible_features() and platform.kernel_class() == "avx512_bf16"
-    monkeypatch.setenv(envs.CPU_ISA.name, "avx2")
-    assert platform.visible_features() == {"avx2", "fma", "f16c"}  # f16c: every AVX2 CPU has it
     from radixserve.kernels.quant import best_quant_isa
 
+    # every CPU with AVX512-BF16 has AVX512-VNNI too, so the packed kernels keep it; not the VEX form (Zen 4 lacks it)
+    assert "avx512_vnni" in platform.visible_features() and "avx_vnni" not in platform.visible_features()
+    assert best_quant_isa() == "avx512_vnni"
+    monkeypatch.setenv(envs.CPU_ISA.name, "avx512")  # Skylake-SP: neither
+    assert "avx512_vnni" not in platform.visible_features() and best_quant_isa() == "avx2"
+    monkeypatch.setenv(envs.CPU_ISA.name, "avx2")
+    assert platform.visible_features() == {"avx2", "fma", "f16c"}  # f16c: every AVX2 CPU has it
     assert best_quant_isa() == "avx2"  # the packed kernels follow the forced level (no VNNI of either width)
     monkeypatch.setattr(platform, "measure_bf16_slowdown", lambda: 4.0)
     choice = platform.choose_dtype("auto", "cpu")

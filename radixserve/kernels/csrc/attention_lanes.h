@@ -120,6 +120,9 @@ static inline void accumulate_rows(const lv *weights, const float *const *rows, 
         for (int64_t dd = 0; dd < DBLOCK; dd++) a[dd] = acc[d0 + dd];
         for (int64_t t = 0; t < n; t++) {
             const float *v = rows[t] + d0;
+            /* NOTE: an opaque pointer, so each v[dd] is v plus a constant: left to itself, GCC indexes the rows by
+             * (d0 + dd) * 4 kept in registers, and with DBLOCK of them some spill and are reloaded per token */
+            __asm__("" : "+r"(v));
             for (int64_t dd = 0; dd < DBLOCK; dd++) a[dd] = lv_fmadd(weights[t], lv_set1(v[dd]), a[dd]);
         }
         for (int64_t dd = 0; dd < DBLOCK; dd++) acc[d0 + dd] = a[dd];
