@@ -222,8 +222,8 @@ static __attribute__((noinline)) void tile_rows(
     }
 }
 
-#define LOCK_TILES(R, nt) \
-    lockstep_tiles(bits, data, nb, xq + r0 * K, xd + r0 * nb, xs + r0 * nb, sums + r0 * nb, K, R, y, y_bf16, N, r0, t0, nt)
+// Up to MAX_ROWS rows: one pass over each group, from activation row 0.
+#define LOCK_TILES(R, nt) lockstep_tiles(bits, data, nb, xq, xd, xs, sums, K, R, y, y_bf16, N, 0, t0, nt)
 #define LOCK_GROUP(R)                        \
     switch (nt) {                            \
         case 1: LOCK_TILES(R, 1); break;     \
@@ -245,7 +245,7 @@ static void tiled_rows_product(int bits, const uint8_t *data, int64_t nb, const 
         const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t lo = tiles * me / threads, hi = tiles * (me + 1) / threads;  // NOTE: near-equal runs
         if (M <= MAX_ROWS) {
-            for (int64_t t0 = lo, r0 = 0; t0 < hi; t0 += LOCK) {
+            for (int64_t t0 = lo; t0 < hi; t0 += LOCK) {
                 const int nt = hi - t0 < LOCK ? (int)(hi - t0) : LOCK;
                 switch (M) {  // NOTE: constant rows and tiles per call keep the sums in registers where they fit
                     case 1: LOCK_GROUP(1); break;
