@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from bench_extend_attention import baseline_extend, baseline_sources
+from bench_extend_attention import baseline_extend, baseline_sources, has_window
 from bench_forward import prefill_prompt, time_rounds
 from direct import DirectDriver
 
@@ -44,9 +44,10 @@ def parse_args() -> argparse.Namespace:
 class BaselineKernel:
     """The baseline library's extend kernel behind DecodeKernel's extend interface (no window, no seed)."""
 
-    def __init__(self, current: DecodeKernel, lib: ctypes.CDLL) -> None:
+    def __init__(self, current: DecodeKernel, lib: ctypes.CDLL, windowed: bool) -> None:
         self.isa, self._current = current.isa, current
-        self._fns = {dtype: baseline_extend(lib, current.isa, dtype) for dtype in (torch.bfloat16, torch.float32)}
+        self._fns = {dtype: baseline_extend(lib, current.isa, dtype, windowed)
+                     for dtype in (torch.bfloat16, torch.float32)}
 
     def extend_supports(self, q: torch.Tensor, k_buf: torch.Tensor) -> bool:
         return self._current.extend_supports(q, k_buf)
@@ -69,7 +70,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         sources, headers = baseline_sources(args.baseline, Path(tmp))
         lib = ctypes.CDLL(str(build_level_library("attention-baseline", sources, current.isa, headers)))
-    before = BaselineKernel(current, lib)
+        before = BaselineKernel(current, lib, has_window(sources))
     driver = DirectDriver(runner)
 
     def run(prompt: list[int], kernel: object, max_new: int) -> None:

@@ -66,7 +66,8 @@ def baseline_csrc(rev: str, into: Path) -> Path:
 def baseline_sources(rev: str, into: Path) -> tuple[list[Path], list[Path]]:
     """The attention kernel sources and headers of git revision `rev`, extracted under `into`."""
     csrc = baseline_csrc(rev, into)
-    return [csrc / p.name for p in attn.SOURCES], [csrc / p.name for p in attn.HEADERS]
+    headers = [csrc / p.name for p in attn.HEADERS if (csrc / p.name).exists()]  # an older revision has fewer
+    return [csrc / p.name for p in attn.SOURCES], headers
 
 
 def baseline_extend(lib: ctypes.CDLL, isa: str, dtype: torch.dtype, windowed: bool) -> Callable[..., torch.Tensor]:

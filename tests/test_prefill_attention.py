@@ -105,6 +105,16 @@ def test_kernel_shifted_diagonal(kernel, dtype, kv_heads, heads, dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_kernel_every_unit_size(kernel, dtype, group):
+    """A unit of up to 2 x the vector width's rows runs as a block of one vector when its rows fit one (a short
+    extend, a request's last rows), else of two, and bf16 with vdpbf16ps as its halves: every row count from 1
+    to past two blocks of AVX-512, over a cached prefix and without one."""
+    for n in range(1, 36 // group):
+        _check(kernel, [n, n], [0, 21], 2, 2 * group, 64, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_two_threads(kernel, dtype):
     _check(kernel, [513, 3, 64], [0, 70, 1], 3, 9, 64, dtype, threads=2)
 

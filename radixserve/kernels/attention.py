@@ -31,7 +31,8 @@ from radixserve.kernels.build import BUILD_ERRORS, CSRC, build_level_library, ca
 logger = logging.getLogger(__name__)
 
 SOURCES = (CSRC / "decode_attention.c", CSRC / "prefix_attention.c", CSRC / "extend_attention.c")
-HEADERS = (CSRC / "attention_common.h", CSRC / "simd.h", CSRC / "attention_lanes.h", CSRC / "decode_avx512.h")
+HEADERS = tuple(CSRC / name for name in ("attention_common.h", "simd.h", "attention_lanes.h", "attention_lane_block.h",
+                                         "attention_lanes_dp.h", "decode_avx512.h"))
 MAX_DIM, MAX_GROUP = 256, 16
 _DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 # (query dtype, KV cache dtype) -> the C functions' suffix: the KV cache is in the compute dtype, or bf16 under

@@ -9,7 +9,7 @@
  * h * group + j % group), so every K/V row a unit reads serves all the query heads of its group. A
  * unit reads only the keys its last row sees (fully masked key chunks are never touched) and masks
  * lane by lane only in chunks past its first row's limit. Units run on OpenMP threads, each
- * request's costliest (latest) units first. With a vector level (AVX2, AVX-512; 16 rows) a unit
+ * request's costliest (latest) units first. With a vector level (AVX2: 16 rows, AVX-512: 32) a unit
  * is the lane block of attention_lanes.h (bf16 with vdpbf16ps where AVX-512 BF16 and dim % 32 == 0,
  * else widened to float32); otherwise the portable float32 loop of attention_common.h. With
  * seed_lse, rows start from a partial result over other keys (as in the decode kernel); lse (float32
