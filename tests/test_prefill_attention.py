@@ -115,6 +115,18 @@ def test_kernel_every_unit_size(kernel, dtype, group):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_do_not_depend_on_the_block_width(kernel, dtype):
+    """A row's arithmetic is the same in a block of one vector and of two: the first rows of a 32-token prompt
+    (run in blocks of two vectors) equal, bit for bit, the same prompt cut to 8 or 16 tokens (blocks of one at
+    AVX2 or AVX-512), whose rows see the same keys."""
+    q, k_buf, v_buf, indices, _ = _problem([32], [0], 1, 1, 64, dtype, seed=3)
+    whole, _ = kernel.extend(q, k_buf, v_buf, indices, torch.tensor([(0, 32, 0, 32)]), 0.125)
+    for n in (8, 16):
+        cut, _ = kernel.extend(q[:n], k_buf, v_buf, indices, torch.tensor([(0, n, 0, n)]), 0.125)
+        assert torch.equal(cut, whole[:n]), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_two_threads(kernel, dtype):
     _check(kernel, [513, 3, 64], [0, 70, 1], 3, 9, 64, dtype, threads=2)
 

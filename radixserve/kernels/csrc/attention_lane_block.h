@@ -184,7 +184,7 @@ DEFINE_LOAD_Q(LB(load_q_f32), float, f32_id)
 DEFINE_LOAD_Q(LB(load_q_bf16_wide), uint16_t, bf16_to_f32)
 #undef DEFINE_LOAD_Q
 
-#if LANE_VECS == 1 && defined(HAVE_AVX512_BF16)
+#ifdef HAVE_AVX512_BF16
 #include "attention_lanes_dp.h"
 #endif
 
@@ -251,9 +251,9 @@ DEFINE_ATTEND_LANES(LB(attend_lanes_f32_bf16kv), float, uint16_t, LB(lv), LB(loa
 /* bf16 queries and output over K/V already widened to float32 (extend_attention.c's scratch copy) */
 DEFINE_ATTEND_LANES(LB(attend_lanes_bf16_f32kv), uint16_t, float, LB(lv), LB(load_q_bf16_wide), LB(score_chunk_f32),
                     LB(accumulate_chunk_f32), bf16_to_f32, f32_to_bf16)
-#if LANE_VECS == 1 && defined(HAVE_AVX512_BF16)
-DEFINE_ATTEND_LANES(attend_lanes_bf16_dp_x1, uint16_t, uint16_t, __m512i, load_q_bf16, score_chunk_bf16,
-                    accumulate_chunk_bf16, bf16_to_f32, f32_to_bf16)
+#ifdef HAVE_AVX512_BF16
+DEFINE_ATTEND_LANES(LB(attend_lanes_bf16_dp), uint16_t, uint16_t, LB(qpairs), LB(load_q_bf16), LB(score_chunk_bf16),
+                    LB(accumulate_chunk_bf16), bf16_to_f32, f32_to_bf16)
 #endif
 #undef DEFINE_ATTEND_LANES
 

@@ -10,7 +10,7 @@
  * float32: one FMA per dim for scores and for V (a K or V element broadcast against the lanes).
  * bf16 on AVX2 or AVX-512 without BF16: K and V rows widened to float32 (per call by the extend kernel,
  * else per chunk), then the float32 code runs. bf16 with AVX-512 BF16 (dim % 32 == 0): vdpbf16ps
- * (attention_lanes_dp.h) in blocks of one vector, a unit of more rows run as its halves.
+ * (attention_lanes_dp.h) in the same blocks.
  */
 #ifndef RADIXSERVE_ATTENTION_LANES_H
 #define RADIXSERVE_ATTENTION_LANES_H
@@ -66,16 +66,7 @@ DEFINE_ATTEND_UNIT(attend_lanes_f32_bf16kv, float, uint16_t)
 DEFINE_ATTEND_UNIT(attend_lanes_bf16_f32kv, uint16_t, float)
 
 #ifdef HAVE_AVX512_BF16
-/* vdpbf16ps has blocks of one vector only: a unit of more rows runs as its halves, each reading the keys its
- * own last row sees (rows are in key order when limits are given). */
-static void attend_lanes_bf16_dp(ATTEND_ARGS(uint16_t, uint16_t)) {
-    for (int64_t r0 = 0; r0 < nr; r0 += SIMD_WIDTH) {
-        const int64_t n = nr - r0 < SIMD_WIDTH ? nr - r0 : SIMD_WIDTH;
-        attend_lanes_bf16_dp_x1(q, k_buf, v_buf, ids + r0, n, slots, limits != NULL ? limits[r0 + n - 1] : len,
-                                limits != NULL ? limits + r0 : NULL, lows != NULL ? lows + r0 : NULL, kv_heads, h,
-                                dim, scale, seed_out, seed_lse, out, lse);
-    }
-}
+DEFINE_ATTEND_UNIT(attend_lanes_bf16_dp, uint16_t, uint16_t)
 #endif
 #undef ATTEND_ARGS
 #endif
