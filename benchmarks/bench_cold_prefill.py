@@ -3,11 +3,14 @@ side by side in one process.
 
 One ModelRunner (default path, --dtype) prefills a fresh prompt of each --lengths length, alternating two
 settings of its attention backend round by round: `before` runs the C extend kernel built from the --baseline
-sources (same level and flags) under that revision's new-token cap (--before-cap, 512 on main: longer prompts
-went to torch's SDPA), `after` this tree's kernel and cap (torch_backend.EXTEND_KERNEL_MAX_NEW_TOKENS).
+sources (same level and flags) under that revision's new-token cap (--before-cap: longer prompts go to torch's
+SDPA; 2,048 since the kernel's float32 and AVX2 paths got faster, 512 before), `after` this tree's kernel and cap
+(torch_backend.EXTEND_KERNEL_MAX_NEW_TOKENS). Force a lower CPU class as elsewhere (RADIXSERVE_CPU_ISA and
+ONEDNN_MAX_CPU_ISA).
 Everything else (weights, GEMMs, pool) is shared. Medians of --rounds.
 
     python benchmarks/bench_cold_prefill.py --dtype bfloat16 --threads 1,2
+    python benchmarks/bench_cold_prefill.py --dtype float32 --threads 2 --lengths 512,1024,2048 --baseline HEAD~1
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", default="main", help="git revision of the `before` kernel")
-    p.add_argument("--before-cap", type=int, default=512, help="the baseline's EXTEND_KERNEL_MAX_NEW_TOKENS")
+    p.add_argument("--before-cap", type=int, default=2048, help="the baseline's EXTEND_KERNEL_MAX_NEW_TOKENS")
     return p.parse_args()
 
 

@@ -46,3 +46,32 @@ def test_the_ladder_passes_every_option_the_peer_harness_reads(monkeypatch, tmp_
     handed = seen["args"]
     assert read and not read - set(vars(handed)), f"bench_peers reads {sorted(read - set(vars(handed)))}, not handed"
     assert handed.vllm_kernel_class == "avx2" and handed.radixserve_dtype == "auto" and handed.scale == 0.25
+
+
+def test_the_cold_prefill_baseline_calls_a_revision_kernel_with_its_signature():
+    """bench_cold_prefill.py's `before` kernel (bench_extend_attention.baseline_extend, with the window argument
+    where the revision's extend kernel takes one) runs a library built from kernel sources, here this tree's own,
+    and gives the current kernel's output."""
+    import ctypes
+
+    import torch
+    from bench_cold_prefill import BaselineKernel
+    from bench_extend_attention import has_window
+
+    from radixserve import platform
+    from radixserve.kernels import attention as attn
+    from radixserve.kernels.build import build_level_library
+
+    kernel = attn.load_decode_kernel(platform.kernel_isa())
+    if kernel is None:
+        import pytest
+
+        pytest.skip("no C compiler here, so the native kernels cannot be built")
+    lib = ctypes.CDLL(str(build_level_library("attention", attn.SOURCES, kernel.isa, attn.HEADERS)))
+    before = BaselineKernel(kernel, lib, has_window(list(attn.SOURCES)))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(40, heads, 64, generator=g) for heads in (6, 2, 2))
+    slots, reqs = torch.arange(40, dtype=torch.int32), torch.tensor([(0, 40, 0, 40)])
+    got, _ = before.extend(q, k, v, slots, reqs, 0.125)
+    want, _ = kernel.extend(q, k, v, slots, reqs, 0.125)
+    assert torch.equal(got, want)
