@@ -4,16 +4,26 @@ figures by name, and the shape ladder (bench_ladder.py) hands the peer harness (
 from __future__ import annotations
 
 import argparse
+import ctypes
 import inspect
 import re
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from radixserve import platform
+from radixserve.kernels import attention as attn
+from radixserve.kernels.build import build_level_library
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import bench_ladder  # noqa: E402
 import bench_peers  # noqa: E402
+from bench_cold_prefill import BaselineKernel  # noqa: E402
 from bench_cpu_support import FORWARD_LINE, forward_command  # noqa: E402
+from bench_extend_attention import has_window  # noqa: E402
 
 
 def _read(output: str) -> dict[str, float]:
@@ -52,20 +62,8 @@ def test_the_cold_prefill_baseline_calls_a_revision_kernel_with_its_signature():
     """bench_cold_prefill.py's `before` kernel (bench_extend_attention.baseline_extend, with the window argument
     where the revision's extend kernel takes one) runs a library built from kernel sources, here this tree's own,
     and gives the current kernel's output."""
-    import ctypes
-
-    import torch
-    from bench_cold_prefill import BaselineKernel
-    from bench_extend_attention import has_window
-
-    from radixserve import platform
-    from radixserve.kernels import attention as attn
-    from radixserve.kernels.build import build_level_library
-
     kernel = attn.load_decode_kernel(platform.kernel_isa())
     if kernel is None:
-        import pytest
-
         pytest.skip("no C compiler here, so the native kernels cannot be built")
     lib = ctypes.CDLL(str(build_level_library("attention", attn.SOURCES, kernel.isa, attn.HEADERS)))
     before = BaselineKernel(kernel, lib, has_window(list(attn.SOURCES)))

@@ -195,11 +195,7 @@ DEFINE_LOAD_Q(LB(load_q_bf16_wide), uint16_t, bf16_to_f32)
  * type, KT: the K/V buffers'. QT: the type LOAD_Q fills (one vector per dim, or per bf16 pair for
  * vdpbf16ps). */
 #define DEFINE_ATTEND_LANES(NAME, T, KT, QT, LOAD_Q, SCORE, ACCUMULATE, LOAD, STORE)                     \
-    static void NAME(const T *q, const KT *k_buf, const KT *v_buf, const int64_t *ids, int64_t nr,       \
-                     const int32_t *slots, int64_t len, const int32_t *limits, const int32_t *lows,      \
-                     int64_t kv_heads,                                                                   \
-                     int64_t h, int64_t dim, float scale, const T *seed_out, const float *seed_lse,      \
-                     T *out, float *lse) {                                                               \
+    static void NAME(ATTEND_ARGS(T, KT)) {                                                               \
         QT qt[MAX_DIM];                                                                                  \
         LB(lv) acc[MAX_DIM], scores[CHUNK];                                                              \
         float lanes[BLOCK_LANES];                                                                        \

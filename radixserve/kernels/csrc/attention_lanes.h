@@ -37,17 +37,18 @@ static inline void pool_rows_bf16(const uint16_t *buf, const int32_t *slots, int
     }
 }
 
+/* The parameters of every attend function, block or unit (the order DEFINE_ATTEND_LANES documents). */
+#define ATTEND_ARGS(T, KT)                                                                               \
+    const T *q, const KT *k_buf, const KT *v_buf, const int64_t *ids, int64_t nr, const int32_t *slots,  \
+        int64_t len, const int32_t *limits, const int32_t *lows, int64_t kv_heads, int64_t h, int64_t dim, \
+        float scale, const T *seed_out, const float *seed_lse, T *out, float *lse
+
 #define LANE_VECS 1
 #include "attention_lane_block.h"
 #undef LANE_VECS
 #define LANE_VECS 2
 #include "attention_lane_block.h"
 #undef LANE_VECS
-
-#define ATTEND_ARGS(T, KT)                                                                               \
-    const T *q, const KT *k_buf, const KT *v_buf, const int64_t *ids, int64_t nr, const int32_t *slots,  \
-        int64_t len, const int32_t *limits, const int32_t *lows, int64_t kv_heads, int64_t h, int64_t dim, \
-        float scale, const T *seed_out, const float *seed_lse, T *out, float *lse
 
 /* A unit of nr <= LANES rows (as DEFINE_ATTEND_LANES in attention_lane_block.h): one vector's block when its
  * rows fit one vector, else two. */
