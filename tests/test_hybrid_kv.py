@@ -237,6 +237,28 @@ def test_decode_frees_its_own_out_of_window_kv_and_the_tree_keeps_the_rest(page_
     assert world.check()["window_protected"] == 0
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_verify_steps_rejected_tail_frees_its_window_kv(page_size):
+    """A speculative verify step allocates its draft tokens' slots and gives back the rejected ones (release_tail);
+    with pages, the kept page's slots past the kept tokens stay with the request and are handed out again by the
+    next allocation, so their window KV must be freed at once (it leaked, window slot by window slot, before)."""
+    world = HybridWorld(window=8, page_size=page_size)
+    a = request(list(range(100, 109)))  # 9 tokens: its decode positions start inside a page
+    world.admit([a])
+    world.prefill_done(a, 1)
+    for step in range(6):
+        kv = a.kv
+        keep = kv.kv_allocated_len + 1  # one accepted token of a 4-token draft
+        world.kv.alloc_extend([a], [kv.kv_allocated_len + 1 + 4])
+        world.kv.release_tail(a, keep)
+        world._record(a, keep - 1, keep)
+        a.output_ids.append(10 + step)
+        world.kv.commit(a, keep)
+        world.check()
+    world.finish(a)
+    assert world.check()["window_protected"] == 0
+
+
 def test_chunked_prefill_keeps_only_the_last_window_locked():
     window = 6
     world = HybridWorld(window, page_size=1, size=256, window_size=256)

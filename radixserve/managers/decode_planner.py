@@ -66,7 +66,9 @@ class DecodePlanner:
     def _drafts(self, batch: ScheduleBatch) -> list[list[int]] | None:
         """Each request's draft for a verify step, or None for a plain decode step (no drafter, no draft, or
         no room for the draft tokens: a plain step always fits, as checked before)."""
-        if not self.may_draft(batch):
+        # NOTE: a verify step feeds every row from the host's tokens: under overlap a request whose last sample is
+        # still in flight (a re-prefill, or a batch the wait was not decided for) has none, so the step is plain
+        if not self.may_draft(batch) or not batch.inputs_on_host():
             return None
         drafts = batch_drafts(self.drafter, batch.reqs)
         if not any(drafts):

@@ -109,13 +109,22 @@ class ScheduleBatch:
         self.forward_batch = fb
         return fb
 
+    def inputs_on_host(self) -> bool:
+        """Whether the host knows every request's next input token (position `kv_allocated_len`): always in the
+        normal loop; under overlap not for a request whose last sample is still in flight."""
+        return all(r.kv.kv_allocated_len < r.seqlen for r in self.reqs)
+
     def prepare_for_verify(self, drafts: list[list[int]]) -> ForwardBatch:
         """A decode step whose requests with a draft run one row per token: the last sampled one, then the draft
-        (speculative/verify.py). Every input token is known on the host."""
+        (speculative/verify.py). Every input token must be known on the host (`inputs_on_host`)."""
         from radixserve.speculative.verify import VerifyInput
 
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
+        if not self.inputs_on_host():
+            # NOTE: checked before anything is allocated: a refused verify step holds no slot
+            lagging = [r.rid for r in reqs if r.kv.kv_allocated_len >= r.seqlen]
+            raise RuntimeError(f"a verify step needs every input token on the host; {lagging[:4]} lag")
         base = [r.kv.kv_allocated_len for r in reqs]
         # NOTE: the slots come flat in request order, one per row
         slots = self.kv_manager.alloc_extend(reqs, [b + 1 + len(d) for b, d in zip(base, drafts, strict=True)])

@@ -326,9 +326,16 @@ class KVManager:
         NOTE: only private positions are freed: `keep_len` is at least its committed tokens."""
         kv = req.kv
         assert kv.cache_protected_len <= keep_len <= kv.kv_allocated_len, (keep_len, kv)
+        row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
         first_free = self._page_ceil(keep_len)
         if first_free < kv.kv_allocated_len:
-            self._free_row(self.req_to_token_pool.req_to_token[kv.req_pool_idx], [(first_free, kv.kv_allocated_len)])
+            self._free_row(row, [(first_free, kv.kv_allocated_len)])
+        kept_tail = min(first_free, kv.kv_allocated_len)
+        if self.sliding_window is not None and keep_len < kept_tail:
+            # NOTE: hybrid: the kept page's slots past keep_len stay with the request, but the tokens they held are
+            # gone; their window KV must go too, or the next allocation of the same slots maps new window slots over
+            # it and leaks it (found with n-gram drafts on Gemma 3, page size 4)
+            self.allocator.free_window(row[keep_len:kept_tail])
         kv.kv_allocated_len = keep_len
 
     def cache_unfinished_req(self, req: KVRequest, chunked: bool = False) -> None:

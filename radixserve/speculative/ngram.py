@@ -179,8 +179,11 @@ class BudgetedDrafter:
 
     def paused(self, reqs: Any) -> bool:
         """Whether no request of the batch may draft this step (each has verified and its drafting is paused): then
-        the step is a plain decode, and the overlap loop need not wait for the result in flight."""
-        return all(getattr(r, "spec", None) is not None and r.spec.budget.paused_steps > 0 for r in reqs)
+        the step is a plain decode, and the overlap loop need not wait for the result in flight.
+
+        NOTE: asked before the step's `tick`, which counts each pause down by one before `propose`: a request with
+        one step of pause left drafts this step, so it is not paused here."""
+        return all(getattr(r, "spec", None) is not None and r.spec.budget.paused_steps > 1 for r in reqs)
 
     def tick(self, reqs: Any) -> None:
         """Once per decode step of the batch: pauses count down in steps, whether or not drafts were asked for."""
