@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,11 +38,11 @@ class _KeyCheck(Protocol):
     def principal(self, request: Request) -> Principal: ...
 
 
-def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs, auth: _KeyCheck,
-                           keyless_gate: Callable[[Request], None] = lambda _: None) -> None:
+def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: ServerArgs, auth: _KeyCheck) -> None:
     """Adds /server_info, /model_info, /get_model_info and /get_load to the server's app.
 
-    `keyless_gate(request)`: raises (429) when a keyless call to /get_load is over the keyless rate."""
+    A keyless call to /get_load over the keyless rate never reaches its handler: the app's KeylessGate
+    answers it 429 (keyless_gate.py)."""
 
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
@@ -61,8 +60,7 @@ def install_gateway_routes(app: FastAPI, tm: TokenizerManager, server_args: Serv
     state = Coalesced(lambda: _fresh_state(tm), ttl_s=LOAD_TTL_S)
 
     @app.get("/get_load", responses=docs.responses({"type": "array", "items": {"type": "object"}}, 429))
-    async def get_load(request: Request) -> JSONResponse:
-        keyless_gate(request)
+    async def get_load() -> JSONResponse:
         return JSONResponse([load_entry(tm.num_in_flight, await state.get())])
 
 

@@ -39,26 +39,32 @@ class Auth:
     def principal(self, request: Request) -> Principal:
         if self.open:
             return Principal(None, True)
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer":
-            supplied = token.strip().encode("utf-8", "surrogateescape")
-            # NOTE: every key is compared (each in constant time), so timing does not tell which one matched.
-            matches = [(key, key_id) for key, key_id in self._keys if hmac.compare_digest(supplied, key.encode())]
-            if matches:
-                key, key_id = matches[0]
-                return Principal(key_id, key == self._admin_key)
-        raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
+        principal = self._match(request.headers.get("authorization", ""))
+        if principal is None:
+            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        return principal
+
+    def _match(self, authorization: str) -> Principal | None:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        supplied = token.strip().encode("utf-8", "surrogateescape")
+        # NOTE: every key is compared (each in constant time), so timing does not tell which one matched.
+        matches = [(key, key_id) for key, key_id in self._keys if hmac.compare_digest(supplied, key.encode())]
+        if not matches:
+            return None
+        key, key_id = matches[0]
+        return Principal(key_id, key == self._admin_key)
+
+    def valid_key(self, authorization: str) -> bool:
+        """Whether an Authorization header's value carries a valid key (never on an open server: there are
+        none); what the keyless gate (keyless_gate.py) reads from raw headers, before any Request exists."""
+        return not self.open and self._match(authorization) is not None
 
     def has_key(self, request: Request) -> bool:
         """Whether the caller sent a valid key (never on an open server: there are none); never raises."""
-        if self.open:
-            return False
-        try:
-            self.principal(request)
-            return True
-        except ApiError:
-            return False
+        return self.valid_key(request.headers.get("authorization", ""))
 
     def key_id(self, request: Request) -> str | None:
         """The caller's namespace id (routes that only need a valid key: the gateway's, http.gateway_api)."""

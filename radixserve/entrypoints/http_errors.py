@@ -67,10 +67,13 @@ class ApiError(Exception):
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": error, **self.extra}
 
+    def content(self) -> bytes:
+        """The body as sent: compact JSON, ASCII-escaped, so no client-chosen text (a lone surrogate) can make
+        the error itself fail."""
+        return json.dumps(self.body(), ensure_ascii=True, separators=(",", ":")).encode()
+
     def response(self) -> JSONResponse:
-        # NOTE: ASCII-escaped, so no client-chosen text (a lone surrogate) can make the error itself fail.
-        content = json.dumps(self.body(), ensure_ascii=True, separators=(",", ":")).encode()
-        return Response(content, status_code=self.status, headers=self.headers, media_type="application/json")
+        return Response(self.content(), status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 def _rebuild(status: int, message: str, param: str | None, code: str | None, type: str | None,

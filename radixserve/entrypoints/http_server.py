@@ -31,9 +31,9 @@ from radixserve.entrypoints.http_errors import (
     install_error_handlers,
     overloaded,
     parse_request,
-    rate_limited,
     unavailable,
 )
+from radixserve.entrypoints.keyless_gate import KeylessGate, KeylessGateMiddleware, keyless_h11_protocol
 from radixserve.entrypoints.logprobs import TokenTexts
 from radixserve.entrypoints.lora_api import LORA_SCHEMAS, install_lora_routes, model_cards
 from radixserve.entrypoints.openai_protocol import (
@@ -116,14 +116,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         key = work_key(principal, request)
         return await parse_request(request, model, limit, tm.config.bounds, partial(tm.run_parse, key)), key
 
-    keyless = TokenBucket(tm.config.keyless_rate_limit)
-
-    def keyless_gate(request: Request) -> None:
-        # NOTE: what a call without a valid key may cost is bounded twice: by this rate, and by sharing one run.
-        if not auth.has_key(request) and not keyless.take():
-            raise rate_limited(f"keyless calls to this route are limited to {keyless.rate:g} per second "
-                               "(--keyless-rate-limit); send a valid API key, or retry later",
-                               keyless.retry_after_s())
+    # NOTE: what a call without a valid key may cost is bounded twice: by this rate (refused before routing,
+    # keyless_gate.py), and by sharing one run (Coalesced).
+    keyless = app.state.keyless_gate = KeylessGate(auth.valid_key, TokenBucket(tm.config.keyless_rate_limit))
+    app.add_middleware(KeylessGateMiddleware, gate=keyless)
 
     @app.post("/v1/completions", openapi_extra=docs.json_body(CompletionRequest),
               responses=docs.responses(docs.ref(CompletionResponse), *_GENERATE_ERRORS, 404, stream=True))
@@ -188,8 +184,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     probe = Coalesced(lambda: asyncio.wait_for(_one_token(tm), tm.config.control_timeout_s))
 
     @app.get("/health_generate", responses=docs.responses(docs.ref(HealthResponse), *_KEYLESS_ERRORS))
-    async def health_generate(request: Request) -> JSONResponse:
-        keyless_gate(request)
+    async def health_generate() -> JSONResponse:
         ok, reason = tm.health()
         if not ok:
             raise unavailable(reason)
@@ -227,7 +222,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         return Response(tm.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
     install_lora_routes(app, tm, auth, parse)  # /load_lora_adapter, /unload_lora_adapter (docs/lora.md)
-    install_gateway_routes(app, tm, server_args, auth, keyless_gate)  # what SGLang's model gateway calls (docs/scale_out.md)
+    install_gateway_routes(app, tm, server_args, auth)  # what SGLang's model gateway calls (docs/scale_out.md)
     register_cache_explorer(app, tm, server_args)  # /cache/tree, /cache/view (docs/server.md)
     return app
 
@@ -314,8 +309,11 @@ def launch_server(server_args: ServerArgs, config: FrontendConfig | None = None)
                 info.context_len, info.effective_max_context, server_args.host, server_args.port)
     tm = TokenizerManager(info, link, proc, config or FrontendConfig.from_server_args(server_args), launcher=launch)
     app = create_app(tm, server_args)
+    # NOTE: h11 with the keyless routes' refusals answered from the raw request (keyless_gate.py); no access
+    # log, so a flood of them writes nothing either.
     server = uvicorn.Server(uvicorn.Config(app, host=server_args.host, port=server_args.port,
-                                           log_level=server_args.log_level, timeout_keep_alive=5, access_log=False))
+                                           log_level=server_args.log_level, timeout_keep_alive=5, access_log=False,
+                                           http=keyless_h11_protocol(app.state.keyless_gate)))
 
     def stop(reason: str) -> None:
         server.should_exit = True
