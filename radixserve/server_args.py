@@ -59,6 +59,8 @@ class ServerArgs:
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
     grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf, "
                                                 "structural_tag) may take to compile; then it ends with 400")
+    grammar_cache_bytes: int = _opt(256 << 20, "bytes of compiled grammars kept (ours and xgrammar's caches "
+                                               "together, least recently used first); one grammar over it is a 400")
     disable_jump_forward: bool = _opt(False, "never append a grammar's forced continuation without decode steps "
                                              "(docs/structured_outputs.md)")
     tool_call_parser: str = _opt("auto", "the text format of tool calls: auto (from the chat template; SmolLM2's "
@@ -138,6 +140,8 @@ class ServerArgs:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
             raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.grammar_cache_bytes < 1 << 20:
+            raise ValueError(f"grammar_cache_bytes must be at least 1 MiB (1048576), got {self.grammar_cache_bytes}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:

@@ -4,7 +4,10 @@
 names a grammar (sampling parameters `json_schema`, `regex`, `ebnf`, `structural_tag`) waits here, outside the
 waiting queue, while its grammar compiles on the backend's worker thread; `move_ready` (every step) queues it
 once compiled, or ends it with a 400 carrying the compiler's message, or with a 400 after
-`--grammar-compile-timeout` seconds. So a slow grammar never holds up the batch.
+`--grammar-compile-timeout` seconds. So a slow grammar never holds up the batch; nor the grammars queued behind
+it: a compile running past half the timeout is left to finish on its own thread while the queue goes on
+(constrained/grammar_cache.py). A request whose grammar matches only the empty output while it asks for
+`min_new_tokens` ends with a 400 here, before it runs.
 
 The bitmask. A batch with grammar rows carries a bitmask (`SamplingBatchInfo.vocab_mask`) that sampling
 applies to the logits in place, after waiting for `mask_ready`. Row r may only be filled once the request
@@ -30,12 +33,13 @@ if TYPE_CHECKING:
 
 class GrammarManager:
     def __init__(self, model_runner: Any, queue: RequestQueue, output: OutputProcessor, eos_token_ids: tuple[int, ...],
-                 compile_timeout_s: float) -> None:
+                 compile_timeout_s: float, cache_bytes: int | None = None) -> None:
         self.model_runner = model_runner
         self.queue = queue
         self.output = output
         self.eos_token_ids = eos_token_ids
         self.compile_timeout_s = compile_timeout_s
+        self.cache_bytes = cache_bytes  # --grammar-cache-bytes (None: the backend's default)
         self.compiling: dict[str, tuple[Req, Future, float]] = {}  # rid -> (request, compiled grammar, since)
         self._backend: GrammarBackend | None = None  # built on the first grammar (xgrammar's tokenizer tables)
 
@@ -45,8 +49,20 @@ class GrammarManager:
             from radixserve.constrained.grammar_backend import GrammarBackend
 
             runner = self.model_runner
-            self._backend = GrammarBackend(runner.tokenizer, runner.model_config.vocab_size, list(self.eos_token_ids))
+            extra = {} if self.cache_bytes is None else {"cache_bytes": self.cache_bytes}
+            self._backend = GrammarBackend(runner.tokenizer, runner.model_config.vocab_size, list(self.eos_token_ids),
+                                           **extra)
         return self._backend
+
+    def flush(self) -> str:
+        """Drops the cached grammars no request waits for (/flush_cache); what was dropped, in words."""
+        if self._backend is None:
+            return "no grammar cached"
+        entries, freed = self._backend.flush()
+        return f"{entries} compiled grammar(s), {freed / 2**20:.1f} MiB"
+
+    def cache_info(self) -> dict[str, int]:
+        return {} if self._backend is None else self._backend.cache_info()
 
     # ---- requests waiting for their grammar ---------------------------------------------------------
     def submit(self, req: Req) -> bool:
@@ -71,6 +87,10 @@ class GrammarManager:
         """Queues requests whose grammar compiled; ends those whose grammar failed or took too long (400)."""
         from radixserve.constrained.grammar_backend import GrammarError
 
+        if not self.compiling:
+            return
+        # NOTE: half the timeout, so a grammar queued behind a compile that will time out still has half its own
+        self.backend.check_overdue(self.compile_timeout_s / 2)
         now = time.monotonic()
         for rid, (req, future, since) in list(self.compiling.items()):
             if future.done():
@@ -78,7 +98,11 @@ class GrammarManager:
                 try:
                     compiled = future.result()
                 except GrammarError as e:
-                    self.output.finish_now(req, FinishReason.abort(f"invalid grammar: {e}", status_code=400))
+                    self.output.finish_now(req, FinishReason.abort(f"{e.reason}: {e}", status_code=400))
+                    continue
+                refused = _empty_output_refused(req, compiled)
+                if refused is not None:
+                    self.output.finish_now(req, FinishReason.abort(refused, status_code=400))
                     continue
                 req.set_grammar(self.backend.matcher(compiled))
                 self.queue.add(req)
@@ -141,3 +165,14 @@ class GrammarManager:
         if mask is not None:
             mask.release()
 
+
+def _empty_output_refused(req: Req, compiled: Any) -> str | None:
+    """Why a grammar that only matches the empty output cannot serve a request with min_new_tokens, or None."""
+    params = req.sampling_params
+    if compiled.empty_only is None or params.min_new_tokens <= 0:
+        return None
+    banned = req.min_new_tokens_banned(0)
+    if not compiled.empty_only <= banned:
+        return None
+    return (f"min_new_tokens: the {compiled.field} grammar only matches the empty output, and min_new_tokens is "
+            f"{params.min_new_tokens}")

@@ -258,11 +258,16 @@ class Req:
         return limit
 
     def check_finished(self, tokenizer: Any = None) -> None:
-        """Set `finished_reason` after a token was appended: abort, length, stop token, then stop string."""
+        """Set `finished_reason` after a token was appended: abort, a token the grammar refused, length, stop token,
+        then stop string."""
         if self.finished_reason is not None:
             return
         if self.to_abort is not None:
             self.finished_reason = self.to_abort
+            return
+        if self.grammar is not None and self.grammar.rejected:
+            # NOTE: before the length and stop checks: the token is one the grammar refused, whatever it is
+            self.finished_reason = self._grammar_rejected(self.output_ids[-1])
             return
         if len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = FinishReason("length", length=self.max_new_tokens)
@@ -270,9 +275,6 @@ class Req:
         last = self.output_ids[-1]
         if last in self.stop_token_ids or (not self.sampling_params.ignore_eos and last in self.eos_token_ids):
             self.finished_reason = FinishReason("stop", matched=last)
-            return
-        if self.grammar is not None and self.grammar.rejected:
-            self.finished_reason = FinishReason.abort(f"the grammar rejected token {last}", status_code=500)
             return
         if self.grammar is not None and self.grammar.is_terminated():
             self.finished_reason = FinishReason("stop", matched=last)
@@ -283,6 +285,29 @@ class Req:
                 if stop in tail:
                     self.finished_reason = FinishReason("stop", matched=stop)
                     return
+
+    def min_new_tokens_banned(self, done: int) -> frozenset[int]:
+        """The tokens min_new_tokens bans after `done` output tokens: the stop ids, and EOS unless ignore_eos (as
+        schedule_batch bans them in the logits)."""
+        if done >= self.sampling_params.min_new_tokens:
+            return frozenset()
+        return self.stop_token_ids | (frozenset() if self.sampling_params.ignore_eos else self.eos_token_ids)
+
+    def _grammar_rejected(self, last: int) -> FinishReason:
+        """The grammar refused the token just appended. The client's grammar (or min_new_tokens) when the row had
+        no token to give: the grammar allowed none (400 on the grammar's field), or only stop tokens that
+        min_new_tokens banned (400 on min_new_tokens). Otherwise a token was sampled the mask forbade: our bug
+        (500)."""
+        done = len(self.output_ids) - 1
+        why = self.grammar.dead_end(self.min_new_tokens_banned(done))
+        field = self.grammar.field
+        if why == "grammar":
+            return FinishReason.abort(f"invalid grammar: {field}: no output can match it: after {done} token(s) "
+                                      "the grammar allows no next token", status_code=400)
+        if why == "banned":
+            return FinishReason.abort(f"min_new_tokens: the {field} grammar must end after {done} token(s), before "
+                                      f"min_new_tokens ({self.sampling_params.min_new_tokens})", status_code=400)
+        return FinishReason.abort(f"the grammar rejected token {last}", status_code=500)
 
     def jump_forward(self, tokens: list[int]) -> None:
         """The tokens its grammar forced (its matcher accepted them) follow its outputs, each with logprob 0 (the

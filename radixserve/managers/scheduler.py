@@ -128,7 +128,7 @@ class Scheduler:
         self.decode = DecodePlanner(self.queue, self.prefill, self.output, self.new_token_ratio, self.stats, pool,
                                     drafter)
         self.grammars = GrammarManager(self.model_runner, self.queue, self.output, self.eos_token_ids,
-                                       args.grammar_compile_timeout)
+                                       args.grammar_compile_timeout, args.grammar_cache_bytes)
         self.lora = LoraControl(getattr(self.model_runner, "lora", None), self.queue, self.grammars, self.kv_manager,
                                 args.max_loras_per_batch)
         self.prefill.lora = self.lora
@@ -306,7 +306,8 @@ class Scheduler:
         for req in self.queue.waiting:  # NOTE: their unlocked matches point into the old tree
             self.kv_manager.forget_match(req)
         self.cache_epoch += 1
-        return FlushCacheOut(True, freed, f"flushed {freed} cached tokens", self.cache_epoch)
+        grammars = self.grammars.flush()  # NOTE: a grammar still compiling stays (its requests wait for it)
+        return FlushCacheOut(True, freed, f"flushed {freed} cached tokens; {grammars}", self.cache_epoch)
 
     # ---- step helpers -----------------------------------------------------------------------------
     def _expire_waiting(self) -> None:

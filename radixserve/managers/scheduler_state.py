@@ -52,6 +52,7 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "disable_radix_cache": s.tree_cache.disable,
         "schedule_policy": s.policy.policy,
         "cache_epoch": s.cache_epoch,
+        **s.grammars.cache_info(),
         **_window_pool(s),
     }
 
