@@ -206,3 +206,47 @@ def test_a_trigger_that_is_a_special_token_reaches_the_parser():
             pieces = [detok.feed([t]) for t in ids] + [detok.finish([], None)]
             calls = parse("mistral", pieces)[1]
             assert (calls == [("get_weather", '{"city": "Paris", "unit": "celsius"}')]) == found, (skip, ids)
+
+
+_ids = st.sampled_from(["call_1", "call_2", "x"])
+_names = st.sampled_from(["get_weather", "add", "other"])
+_arguments = st.sampled_from(['{"city": "Paris"}', "{}", '{"a', "[1]", "3", "", '{"a": {"b": [1, 2]}}'])
+_call_dicts = st.fixed_dictionaries({"id": _ids, "function": st.fixed_dictionaries({"name": _names,
+                                                                                     "arguments": _arguments})})
+_messages = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "function"])},
+    optional={"content": st.sampled_from(["hi", None]), "name": _names, "tool_call_id": _ids,
+              "tool_calls": st.lists(_call_dicts, min_size=1, max_size=3),
+              "function_call": st.fixed_dictionaries({"name": _names, "arguments": _arguments})})
+
+
+@settings(max_examples=400, deadline=None)
+@given(chat=st.lists(_messages, min_size=1, max_size=7),
+       declared=st.none() | st.sets(_names, max_size=2))
+def test_any_history_is_served_or_refused_with_a_400_naming_its_field(chat, declared):
+    """A history either passes, with every tool (or legacy function) answer tied to a call of the assistant
+    turn before it and every call's arguments a JSON object, or is a 400 naming a field of one message."""
+    from radixserve.entrypoints.chat_history import check_history
+    from radixserve.entrypoints.http_errors import ApiError
+    from radixserve.entrypoints.openai_protocol import ChatMessage
+
+    messages = [ChatMessage.model_validate(m) for m in chat]
+    try:
+        checked = check_history(messages, declared)
+    except ApiError as e:
+        assert e.status == 400 and e.param.startswith("messages.") and e.param in e.message, e.message
+        index = int(e.param.split(".")[1])
+        assert 0 <= index < len(chat)
+        return
+    assert len(checked) == len(chat)
+    open_calls: dict[str, str] = {}
+    for m in checked:
+        assert m.role != "function" and m.function_call is None
+        if m.role == "tool":
+            assert m.tool_call_id in open_calls
+            continue
+        open_calls = {c.id: c.function.name for c in m.tool_calls or []}
+        assert (m.role == "assistant") or not open_calls
+        for c in m.tool_calls or []:
+            assert isinstance(json.loads(c.function.arguments), dict)
+            assert declared is None or c.function.name in declared

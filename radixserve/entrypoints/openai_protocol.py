@@ -13,13 +13,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from radixserve.entrypoints.protocol_base import RequestModel as _Request
+from radixserve.entrypoints.protocol_base import ResponseModel as _Response
+from radixserve.entrypoints.tool_protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    FunctionCallOut,
+    FunctionDefinition,
+    LegacyFunctionChoice,
+    ToolCall,
+    ToolCallOut,
+    ToolChoice,
+    ToolDefinition,
+)
 
 
 def new_id(prefix: str) -> str:
@@ -116,46 +123,15 @@ class TextPart(_Request):
     text: str
 
 
-class FunctionDefinition(_Request):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
-    strict: bool | None = None  # accepted; the grammar always enforces the parameters' schema
-
-
-class ToolDefinition(_Request):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class FunctionCall(_Request):
-    name: str
-    arguments: str  # JSON text, as the model wrote it
-
-
-class ToolCall(_Request):
-    """A call of an earlier assistant turn, sent back in the history."""
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    """A turn of the chat; its tool calls and answers are checked by entrypoints/chat_history.py."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: legacy tool answer
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = None  # a function message: the function it answers; other roles: not rendered
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    function_call: FunctionCall | None = None  # legacy: an assistant turn's one call
 
     def text(self) -> str:
         if self.content is None:
@@ -171,8 +147,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None  # 0-20, only with logprobs
     tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    tool_choice: ToolChoice | None = None  # None: auto with tools
     parallel_tool_calls: bool = True
+    # the legacy function calling, served as tools (function_call/legacy.py); not together with the above
+    functions: list[FunctionDefinition] | None = None
+    function_call: LegacyFunctionChoice | None = None  # None: auto with functions
     echo: bool = False  # vLLM's (the last message first in the reply): refused when true
 
 
@@ -317,28 +296,21 @@ class CompletionResponse(_Response):
     usage: UsageInfo | None = None
 
 
-class FunctionCallOut(_Response):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    function_call: FunctionCallOut | None = None  # legacy requests' answer (no tool_calls then), else left out
+
+
+ChatFinishReason = Literal["stop", "length", "abort", "tool_calls", "function_call"]  # function_call: legacy
 
 
 class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    finish_reason: ChatFinishReason | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -350,31 +322,18 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
-class DeltaFunctionCall(_Response):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(_Response):
-    """A piece of a streamed call: the first has `id`, `type` and the name, later ones argument text."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunctionCall | None = None  # legacy requests' call pieces (no tool_calls then)
 
 
 class ChatStreamChoice(_Response):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    finish_reason: ChatFinishReason | None = None
 
 
 class ChatCompletionChunk(_Response):

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.client.requests import per_choice_params
 from radixserve.client.text_stream import decode_all
+from radixserve.entrypoints.chat_history import check_history
 from radixserve.entrypoints.gateway_api import GATEWAY_UNSET_MODEL
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, chat_logprobs, check_top_logprobs, completion_logprobs
@@ -57,14 +58,16 @@ from radixserve.entrypoints.serving_common import (
 )
 from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
 from radixserve.function_call.answer import StreamedCalls, whole_message
-from radixserve.function_call.chat_tools import (
-    ToolError,
-    ToolPlan,
-    plan_tools,
-    template_messages,
-    template_tools,
-)
+from radixserve.function_call.chat_tools import ToolError, ToolPlan, template_messages, template_tools
 from radixserve.function_call.formats import choose_format, trigger_is_special
+from radixserve.function_call.legacy import plan_request_tools
+
+# NOTE: `function_call` is in an answer only for the legacy `functions`; it is left out (not null) otherwise,
+# and a legacy answer carries no `tool_calls`
+_WITHOUT_FUNCTION_CALL = {"choices": {"__all__": {"message": {"function_call"}}}}
+_WITHOUT_TOOL_CALLS = {"choices": {"__all__": {"message": {"tool_calls"}}}}
+_DELTA_WITHOUT_FUNCTION_CALL = {"choices": {"__all__": {"delta": {"function_call"}}}}
+_DELTA_WITHOUT_CALLS = {"choices": {"__all__": {"delta": {"tool_calls", "function_call"}}}}  # a piece is put back
 
 
 class _Usage:
@@ -202,7 +205,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, extra_key: Any, request: Request, key: Any = None) -> Response:
         self._check_common(req)
         try:
-            tools = plan_tools(self.tool_format, req.tools, req.tool_choice, req.parallel_tool_calls)
+            tools = plan_request_tools(self.tool_format, req)
         except ToolError as e:
             raise bad_request(str(e), param=e.param, code="invalid_value") from None
         if req.echo:
@@ -226,9 +229,11 @@ class OpenAIServing:
                                  tools=tools if tools is not None and tools.parses_calls else None, lora=lora)
 
     def chat_prompt(self, chat: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
-        """The prompt's ids: the chat (its earlier tool calls and results, and `tools`) through the template."""
+        """The prompt's ids: the chat (its earlier tool calls and results, checked and legacy ones made tool ones:
+        chat_history.py; and `tools`) through the template."""
         if not chat:
             raise bad_request("'messages' must hold at least one message", param="messages", code="empty_prompt")
+        chat = check_history(chat, tools.names if tools is not None else None)
         for i, m in enumerate(chat):
             check_text(m.text(), f"messages.{i}.content")
         messages = template_messages(chat, self.tool_format, tools)
@@ -333,7 +338,8 @@ class OpenAIServing:
             choices.append(ChatChoice(index=i, message=ChatResponseMessage(**message), finish_reason=reason,
                                       logprobs=chat_logprobs(self.texts, r) if logprobs else None))
         body = ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
-        return JSONResponse(body.model_dump())
+        exclude = _WITHOUT_TOOL_CALLS if tools is not None and tools.legacy else _WITHOUT_FUNCTION_CALL
+        return JSONResponse(body.model_dump(exclude=exclude))
 
     def _completion_renderer(self, rid: str, usage: _Usage, logprobs: bool, echo: _Echo | None) -> Render:
         offsets: dict[int, int] = {}  # per choice: characters of token text sent so far, for text_offset
@@ -355,6 +361,7 @@ class OpenAIServing:
     def _chat_renderer(self, rid: str, usage: _Usage, logprobs: bool, tools: ToolPlan | None = None) -> Render:
         started: set[int] = set()
         calls = StreamedCalls(tools) if tools is not None else None
+        exclude = _DELTA_WITHOUT_CALLS if tools is not None and tools.legacy else _DELTA_WITHOUT_FUNCTION_CALL
 
         def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
             usage.add(index, out)
@@ -363,18 +370,18 @@ class OpenAIServing:
                 started.add(index)
                 choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             # NOTE: with logprobs every step's tokens get a chunk, even while their text is held back.
-            delta, reason, pieces = {"content": out.text_delta or None}, out.finish_reason, None
+            delta, reason, pieces = {"content": out.text_delta or None}, out.finish_reason, {}
             if calls is not None:
                 delta, reason = calls.delta(index, out.text_delta, out.finish_reason)
-                pieces = delta.pop("tool_calls")
+                pieces = {k: delta.pop(k) for k in ("tool_calls", "function_call") if delta.get(k)}
             if delta["content"] or pieces or reason is not None or (logprobs and out.token_ids):
                 choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(**delta),
                                                 logprobs=chat_logprobs(self.texts, out) if logprobs else None,
                                                 finish_reason=reason))
-            chunks = [ChatCompletionChunk(id=rid, created=now(), model=self.model_name, choices=[c]).model_dump()
-                      for c in choices]
+            chunks = [ChatCompletionChunk(id=rid, created=now(), model=self.model_name, choices=[c]).model_dump(
+                exclude=exclude) for c in choices]
             if pieces:  # NOTE: OpenAI's call pieces carry only the fields they set (a later piece: no name, no id)
-                chunks[-1]["choices"][0]["delta"]["tool_calls"] = pieces
+                chunks[-1]["choices"][0]["delta"].update(pieces)
             return chunks
         return render
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.function_call.chat_tools import ToolPlan
+from radixserve.function_call.legacy import legacy_message, legacy_pieces, legacy_reason
 from radixserve.function_call.parser import CallDelta, ToolCallParser
 
 
@@ -14,12 +15,15 @@ def finish_reason(reason: str | None, parser: ToolCallParser) -> str | None:
 
 
 def whole_message(plan: ToolPlan, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """The message fields (content, tool_calls) of a finished choice, and its finish reason."""
+    """The message fields (content, tool_calls; for a legacy plan content, function_call) of a finished choice,
+    and its finish reason."""
     parser = ToolCallParser(plan.fmt)
     content = parser.feed(text).content + parser.finish().content
     calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
              for c in parser.calls]
     message = {"content": content or (None if calls else ""), "tool_calls": calls or None}
+    if plan.legacy:
+        return legacy_message(message), legacy_reason(finish_reason(reason, parser))
     return message, finish_reason(reason, parser)
 
 
@@ -31,6 +35,8 @@ class StreamedCalls:
         self._parsers: dict[int, ToolCallParser] = {}
 
     def delta(self, index: int, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The delta's `content` and `tool_calls` pieces (a legacy plan: `function_call` piece), and the finish
+        reason."""
         parser = self._parsers.setdefault(index, ToolCallParser(self.plan.fmt))
         out = parser.feed(text)
         content, calls = out.content, out.calls
@@ -38,7 +44,10 @@ class StreamedCalls:
             tail = parser.finish()
             content, calls = content + tail.content, calls + tail.calls
             reason = finish_reason(reason, parser)
-        return {"content": content or None, "tool_calls": [_delta(c) for c in calls] or None}, reason
+        pieces = [_delta(c) for c in calls] or None
+        if self.plan.legacy:
+            return {"content": content or None, "function_call": legacy_pieces(pieces)}, legacy_reason(reason)
+        return {"content": content or None, "tool_calls": pieces}, reason
 
 
 def _delta(call: CallDelta) -> dict[str, Any]:

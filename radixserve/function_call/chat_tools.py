@@ -25,6 +25,12 @@ class ToolPlan:
     choice: str  # none | auto | required | named
     named: str | None = None  # the function of a named choice
     parallel: bool = True
+    legacy: bool = False  # from the legacy `functions` / `function_call`: answered as `function_call`
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The declared functions' names."""
+        return frozenset(t["function"]["name"] for t in self.tools)
 
     @property
     def parses_calls(self) -> bool:
@@ -62,25 +68,37 @@ class ToolError(ValueError):
         self.param = param
 
 
-def plan_tools(fmt: ToolCallFormat, tools: list[Any] | None, tool_choice: Any, parallel: bool) -> ToolPlan | None:
+@dataclass(frozen=True)
+class ToolFields:
+    """What a request calls its tool fields, for the errors: OpenAI's, or the legacy ones (function_call/legacy.py)."""
+
+    tools: str = "tools"
+    choice: str = "tool_choice"
+    name: str = "tools.{i}.function.name"  # the path of the i-th tool's name
+
+
+def plan_tools(fmt: ToolCallFormat, tools: list[Any] | None, tool_choice: Any, parallel: bool,
+               fields: ToolFields = ToolFields()) -> ToolPlan | None:
     """Checks `tools` and `tool_choice` (pydantic models or dicts); None when the request has no tools."""
     if not tools:
         if tool_choice not in (None, "none"):
-            raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
+            raise ToolError(f"'{fields.choice}' needs '{fields.tools}'", fields.choice)
         return None
     specs = tuple(_dump(t) for t in tools)
     names = [t["function"]["name"] for t in specs]
     for i, name in enumerate(names):
         if not name or len(name) > 64 or not all(c.isalnum() or c in "_-." for c in name):
-            raise ToolError(f"tool name {name!r} must be 1-64 letters, digits, '_', '-' or '.'",
-                            f"tools.{i}.function.name")
+            param = fields.name.format(i=i)
+            raise ToolError(f"'{param}': function name {name!r} must be 1-64 letters, digits, '_', '-' or '.'",
+                            param)
     if len(set(names)) != len(names):
-        raise ToolError("two tools have the same name", "tools")
+        raise ToolError(f"two entries of '{fields.tools}' have the same name", fields.tools)
     choice = _dump(tool_choice) if tool_choice is not None else "auto"
     if isinstance(choice, dict):
         named = choice["function"]["name"]
         if named not in names:
-            raise ToolError(f"'tool_choice' names the function {named!r}, which is not in 'tools'", "tool_choice")
+            raise ToolError(f"'{fields.choice}' names the function {named!r}, which is not in '{fields.tools}'",
+                            fields.choice)
         return ToolPlan(fmt, specs, "named", named, parallel)
     return ToolPlan(fmt, specs, choice, None, parallel)
 
