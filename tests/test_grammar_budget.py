@@ -15,16 +15,12 @@ import threading
 import time
 
 import pytest
+from feature_soak import rss_mb
 
 from radixserve.constrained.grammar_backend import GrammarBackend, GrammarError, GrammarSpec
 
 MIB = 1 << 20
 PROMPT = "Answer in JSON."
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
 def _schema(i: int) -> str:
@@ -59,11 +55,11 @@ def test_distinct_schemas_stay_within_the_byte_budget_and_a_repeated_one_compile
     monkeypatch.setattr(backend, "_compile", lambda spec: compiles.append(spec) or real(spec))
     backend.submit(GrammarSpec("json_schema", _schema(-1))).result(60)  # NOTE: xgrammar's first-use tables
     gc.collect()
-    before = _rss_mib()
+    before = rss_mb()
     for i in range(250):
         backend.submit(GrammarSpec("json_schema", _schema(i))).result(60)
     gc.collect()
-    grown = _rss_mib() - before
+    grown = rss_mb() - before
     assert grown < budget / MIB + 32, f"RSS grew {grown:.0f} MiB over 250 schemas under a {budget // MIB} MiB budget"
     info = backend.cache_info()
     assert info["grammar_cache_bytes"] <= budget - budget // 4 and info["xgrammar_cache_bytes"] <= budget // 4

@@ -33,13 +33,13 @@ if TYPE_CHECKING:
 
 class GrammarManager:
     def __init__(self, model_runner: Any, queue: RequestQueue, output: OutputProcessor, eos_token_ids: tuple[int, ...],
-                 compile_timeout_s: float, cache_bytes: int | None = None) -> None:
+                 compile_timeout_s: float, cache_bytes: int) -> None:
         self.model_runner = model_runner
         self.queue = queue
         self.output = output
         self.eos_token_ids = eos_token_ids
         self.compile_timeout_s = compile_timeout_s
-        self.cache_bytes = cache_bytes  # --grammar-cache-bytes (None: the backend's default)
+        self.cache_bytes = cache_bytes  # --grammar-cache-bytes
         self.compiling: dict[str, tuple[Req, Future, float]] = {}  # rid -> (request, compiled grammar, since)
         self._backend: GrammarBackend | None = None  # built on the first grammar (xgrammar's tokenizer tables)
 
@@ -49,9 +49,8 @@ class GrammarManager:
             from radixserve.constrained.grammar_backend import GrammarBackend
 
             runner = self.model_runner
-            extra = {} if self.cache_bytes is None else {"cache_bytes": self.cache_bytes}
             self._backend = GrammarBackend(runner.tokenizer, runner.model_config.vocab_size, list(self.eos_token_ids),
-                                           **extra)
+                                           self.cache_bytes)
         return self._backend
 
     def flush(self) -> str:
