@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,16 +20,12 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from radixserve.entrypoints.dp_processes import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240.0
 _POLL_S = 0.05
 _SHARED: dict[tuple[str, ...], ServerHandle] = {}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

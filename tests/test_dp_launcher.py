@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from radixserve.entrypoints import dp_launcher
-from radixserve.entrypoints.dp_processes import core_shares, worker_flags
+from radixserve.entrypoints.dp_processes import core_shares, free_port, worker_flags
 from radixserve.entrypoints.gateway_api import load_entry
 from radixserve.launch_server import add_serve_args
 from radixserve.server_args import ServerArgs
@@ -43,3 +43,12 @@ def test_load_entry_counts_kv_held_by_requests() -> None:
     state = {"max_total_num_tokens": 1000, "token_usage": 0.25, "num_waiting_reqs": 3}
     assert load_entry(5, state) == {"dp_rank": 0, "num_reqs": 5, "num_waiting_reqs": 3, "num_tokens": 250}
     assert load_entry(0, {})["num_tokens"] == 0
+
+
+def test_free_port_never_hands_out_a_port_twice_or_an_avoided_one() -> None:
+    # CI once started both workers of `serve --dp 2` on one port: the kernel gave the same ephemeral port to
+    # two binds in a row, and the second worker failed to bind.
+    first = free_port()
+    ports = [free_port(avoid=(first,)) for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert first not in ports

@@ -130,7 +130,7 @@ class DPLauncher:
         shares = core_shares(sorted(allowed_cpus()), self.config.dp_size)
         gpus = _gpu_ids(self.server_args.device, self.config.dp_size)
         for rank, cores in enumerate(shares):
-            port = free_port()
+            port = free_port(avoid=(self.server_args.port,))  # the gateway binds that one later
             threads = self.server_args.torch_threads or len(cores)
             args = worker_flags(self.server_args, port, threads) + self.http_flags
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -161,7 +161,7 @@ class DPLauncher:
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.server_args.host,
                "--port", str(self.server_args.port), "--worker-urls", *[w.url for w in self.workers],
                "--policy", self.config.router_policy, "--log-level", self.config.router_log_level,
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port(avoid=(self.server_args.port,))),
                *GATEWAY_FAULT_ARGS, *self.config.router_extra_args]
         self.gateway = Child.start("gateway", cmd, dict(os.environ), None, self.gateway_url)
         logger.info("gateway: %s", " ".join(shlex.quote(c) for c in cmd[1:]))

@@ -19,10 +19,23 @@ from radixserve.server_args import ServerArgs
 _PR_SET_PDEATHSIG = 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_GIVEN_PORTS: set[int] = set()
+
+
+def free_port(avoid: tuple[int, ...] = ()) -> int:
+    """A loopback port that is free now, not in `avoid` and not handed out before by this process.
+
+    NOTE: the kernel may give the same ephemeral port to two binds in a row once the first socket is closed,
+    so two workers started one after the other could be told the same port (one then fails to bind). Every
+    port handed out is remembered and never handed out again by this process."""
+    for _ in range(256):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS and port not in avoid:
+            _GIVEN_PORTS.add(port)
+            return port
+    raise RuntimeError("no free loopback port that was not handed out already")
 
 
 def core_shares(cores: list[int], n: int) -> list[list[int]]:
