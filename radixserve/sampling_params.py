@@ -55,6 +55,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # A spent reasoning budget ends the think block: function_call/reasoning.py's ThinkBudget (or its fields as a
+    # dict); the scheduler forces the closing tag (constrained/reasoning_budget.py). None: no budget.
+    reasoning_budget: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +72,12 @@ class SamplingParams:
             self.json_schema = json.dumps(self.json_schema)
         if isinstance(self.structural_tag, dict):
             self.structural_tag = json.dumps(self.structural_tag)
+        if isinstance(self.reasoning_budget, dict):
+            from radixserve.function_call.reasoning import ThinkBudget
+
+            _check(set(self.reasoning_budget) <= {"tokens", "style", "started_in_prompt"}, "reasoning_budget",
+                   "takes tokens, style and started_in_prompt")
+            self.reasoning_budget = ThinkBudget(**self.reasoning_budget)
         self.verify()
 
     def verify(self) -> None:
@@ -101,6 +110,13 @@ class SamplingParams:
             _is_int(t) and 0 <= t <= MAX_TOKEN_ID and _is_number(v) and -100 <= v <= 100
             for t, v in self.logit_bias.items())), "logit_bias",
             "must map token ids (integers >= 0) to values in [-100, 100]")
+        if self.reasoning_budget is not None:
+            from radixserve.function_call.reasoning import STYLES, ThinkBudget
+
+            budget = self.reasoning_budget
+            _check(isinstance(budget, ThinkBudget) and _is_int(budget.tokens) and budget.tokens >= 1
+                   and budget.style in STYLES, "reasoning_budget",
+                   f"must give tokens >= 1 and a style of {', '.join(STYLES)}, got {_show(budget)}")
         grammars = [name for name in GRAMMAR_PARAMS if getattr(self, name) is not None]
         for name in grammars:
             value = getattr(self, name)

@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.function_call.formats import TOOL_CALL_PARSERS
+from radixserve.function_call.reasoning import REASONING_PARSERS
+from radixserve.mem_cache.storage.base import STORAGE_BACKENDS as HICACHE_STORAGE_BACKENDS
+from radixserve.mem_cache.storage.base import WRITE_POLICIES as HICACHE_WRITE_POLICIES
+from radixserve.mem_cache.storage.base import parse_size
 from radixserve.speculative.config import ALGORITHMS as SPECULATIVE_ALGORITHMS
 from radixserve.speculative.config import SpecConfig
 
@@ -16,12 +20,13 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float32")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 QUANTIZATIONS = ("none", "int8", "int4")
+EMBEDDING_POOLINGS = ("last", "mean")  # NOTE: model_executor/pooling.py computes each
 # NOTE: the per-request size bounds the HTTP front end checks before any work (FrontendConfig carries them).
 REQUEST_BOUNDS = ("max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries", "max_chat_messages",
                   "max_id_chars", "max_request_items")
 # NOTE: the other ServerArgs fields the HTTP process applies; FrontendConfig takes their defaults from here.
 FRONTEND_LIMITS = ("max_request_fanout", "max_queued_requests", "fair_share_slice", "frontend_workers",
-                   "max_frontend_queue", "keyless_rate_limit", "tool_call_parser")
+                   "max_frontend_queue", "keyless_rate_limit", "tool_call_parser", "reasoning_parser")
 
 
 def _opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -56,6 +61,17 @@ class ServerArgs:
                                              "of the full layers' pool (docs/sliding_window.md)")
     disable_hybrid_swa_memory: bool = _opt(False, "sliding-window models keep every layer's KV for every token in "
                                                   "one pool (the window is then only a mask)")
+    enable_hierarchical_cache: bool = _opt(False, "keep radix-cache pages on disk too, so a prefix's KV outlives the "
+                                                  "KV pool and the process (docs/hicache.md)")
+    hicache_storage_backend: str = _opt("file", "the disk tier's store: file (one file per page in "
+                                                "--hicache-storage-dir)", HICACHE_STORAGE_BACKENDS)
+    hicache_storage_dir: str | None = _opt(None, "the file store's directory; default: hicache/ under "
+                                                 "RADIXSERVE_CACHE_DIR")
+    hicache_storage_size: str | int = _opt("8GiB", "the file store's size cap in bytes (an int or e.g. 2GiB, "
+                                                   "500MB); least recently used pages go first")
+    hicache_write_policy: str = _opt("write_through", "when pages are stored: write_through (on insert into the "
+                                                      "tree), write_through_selective (at a page's second hit), "
+                                                      "write_back (on eviction from the tree)", HICACHE_WRITE_POLICIES)
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
     grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf, "
                                                 "structural_tag) may take to compile; then it ends with 400")
@@ -63,9 +79,16 @@ class ServerArgs:
                                                "together, least recently used first); one grammar over it is a 400")
     disable_jump_forward: bool = _opt(False, "never append a grammar's forced continuation without decode steps "
                                              "(docs/structured_outputs.md)")
+    embedding_pooling: str = _opt("last", "how /v1/embeddings pools the final norm's output over a prompt: last "
+                                          "(its last token; a cached prefix is reused) or mean (every token; "
+                                          "computed whole) (docs/server.md#embeddings)", EMBEDDING_POOLINGS)
     tool_call_parser: str = _opt("auto", "the text format of tool calls: auto (from the chat template; SmolLM2's "
                                          "own for a template without tools), hermes (also Qwen 2.5), llama3, "
                                          "mistral, smollm2", TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _opt(None, "split the chat answer's think block into reasoning_content: "
+                                              "deepseek-r1 (the template opens <think>) or qwen3 "
+                                              "(docs/server.md#reasoning-output); none: no split",
+                                        REASONING_PARSERS)
     speculative_algorithm: str = _opt("none", "speculative decoding: ngram drafts from the request's own prompt "
                                               "and output, or standalone: a smaller draft model's, verified "
                                               "exactly by the model (docs/speculative.md)", SPECULATIVE_ALGORITHMS)
@@ -118,6 +141,10 @@ class ServerArgs:
                                         "keeps its share)")
     keyless_rate_limit: float = _opt(20.0, "requests per second (and burst) that /health_generate and /get_load "
                                            "serve without a valid key; more get 429; 0: unlimited")
+    responses_store_max_count: int = _opt(10000, "most stored /v1/responses answers kept in memory (all keys "
+                                                 "together; least recently used go first)")
+    responses_store_max_bytes: int = _opt(256 << 20, "most bytes of stored /v1/responses answers kept in memory "
+                                                     "(an estimate; least recently used go first)")
     log_level: str = _opt("info", "logging level")
     log_interval: int = _opt(40, "decode steps between decode log lines")
 
@@ -130,6 +157,10 @@ class ServerArgs:
             choices = _choices(name)
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
+        if self.embedding_pooling not in EMBEDDING_POOLINGS:
+            raise ValueError(f"embedding_pooling={self.embedding_pooling!r} is not one of {', '.join(EMBEDDING_POOLINGS)}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if not 0 < self.swa_full_tokens_ratio <= 1:
@@ -153,13 +184,24 @@ class ServerArgs:
         if self.keyless_rate_limit < 0:
             raise ValueError(f"keyless_rate_limit must be >= 0, got {self.keyless_rate_limit}")
         for name in ("max_request_fanout", "max_queued_requests", "fair_share_slice", "frontend_workers",
-                     "max_frontend_queue", *REQUEST_BOUNDS):
+                     "max_frontend_queue", "responses_store_max_count", "responses_store_max_bytes",
+                     *REQUEST_BOUNDS):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         self._check_lora()
+        self._check_hicache()
         if self.max_request_fanout > self.max_queued_requests:
             raise ValueError(f"max_request_fanout={self.max_request_fanout} is over max_queued_requests="
                              f"{self.max_queued_requests}: such a request could never be queued")
+
+    def _check_hicache(self) -> None:
+        for name, choices in (("hicache_storage_backend", HICACHE_STORAGE_BACKENDS),
+                              ("hicache_write_policy", HICACHE_WRITE_POLICIES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        parse_size(self.hicache_storage_size)  # NOTE: raises ValueError naming hicache_storage_size
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache needs the radix cache: drop disable_radix_cache")
 
     def _check_lora(self) -> None:
         if isinstance(self.lora_paths, (str, list)):  # NOTE: a list from Engine(...) kwargs, a str for one adapter

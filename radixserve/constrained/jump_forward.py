@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixserve.constrained.reasoning_budget import ReasoningBudgets
+
 MIN_JUMP_TOKENS = 3  # fewer: one extend step would save too little over as many decode steps
 EXTEND_ALWAYS_TOKENS = 7  # a forced string this long takes one extend in a batch of any size
 EXTEND_MAX_BATCH = 2  # a shorter one only in a running batch this small; else it is fed through decode steps
@@ -44,10 +46,15 @@ class JumpForward:
     def __init__(self, tokenizer: Any, enabled: bool = True) -> None:
         self.tokenizer = tokenizer
         self.enabled = enabled and tokenizer is not None
+        self.budgets = ReasoningBudgets(tokenizer)  # NOTE: forced whether or not jumps are enabled
 
     def forced_tokens(self, req: Any) -> list[int]:
         """The tokens the request's grammar forces next, already accepted by its matcher; [] when none (or too
-        few, or the request is in a state a jump must not touch)."""
+        few, or the request is in a state a jump must not touch). A spent reasoning budget's closing tag comes
+        first (constrained/reasoning_budget.py)."""
+        closing = self.budgets.forced_tokens(req)
+        if closing:
+            return closing
         if not self.enabled or req.grammar is None or req.finished() or not self._may_jump(req):
             return []
         matcher = req.grammar.matcher

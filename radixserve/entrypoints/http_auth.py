@@ -39,10 +39,18 @@ class Auth:
     def principal(self, request: Request) -> Principal:
         if self.open:
             return Principal(None, True)
-        principal = self._match(request.headers.get("authorization", ""))
+        principal = self._from_headers(request)
         if principal is None:
-            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise ApiError(401, "Incorrect or missing API key; send 'Authorization: Bearer <key>' (or "
+                                "'x-api-key: <key>')", code="invalid_api_key")
+        return principal
+
+    def _from_headers(self, request: Request) -> Principal | None:
+        """The key of `Authorization: Bearer`, else of `x-api-key` (Anthropic's header): one key, one namespace."""
+        principal = self._match(request.headers.get("authorization", ""))
+        x_api_key = request.headers.get("x-api-key")
+        if principal is None and x_api_key is not None:
+            principal = self._match(f"Bearer {x_api_key}")
         return principal
 
     def _match(self, authorization: str) -> Principal | None:
@@ -64,7 +72,7 @@ class Auth:
 
     def has_key(self, request: Request) -> bool:
         """Whether the caller sent a valid key (never on an open server: there are none); never raises."""
-        return self.valid_key(request.headers.get("authorization", ""))
+        return not self.open and self._from_headers(request) is not None
 
     def key_id(self, request: Request) -> str | None:
         """The caller's namespace id (routes that only need a valid key: the gateway's, http.gateway_api)."""

@@ -23,6 +23,7 @@ from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints import serving_native
 from radixserve.entrypoints.cache_explorer import register_cache_explorer
 from radixserve.entrypoints.coalesce import Coalesced, TokenBucket
+from radixserve.entrypoints.embeddings_protocol import EMBEDDING_SCHEMAS
 from radixserve.entrypoints.gateway_api import install_gateway_routes
 from radixserve.entrypoints.http_auth import Auth, Principal
 from radixserve.entrypoints.http_errors import (
@@ -53,8 +54,11 @@ from radixserve.entrypoints.openai_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from radixserve.entrypoints.serving_anthropic import register_anthropic_routes
 from radixserve.entrypoints.serving_common import guarded
+from radixserve.entrypoints.serving_embeddings import register_embedding_routes, with_pooling
 from radixserve.entrypoints.serving_openai import OpenAIServing
+from radixserve.entrypoints.serving_responses import register_responses_routes
 from radixserve.frontend.scheduler_link import SchedulerLink
 from radixserve.frontend.tokenizer_manager import (
     FrontendBusy,
@@ -76,7 +80,8 @@ _GENERATE_ERRORS = (400, 401, 413, 500, 503)
 _KEYLESS_ERRORS = (429, 503)
 _SCHEMA_MODELS = [CompletionRequest, ChatCompletionRequest, GenerateRequest, AbortRequest, TokenizeRequest,
                   DetokenizeRequest, CompletionResponse, ChatCompletionResponse, GenerateResponse, ModelList,
-                  TokenizeResponse, DetokenizeResponse, AbortResponse, FlushCacheResponse, HealthResponse, *LORA_SCHEMAS]
+                  TokenizeResponse, DetokenizeResponse, AbortResponse, FlushCacheResponse, HealthResponse, *LORA_SCHEMAS,
+                  *EMBEDDING_SCHEMAS]
 
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
@@ -171,7 +176,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.get("/v1/models", responses=docs.responses(docs.ref(ModelList), 401))
     async def models(request: Request) -> JSONResponse:
         auth.principal(request)
-        return JSONResponse(ModelList(data=await model_cards(tm)).model_dump())  # the base, then its LoRA adapters
+        cards = with_pooling(await model_cards(tm), server_args.embedding_pooling)  # the base, then its LoRA adapters
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/health", responses=docs.responses(docs.ref(HealthResponse), 503))
     async def health() -> JSONResponse:
@@ -224,6 +230,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     install_lora_routes(app, tm, auth, parse)  # /load_lora_adapter, /unload_lora_adapter (docs/lora.md)
     install_gateway_routes(app, tm, server_args, auth)  # what SGLang's model gateway calls (docs/scale_out.md)
     register_cache_explorer(app, tm, server_args)  # /cache/tree, /cache/view (docs/server.md)
+    register_responses_routes(app, tm, auth, parse, openai, server_args)  # /v1/responses (docs/server.md)
+    register_anthropic_routes(app, tm, auth, texts, work_key)  # /v1/messages (docs/server.md)
+    register_embedding_routes(app, tm, auth, parse, namespace, server_args.embedding_pooling)  # /v1/embeddings
     return app
 
 

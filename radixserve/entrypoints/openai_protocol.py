@@ -153,6 +153,9 @@ class ChatCompletionRequest(_SamplingFields):
     functions: list[FunctionDefinition] | None = None
     function_call: LegacyFunctionChoice | None = None  # None: auto with functions
     echo: bool = False  # vLLM's (the last message first in the reply): refused when true
+    separate_reasoning: bool = True  # SGLang's: false keeps the think block in `content` (--reasoning-parser)
+    reasoning_effort: str | None = None  # OpenAI's: low / medium / high: a think-block budget (chat_reasoning.py)
+    thinking_budget: int | None = None  # the budget in tokens, instead of reasoning_effort
 
 
 class NativeSamplingParams(_Request):
@@ -299,6 +302,7 @@ class CompletionResponse(_Response):
 class ChatResponseMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser only (else left out): the think block
     tool_calls: list[ToolCallOut] | None = None
     function_call: FunctionCallOut | None = None  # legacy requests' answer (no tool_calls then), else left out
 
@@ -325,6 +329,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser only (else left out)
     tool_calls: list[DeltaToolCall] | None = None
     function_call: DeltaFunctionCall | None = None  # legacy requests' call pieces (no tool_calls then)
 
@@ -362,6 +367,7 @@ class ModelCard(_Response):
     max_model_len: int
     root: str | None = None  # a LoRA adapter's folder (vLLM's field)
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
+    embedding_pooling: str | None = None  # how /v1/embeddings pools (--embedding-pooling): last or mean
 
 
 class ModelList(_Response):

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from radixserve.client.requests import per_choice_params
 from radixserve.client.text_stream import decode_all
+from radixserve.entrypoints import chat_reasoning as reasoning_out
 from radixserve.entrypoints.chat_history import check_history
 from radixserve.entrypoints.gateway_api import GATEWAY_UNSET_MODEL
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text
@@ -108,6 +109,7 @@ class OpenAIServing:
         self.texts = texts or TokenTexts(tm.tokenizer)
         self.tool_format = choose_format(tm.config.tool_call_parser, getattr(tm.tokenizer, "chat_template", None))
         self.special_trigger = trigger_is_special(self.tool_format, tm.tokenizer)
+        self.reasoning_parser = getattr(tm.config, "reasoning_parser", None)  # chat_reasoning.py
 
     def check_model(self, model: str | None) -> None:
         # NOTE: with LoRA on, another name may be an adapter's: `adapter_of` asks the scheduler
@@ -129,6 +131,11 @@ class OpenAIServing:
     def _check_items(self, req: Any, sequences: int) -> None:
         check_request_items(self.tm, sequences=sequences, stop=req.stop, stop_token_ids=req.stop_token_ids,
                             logit_bias=req.logit_bias)
+
+    def sampling(self, req: ChatCompletionRequest, max_new_tokens: int, tools: ToolPlan | None = None) -> Any:
+        """A chat request's sampling params (grammar of its response_format and tools included): the hook of the
+        endpoints that run as a chat request (serving_responses.py)."""
+        return self._sampling(req, max_new_tokens, tools)
 
     def _sampling(self, req: Any, max_new_tokens: int, tools: ToolPlan | None = None) -> Any:
         try:
@@ -225,8 +232,12 @@ class OpenAIServing:
         params = [self._sampling(req, resolve_max_tokens(self.tm, len(ids), max_tokens, "messages", max_param),
                                  tools)]
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        thinking = reasoning_out.plan_reasoning(self.reasoning_parser, req, tools, self.tm.tokenizer, ids)
+        params = reasoning_out.with_budget(params, reasoning_out.budget_of(self.reasoning_parser, req,
+                                                                           self.tm.tokenizer, ids))
         return await self._serve(req, request, [ids], params, extra_key, key, chat=True, top_logprobs=top_logprobs,
-                                 tools=tools if tools is not None and tools.parses_calls else None, lora=lora)
+                                 tools=tools if tools is not None and tools.parses_calls else None, lora=lora,
+                                 thinking=thinking)
 
     def chat_prompt(self, chat: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
         """The prompt's ids: the chat (its earlier tool calls and results, checked and legacy ones made tool ones:
@@ -276,9 +287,10 @@ class OpenAIServing:
 
     async def _serve(self, req: Any, request: Request, prompts: list[list[int]], params: list[Any],
                      extra_key: Any, key: Any, chat: bool, top_logprobs: int | None, echo: _Echo | None = None,
-                     tools: ToolPlan | None = None, lora: str | None = None) -> Response:
+                     tools: ToolPlan | None = None, lora: str | None = None,
+                     thinking: reasoning_out.ReasoningPlan | None = None) -> Response:
         """`top_logprobs`: None without logprobs, else the alternatives per token; `tools`: parse calls; `lora`:
-        the LoRA adapter (None: the base model)."""
+        the LoRA adapter (None: the base model); `thinking`: split reasoning from the answer (chat_reasoning.py)."""
         choice_params = [per_choice_params(p, req.n) for p in params]
         if req.rid is not None:
             check_text(req.rid, "rid")
@@ -290,15 +302,17 @@ class OpenAIServing:
         logprobs = top_logprobs is not None
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            render = self._chat_renderer(rid, usage, logprobs, tools) if chat else self._completion_renderer(
+            streamed = reasoning_out.StreamedReasoning(thinking, self.tm.tokenizer) if thinking is not None else None
+            render = self._chat_renderer(rid, usage, logprobs, tools, streamed) if chat else self._completion_renderer(
                 rid, usage, logprobs, echo)
             chunk_type = ChatCompletionChunk if chat else CompletionChunk
 
             def finale() -> list[dict[str, Any]]:
                 if not include_usage:
                     return []
-                return [chunk_type(id=rid, created=now(), model=self.model_name, choices=[],
-                                   usage=usage.info()).model_dump()]
+                return [reasoning_out.add_reasoning_usage(chunk_type(id=rid, created=now(), model=self.model_name, choices=[],
+                                                                     usage=usage.info()).model_dump(),
+                                                          sum(streamed.tokens.values()) if streamed else None)]
             return await stream_response(request, outputs, render, finale, partial(self.tm.run_cpu, key, admit=False))
         watcher = DisconnectWatcher(request.receive)
         try:
@@ -314,7 +328,7 @@ class OpenAIServing:
         # NOTE: built and JSON-encoded on a front-end thread: with echo and logprobs it holds every prompt token.
         if chat:
             return await self.tm.run_cpu(key, self._chat_response, rid, results, usage.info(), logprobs, tools,
-                                         admit=False)
+                                         thinking, admit=False)
         return await self.tm.run_cpu(key, self._completion_response, rid, results, usage.info(), logprobs, echo,
                                      admit=False)
 
@@ -330,16 +344,19 @@ class OpenAIServing:
         return JSONResponse(body.model_dump())
 
     def _chat_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo,
-                       logprobs: bool, tools: ToolPlan | None = None) -> JSONResponse:
+                       logprobs: bool, tools: ToolPlan | None = None,
+                       thinking: reasoning_out.ReasoningPlan | None = None) -> JSONResponse:
         choices = []
         for i, r in enumerate(results):
-            message, reason = whole_message(tools, r.text, r.finish_reason) if tools else ({"content": r.text},
-                                                                                          r.finish_reason)
+            reasoning, text = reasoning_out.whole_fields(thinking, r.text)  # NOTE: tool calls are read from the answer only
+            message, reason = whole_message(tools, text, r.finish_reason) if tools else ({"content": text},
+                                                                                        r.finish_reason)
+            message["reasoning_content"] = reasoning
             choices.append(ChatChoice(index=i, message=ChatResponseMessage(**message), finish_reason=reason,
                                       logprobs=chat_logprobs(self.texts, r) if logprobs else None))
         body = ChatCompletionResponse(id=rid, created=now(), model=self.model_name, choices=choices, usage=usage)
         exclude = _WITHOUT_TOOL_CALLS if tools is not None and tools.legacy else _WITHOUT_FUNCTION_CALL
-        return JSONResponse(body.model_dump(exclude=exclude))
+        return JSONResponse(reasoning_out.dump_chat(body, exclude, thinking, self.tm.tokenizer, results))
 
     def _completion_renderer(self, rid: str, usage: _Usage, logprobs: bool, echo: _Echo | None) -> Render:
         offsets: dict[int, int] = {}  # per choice: characters of token text sent so far, for text_offset
@@ -358,10 +375,13 @@ class OpenAIServing:
             return [CompletionChunk(id=rid, created=now(), model=self.model_name, choices=[choice]).model_dump()]
         return render
 
-    def _chat_renderer(self, rid: str, usage: _Usage, logprobs: bool, tools: ToolPlan | None = None) -> Render:
+    def _chat_renderer(self, rid: str, usage: _Usage, logprobs: bool, tools: ToolPlan | None = None,
+                       thinking: reasoning_out.StreamedReasoning | None = None) -> Render:
         started: set[int] = set()
         calls = StreamedCalls(tools) if tools is not None else None
         exclude = _DELTA_WITHOUT_CALLS if tools is not None and tools.legacy else _DELTA_WITHOUT_FUNCTION_CALL
+        if thinking is None:
+            exclude = reasoning_out.without_reasoning(exclude, "delta")
 
         def render(index: int, out: GenerateOutput) -> list[dict[str, Any]]:
             usage.add(index, out)
@@ -370,11 +390,15 @@ class OpenAIServing:
                 started.add(index)
                 choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             # NOTE: with logprobs every step's tokens get a chunk, even while their text is held back.
-            delta, reason, pieces = {"content": out.text_delta or None}, out.finish_reason, {}
+            thought, text = "", out.text_delta
+            if thinking is not None:  # NOTE: the tool-call parser reads the answer part only
+                thought, text = thinking.delta(index, out.text_delta, out.token_ids, out.finish_reason is not None)
+            delta, reason, pieces = {"content": text or None}, out.finish_reason, {}
             if calls is not None:
-                delta, reason = calls.delta(index, out.text_delta, out.finish_reason)
+                delta, reason = calls.delta(index, text, out.finish_reason)
                 pieces = {k: delta.pop(k) for k in ("tool_calls", "function_call") if delta.get(k)}
-            if delta["content"] or pieces or reason is not None or (logprobs and out.token_ids):
+            delta["reasoning_content"] = thought or None
+            if delta["content"] or thought or pieces or reason is not None or (logprobs and out.token_ids):
                 choices.append(ChatStreamChoice(index=index, delta=DeltaMessage(**delta),
                                                 logprobs=chat_logprobs(self.texts, out) if logprobs else None,
                                                 finish_reason=reason))

@@ -32,6 +32,7 @@ class FrontendConfig:
     max_frontend_queue: int = ServerArgs.max_frontend_queue  # jobs waiting for a front-end thread; more: 503
     keyless_rate_limit: float = ServerArgs.keyless_rate_limit  # keyless /health_generate, /get_load per second
     tool_call_parser: str = ServerArgs.tool_call_parser  # the tool-call format (function_call/formats.py)
+    reasoning_parser: str | None = ServerArgs.reasoning_parser  # the think-block style (function_call/reasoning.py)
     bounds: RequestBounds = RequestBounds()  # per-request size bounds (request_bounds.py)
 
     @classmethod
@@ -53,6 +54,7 @@ class GenerateReq:
     client_rid: str | None = None  # the client's name for it (SGLang's rid), for /abort_request
     group: Any = None  # the HTTP request it belongs to (fair admission); None: its own
     lora_name: str | None = None  # a LoRA adapter the scheduler holds; None: the base model
+    embed: str | None = None  # an embedding request's pooling ("last", "mean"); None: it generates
 
 
 class FinishView:
@@ -93,3 +95,4 @@ class GenerateOutput(FinishView):
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[TopLogprobs] | None = None
     figures: dict[str, float] | None = None  # the scheduler's figures of the request (TokenIDOut.figures)
+    embedding: list[float] | None = None  # an embedding request's L2-normalised vector, in its finishing output

@@ -229,7 +229,8 @@ class TokenizerManager:
             state.link = self._link
             self._link.send_request(generate_message(
                 rid, req.input_ids, req.sampling_params, req.extra_key,
-                LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len), req.lora_name))
+                LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len), req.lora_name,
+                req.embed))
             state.sent = True
             while True:
                 item = await state.queue.get()
@@ -364,7 +365,7 @@ class TokenizerManager:
                 rid=record.rid, text_delta=delta, token_ids=new_ids, finish=finished, prompt_tokens=state.prompt_len, completion_tokens=record.completion_tokens,
                 cached_tokens=record.cached_tokens, logprobs=record.output_logprobs,
                 top_logprobs=record.output_top_logprobs, input_logprobs=record.input_token_logprobs,
-                input_top_logprobs=record.input_top_logprobs, figures=record.figures))
+                input_top_logprobs=record.input_top_logprobs, figures=record.figures, embedding=record.embedding))
             if finished is not None:
                 state.done = True
                 self._observe_finished(state, aborted=finished.get("type") == "abort")

@@ -25,6 +25,12 @@ SCHEDULER_COUNTERS = {
     "spec_verify_steps": ("spec_verify_steps", "speculative decoding: request steps that verified a draft"),
     "spec_draft_tokens": ("spec_draft_tokens", "speculative decoding: draft tokens verified"),
     "spec_accepted_tokens": ("spec_accepted_tokens", "speculative decoding: draft tokens accepted"),
+    "hicache_loaded_tokens": ("hicache_loaded_tokens", "prompt tokens whose KV was loaded from the disk tier"),
+    "hicache_storage_hits": ("hicache_storage_hits", "disk tier: pages read and verified"),
+    "hicache_storage_misses": ("hicache_storage_misses", "disk tier: pages looked for and not found or corrupt"),
+    "hicache_bytes_written": ("hicache_bytes_written", "disk tier: KV bytes written"),
+    "hicache_bytes_read": ("hicache_bytes_read", "disk tier: KV bytes read"),
+    "hicache_corrupt_pages": ("hicache_corrupt_pages", "disk tier: pages that failed their checksum (deleted)"),
 }
 SCHEDULER_GAUGES = {
     "num_running_reqs": ("num_running_reqs", "requests in the running (decode) batch"),

@@ -51,6 +51,7 @@ class StepOutput(NamedTuple):
     logprobs: TokenLogprobs | None
     input_logprobs: TokenLogprobs | None = None  # rows per request: forward_batch.input_logprob_counts
     forward_s: float = 0.0  # the forward and sampling, timed on the forward stream (host clock)
+    pooled: torch.Tensor | None = None  # embedding requests' pooled hidden states (ForwardBatch.pooled_hidden)
 
 
 @dataclass
@@ -143,7 +144,7 @@ class ForwardPipeline:
             last = fb.verify.last_rows(next_ids.device)
             self.future_map.stash(fb.req_pool_indices[last], next_ids[last])
         logprobs = None if top_k is None else runner.logprobs(logits, next_ids, sampling_info, top_k)
-        return StepOutput(next_ids, logprobs, fb.input_logprobs, time.perf_counter() - started)
+        return StepOutput(next_ids, logprobs, fb.input_logprobs, time.perf_counter() - started, fb.pooled_hidden)
 
     def take_ready(self, launched_now: bool) -> LaunchedBatch | None:
         """The oldest batch in flight once more than the lag are (all of them when nothing was launched)."""

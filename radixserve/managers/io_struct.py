@@ -42,6 +42,7 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     logprob: LogprobSpec = NO_LOGPROBS
     lora_name: str | None = None  # a registered LoRA adapter; None: the base model
+    embed: str | None = None  # an embedding request's pooling ("last", "mean"): a prefill that generates nothing
 
 
 @dataclass
@@ -143,6 +144,8 @@ class TokenIDOut:
     # (Req.queue_steps); with speculative decoding, once it verified a draft, spec_verify_ct,
     # spec_draft_tokens, spec_accepted_tokens, spec_accept_rate, spec_accept_length (SpecState.meta).
     figures: dict[str, float] | None = None
+    # An embedding request's L2-normalised pooled hidden state, in its finishing record (Req.embed); else None.
+    embedding: list[float] | None = None
 
 
 @dataclass

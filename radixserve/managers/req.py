@@ -62,8 +62,13 @@ class Req:
 
     def __init__(self, rid: str, origin_input_ids: list[int], sampling_params: SamplingParams,
                  extra_key: Any = None, stream: bool = False, eos_token_ids: Iterable[int] = (),
-                 logprob: LogprobSpec = NO_LOGPROBS) -> None:
+                 logprob: LogprobSpec = NO_LOGPROBS, embed: str | None = None) -> None:
         self.rid = rid
+        # An embedding request: its pooling ("last" or "mean"); it runs as a prefill that generates no token and ends
+        # with `embedding`, the L2-normalised pooled final-norm output (model_executor/pooling.py). None: it generates.
+        self.embed = embed
+        self.embed_sum: Any = None  # "mean": the sum of its rows' vectors over its prefill chunks (float32 tensor)
+        self.embedding: list[float] | None = None
         self.origin_input_ids: list[int] = list(origin_input_ids)
         self.output_ids: list[int] = []
         self.fill_ids: list[int] = []  # (origin + output)[:end of the tokens computed this round]
@@ -206,6 +211,19 @@ class Req:
         self.input_token_logprobs.extend(values)
         self.input_top_logprobs.extend(top[: self.logprob.top_logprobs_num] for top in tops)
 
+    def add_pooled(self, vector: Any, final: bool) -> None:
+        """An embedding request's pooled vector from one prefill forward (ForwardBatch.pooled_hidden): the last row's
+        ("last"), or the sum over that forward's rows ("mean"); after the `final` chunk its `embedding` is set."""
+        if self.embed == "mean":
+            self.embed_sum = vector if self.embed_sum is None else self.embed_sum + vector
+        else:
+            self.embed_sum = vector
+        if final:
+            from radixserve.model_executor.pooling import normalize
+
+            # NOTE: mean pooling matched no prefix (prefix_match_limit), so the rows summed are the whole prompt
+            self.embedding = normalize(self.embed_sum)
+
     def has_output_to_send(self) -> bool:
         return not self.finish_sent and (self.finished() or (self.stream and len(self.output_ids) > self.sent_output_len))
 
@@ -223,7 +241,7 @@ class Req:
             self.output_top_logprobs[sent:] if logprobs else None,
             self.input_token_logprobs if send_input else None,
             self.input_top_logprobs if send_input else None,
-            self.figures())
+            self.figures(), self.embedding if self.finish_sent else None)
 
     def figures(self) -> dict[str, float] | None:
         """Its figures for meta_info (TokenIDOut.figures)."""
@@ -251,6 +269,9 @@ class Req:
         """How many leading `fill_ids` a cached prefix may cover."""
         # NOTE: at least one token is always computed, so the forward has logits to sample from.
         limit = max(len(self.fill_ids) - 1, 0)
+        if self.embed == "mean":
+            # NOTE: mean pooling needs every prompt row's hidden state, and a cached prefix has none: computed whole
+            return 0
         if self.wants_input_logprobs:
             # NOTE: the logits at position p score prompt token p + 1, and a cached prefix has no
             # logits: positions from input_logprob_next - 1 on are computed, never matched.
@@ -325,6 +346,7 @@ class Req:
         self.is_retracted = True
         self.retracted_stain = True
         self.retraction_count += 1
+        self.embed_sum = None  # NOTE: a re-prefill computes every row again
         start = self.logprob.logprob_start_len
         if start >= 0:
             # NOTE: under overlap the prefill that scored the prompt may still be in flight; its result is

@@ -62,6 +62,8 @@ class ScheduleBatch:
         self.forward_batch = ForwardBatch.for_extend(input_ids, rows, prefix_lens, extend_lens,
                                                      out_cache_loc, self.device)
         self.forward_batch.lora_adapters = lora_adapters(reqs)
+        if any(r.embed is not None for r in reqs):  # NOTE: the model pools their final hidden states too
+            self.forward_batch.pooling = [r.embed for r in reqs]
         self._plan_input_logprobs(prefix_lens, extend_lens)
         return self.forward_batch
 

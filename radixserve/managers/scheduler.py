@@ -59,6 +59,7 @@ from radixserve.managers.scheduler_output_processor import OutputProcessor, logp
 from radixserve.managers.scheduler_runner import SchedulerRunner
 from radixserve.managers.scheduler_state import StateReport
 from radixserve.managers.step_pipelines import Pipelines
+from radixserve.mem_cache.hicache import make_hicache
 from radixserve.mem_cache.kv_manager import KVManager
 from radixserve.mem_cache.swa_radix_cache import make_tree_cache
 from radixserve.server_args import ServerArgs
@@ -90,15 +91,20 @@ class Scheduler:
         self.eos_token_ids = tuple(model_runner.model_config.eos_token_ids)
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
+        # NOTE: the allocator says whether the pool is hybrid (tiers.py); only then has the runner a window W
+        window = model_runner.swa_window if self.token_to_kv_pool_allocator.is_hybrid else None
         self.tree_cache = make_tree_cache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size,
-                                          server_args, getattr(model_runner, "swa_window", None))
+                                          server_args, window)
         self.stats = SchedulerStats()
         self.kv_manager = KVManager(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.tree_cache,
-                                    self.stats)
+                                    self.stats, make_hicache(server_args, model_runner, self.tree_cache,
+                                                             self.token_to_kv_pool_allocator, self.stats))
         self.policy = SchedulePolicy(server_args.schedule_policy, self.kv_manager)
         self.new_token_ratio = NewTokenRatio(server_args.schedule_conservativeness)
         self.output_sink = output_sink or (lambda out: None)
         self._compose_parts(server_args)
+        if self.kv_manager.hicache is not None:
+            self.kv_manager.hicache.before_pool_write = self._finish_forwards
 
         self.running_batch = ScheduleBatch([], self.kv_manager, self.device)
         self.cur_batch: ScheduleBatch | None = None
@@ -108,6 +114,12 @@ class Scheduler:
         self.stop_event = threading.Event()
         self.strict_checks = envs.STRICT_CHECKS.get()
         self._idle_checked = False
+
+    def _finish_forwards(self) -> None:
+        """Block until every launched forward has run (the disk tier then loads KV into freed slots)."""
+        for pipeline in (self.pipelines.overlap, self.pipelines.normal):
+            if pipeline is not None:
+                pipeline.streams.forward.synchronize()
 
     def _compose_parts(self, args: ServerArgs) -> None:
         pool = self.max_total_num_tokens

@@ -35,7 +35,7 @@ class InputProcessor:
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.limits.eos_token_ids,
-                  msg.logprob)
+                  msg.logprob, msg.embed)
         error, status = self.validate_request(req), 400
         if self.queue.get(msg.rid) is not None or self.grammars.get(msg.rid) is not None:
             error = f"request id {msg.rid!r} is already in use"

@@ -38,6 +38,13 @@ class SchedulerStats:
     prefill_forward_s: float = 0.0  # wall time in run_batch (forward + sampling), by batch kind
     decode_forward_s: float = 0.0
     cache_ops_s: float = 0.0  # wall time in radix-cache work: matching, locking, inserting, releasing, evicting
+    # the disk tier (mem_cache/hicache.py, --enable-hierarchical-cache): its store's counters, copied after each use
+    hicache_loaded_tokens: int = 0  # tokens loaded from storage into the tree (they count as cached_tokens)
+    hicache_storage_hits: int = 0  # pages read and verified
+    hicache_storage_misses: int = 0
+    hicache_bytes_written: int = 0
+    hicache_bytes_read: int = 0
+    hicache_corrupt_pages: int = 0
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float]:

@@ -36,6 +36,8 @@ class GenerationBatchResult(NamedTuple):
     top_logprobs: list[list[tuple[int, float]]] | None = None  # (token id, logprob), most likely first
     # Per request (extend only): the prompt positions this forward scored, as (logprobs, top), or None.
     input_logprobs: list[tuple[list[float], list[list[tuple[int, float]]]] | None] | None = None
+    # Per request (extend only, when some request embeds): its pooled hidden state (ForwardBatch.pooled_hidden).
+    pooled: list[Any] | None = None
 
     def select(self, rows: list[int]) -> GenerationBatchResult:
         """The result of the batch rows `rows`, in that order."""
@@ -91,7 +93,8 @@ class OutputProcessor:
         output: StepOutput = launched.host_output.result()
         counts = launched.forward_batch.input_logprob_counts
         result = GenerationBatchResult(output.next_token_ids.tolist(), *host_logprobs(output.logprobs),
-                                       host_input_logprobs(output.input_logprobs, counts))
+                                       host_input_logprobs(output.input_logprobs, counts),
+                                       None if output.pooled is None else list(output.pooled))
         is_extend = launched.batch.forward_mode.is_extend()
         self._count_grammar_rows(launched.sampling_info)
         if self.step_cost is not None and not is_extend and output.forward_s > 0:
@@ -134,6 +137,8 @@ class OutputProcessor:
         for i, (req, token) in enumerate(zip(batch.reqs, result.next_token_ids, strict=True)):
             if result.input_logprobs is not None and result.input_logprobs[i] is not None and not req.finished():
                 req.add_input_logprobs(*result.input_logprobs[i])
+            if req.embed is not None and result.pooled is not None and not req.finished():
+                req.add_pooled(result.pooled[i], final=req.is_chunked == 0)
             if req.end_chunk():
                 continue  # NOTE: a non-final chunk samples nothing; its KV is stashed at the next step.
             if req.finished():

@@ -64,6 +64,7 @@ class SchedulerInfo:
     pid: int
     platform: dict[str, Any] = field(default_factory=dict)  # ModelRunner.platform_info(): dtype reason, CPU
     lora_enabled: bool = False  # requests may name LoRA adapters (the scheduler holds the registry)
+    hidden_size: int = 0  # the width of the final norm's output: an embedding's dimensions (/v1/embeddings)
 
     @property
     def effective_max_context(self) -> int:
@@ -166,6 +167,7 @@ def _info_from_runner(server_args: ServerArgs, runner: ModelRunner) -> Scheduler
         pid=os.getpid(),
         platform=runner.platform_info(),
         lora_enabled=getattr(runner, "lora", None) is not None,
+        hidden_size=int(config.hidden_size),
     )
 
 

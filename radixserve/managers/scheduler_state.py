@@ -58,13 +58,18 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
 
 
 def _window_pool(s: Scheduler) -> dict[str, int]:
-    """A hybrid (sliding-window) model's window pool: free, cached evictable, locked; nothing for other models."""
-    tree, alloc = s.tree_cache, s.token_to_kv_pool_allocator
-    if not hasattr(tree, "window_evictable_size"):
-        return {}
-    return {"window_pool_tokens": alloc.window_size, "window_available_tokens": alloc.window_available_size(),
-            "window_evictable_tokens": tree.window_evictable_size(),
-            "window_protected_tokens": tree.window_protected_size(), "sliding_window": tree.sliding_window}
+    """Each tier past the device pool (tiers.py; a hybrid model's `window` pool): its size, free, cached evictable,
+    locked, as `<tier>_pool_tokens`, `<tier>_available_tokens`, ...; and a hybrid tree's `sliding_window`.
+
+    NOTE: the device tier's figures are the top-level `max_total_num_tokens`, `available_tokens`, ... above;
+    a plain model has no further tier, so adds nothing."""
+    out: dict[str, int] = {}
+    for tier in s.tree_cache.tiers()[1:]:
+        out |= {f"{tier.name}_pool_tokens": tier.capacity, f"{tier.name}_available_tokens": tier.free,
+                f"{tier.name}_evictable_tokens": tier.evictable, f"{tier.name}_protected_tokens": tier.protected}
+    if s.tree_cache.sliding_window is not None:
+        out["sliding_window"] = s.tree_cache.sliding_window
+    return out
 
 
 def _pool_fingerprint(s: Scheduler) -> tuple:

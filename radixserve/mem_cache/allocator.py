@@ -8,11 +8,13 @@ is free, pending in the current free group, out of range, or never allocated rai
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
 from radixserve import envs
 from radixserve.mem_cache.memory_pool import SLOT_DTYPE
+from radixserve.mem_cache.tiers import DEVICE_TIER
 
 DEBUG_ENV = envs.DEBUG_ALLOC.name
 
@@ -31,7 +33,13 @@ class PagedTokenToKVPoolAllocator:
     Free pages are reused LIFO (freed pages go to the head), as in SGLang. `size` is rounded down
     to whole pages. A request's tokens stay contiguous inside a page and two requests never share
     a page; `alloc_extend` / `alloc_decode` fill a request's partial last page before taking new ones.
+
+    What it is, declared (tiers.py): `is_hybrid` False, one tier (`device`); a hybrid allocator overrides both.
     """
+
+    # NOTE: callers read these, never probe for a hybrid pool's attributes (one place per decision)
+    is_hybrid: ClassVar[bool] = False
+    tier_names: ClassVar[tuple[str, ...]] = (DEVICE_TIER,)
 
     def __init__(self, size: int, page_size: int, device: str | torch.device = "cpu") -> None:
         if page_size <= 0:
@@ -56,6 +64,20 @@ class PagedTokenToKVPoolAllocator:
     def available_size(self) -> int:
         """Free slots, not counting those collected by an open free group."""
         return len(self.free_pages) * self.page_size
+
+    def tier_capacity(self, name: str) -> int:
+        """Slots tier `name` holds in all (slot 0 / page 0 not counted)."""
+        self._check_tier(name)
+        return self.size
+
+    def tier_free(self, name: str) -> int:
+        """Free slots of tier `name` (for `device`, `available_size()`)."""
+        self._check_tier(name)
+        return self.available_size()
+
+    def _check_tier(self, name: str) -> None:
+        if name not in self.tier_names:
+            raise KeyError(f"no KV tier {name!r} in {type(self).__name__} (tiers: {', '.join(self.tier_names)})")
 
     def free_group_begin(self) -> None:
         """Collect the following frees and release them together at `free_group_end`."""

@@ -127,8 +127,7 @@ def _walk(cache: Any, ns_of: Any, now: float, max_nodes: int | None,
             "hits": node.hit_count, "age_s": round(now - node.last_access_time, 3),
             "evictable": node.lock_ref == 0, "leaf": not node.children, "priority": node.priority,
         })
-        if hasattr(cache, "sliding_window"):  # a hybrid tree: tokens with window KV, window locks
-            nodes[-1].update({"window": node.window_len, "window_locks": node.window_lock_ref})
+        nodes[-1].update(cache.node_tier_fields(node))  # NOTE: a hybrid tree's window KV and window locks
         queue.extend((child, node.id, depth + 1) for child in node.children.values())
     return nodes, bool(queue)
 

@@ -8,7 +8,9 @@ value), or by one active request (its private row positions [cache_protected_len
 kv_allocated_len)). Slots collected by an open free group count as free. Requests are anything with
 a KV handle `kv` (a `ReqKV`): `Req`, or a `ReqKV` itself.
 
-A hybrid model's window pool (swa_memory.py) has the same identity and single ownership (`check_window_pool`):
+The allocator declares its tiers (`tier_names`, tiers.py): the first, `device`, is the pool above; each further
+tier has its own check (`_tier_check`), run after the device pool's. A hybrid model's window pool (swa_memory.py),
+tier `window`, has the same identity and single ownership (`check_window_pool`):
 
     window available + window evictable + window protected + sum over active requests of
         (their own positions with window KV)  ==  window pool size
@@ -20,10 +22,12 @@ KV its next token reads: positions max(0, kv_committed_len - W + 1) .. kv_alloca
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from radixserve.mem_cache.tiers import WINDOW_TIER
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.kv_manager import ReqKV
@@ -97,8 +101,9 @@ def check_conservation(allocator: Any, tree_cache: Any, req_to_token_pool: Any,
             leaked, doubly_owned, report,
         )
     _check_rows_reference_owned(allocator, nodes, req_to_token_pool, reqs)
-    if hasattr(allocator, "full_to_window"):
-        report.update(check_window_pool(allocator, tree_cache, nodes, req_to_token_pool, reqs))
+    # NOTE: the device tier is checked above; every further tier the allocator declares has its check here
+    for name in allocator.tier_names[1:]:
+        report.update(_tier_check(name)(allocator, tree_cache, nodes, req_to_token_pool, reqs))
     if not reqs:
         _check_idle(tree_cache, req_to_token_pool, report)
     return report
@@ -157,18 +162,33 @@ def _check_idle(tree_cache: Any, pool: Any, report: dict) -> None:
                                 report=report)
 
 
+# ---------------------------------------------------------------------------------------------- further tiers
+TierCheck = Callable[[Any, Any, list[Any], Any, list[Any]], dict[str, int]]
+
+
+def _tier_check(name: str) -> TierCheck:
+    """The check of tier `name` beyond the device pool: (allocator, tree, nodes, req_to_token pool, requests) ->
+    its report terms, raising ConservationError. A tier without one is an error, never a silent pass."""
+    checks: dict[str, TierCheck] = {WINDOW_TIER: check_window_pool}
+    if name not in checks:
+        raise ConservationError(f"no conservation check for KV tier {name!r}: add one to conservation.py")
+    return checks[name]
+
+
 # ---------------------------------------------------------------------------------------------- window pool
 def check_window_pool(allocator: Any, tree_cache: Any, nodes: list[Any], pool: Any, reqs: list[Any]) -> dict[str, int]:
     """Raises ConservationError if the window pool's identity, ownership or a running window fails; returns terms."""
-    table, size = allocator.full_to_window, allocator.window.size
-    hybrid_tree = tree_cache is not None and hasattr(tree_cache, "window_evictable_size")
+    table, size = allocator.full_to_window, allocator.tier_capacity(WINDOW_TIER)
+    hybrid_tree = tree_cache is not None and tree_cache.is_hybrid
     if hybrid_tree and not tree_cache.disable:
         _recount(nodes, tree_cache, allocator)
     private = [pool.req_to_token[r.req_pool_idx, r.cache_protected_len:r.kv_allocated_len].long() for r in reqs]
+    # NOTE: a tree that does not track the window tier (a plain RadixCache) holds none of it: (0, 0)
+    evictable, protected = tree_cache.tier_lock_sizes(WINDOW_TIER) if tree_cache is not None else (0, 0)
     report = {
-        "window_available": allocator.window_available_size(),
-        "window_evictable": tree_cache.window_evictable_size() if hybrid_tree else 0,
-        "window_protected": tree_cache.window_protected_size() if hybrid_tree else 0,
+        "window_available": allocator.tier_free(WINDOW_TIER),
+        "window_evictable": evictable,
+        "window_protected": protected,
         "window_request_private": sum(allocator.window_count(p) for p in private),
         "window_size": size,
     }
@@ -208,7 +228,7 @@ def _recount(nodes: list[Any], tree_cache: Any, allocator: Any) -> None:
 
 
 def _check_running_windows(allocator: Any, tree_cache: Any, pool: Any, reqs: list[Any]) -> None:
-    window = getattr(tree_cache, "sliding_window", None)
+    window = tree_cache.sliding_window if tree_cache is not None else None
     if window is None:
         return
     for req in reqs:

@@ -35,6 +35,7 @@ from radixserve.mem_cache.radix_key import RadixKey
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
+    from radixserve.mem_cache.hicache import HiCacheController
     from radixserve.mem_cache.memory_pool import ReqToTokenPool
     from radixserve.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode
 
@@ -90,14 +91,16 @@ class KVManager:
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, tree_cache: RadixCache,
-                 stats: Any = None) -> None:
+                 stats: Any = None, hicache: HiCacheController | None = None) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree_cache = tree_cache
         self.page_size = allocator.page_size
         self.stats = stats
-        # NOTE: a hybrid model's window W (the tree's), None for a plain one: the one switch for the window pool
-        self.sliding_window: int | None = getattr(tree_cache, "sliding_window", None)
+        self.hicache = hicache  # the disk tier (hicache.py), None unless --enable-hierarchical-cache
+        # NOTE: a hybrid model's window W (the tree declares it, tiers.py), None for a plain one: the one switch
+        # for the window pool
+        self.sliding_window: int | None = tree_cache.sliding_window
 
     # ---- sizes ----------------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -123,7 +126,11 @@ class KVManager:
         The match is remembered on the handle and replaced by the next one; returns its length."""
         kv = req.kv
         assert kv.req_pool_idx is None and not kv.locked, f"{req!r} already holds KV"  # NOTE: waiting only
-        match = self.tree_cache.match_prefix(RadixKey(req.fill_ids[: req.prefix_match_limit], req.extra_key))
+        tokens = req.fill_ids[: req.prefix_match_limit]
+        match = self.tree_cache.match_prefix(RadixKey(tokens, req.extra_key))
+        if self.hicache is not None:
+            # NOTE: stored pages past the tree's hit are loaded into free slots and inserted: the tree owns them
+            match = self.hicache.extend_match(tokens, req.extra_key, match, req.priority)
         kv.prefix_indices, kv.last_node = match.device_indices, match.last_node
         kv.cache_protected_len = len(match.device_indices)
         return kv.cache_protected_len
@@ -140,6 +147,8 @@ class KVManager:
         assert not kv.locked
         kv.window_lock = self._inc_lock(kv.last_node)
         kv.locked = True
+        if self.hicache is not None and kv.cache_protected_len:
+            self.hicache.on_lock(req.fill_ids[: kv.cache_protected_len], req.extra_key, kv.prefix_indices)
         if self.sliding_window is not None and kv.cache_protected_len:
             self._check_window_of_match(kv)
 
@@ -352,6 +361,8 @@ class KVManager:
             row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
             key = tree.key_of(req.fill_ids, req.extra_key)
             prefix_len = tree.insert(key, row[: len(key)], req.priority, chunked=chunked)
+            if self.hicache is not None:  # NOTE: before the duplicates are freed (a chunk's KV may be in flight)
+                self.hicache.on_insert(key, row[: len(key)], chunked)
             _check_protected_prefix(kv, prefix_len)
             self._free_row(row, [(kv.cache_protected_len, prefix_len)])
             match = self._rematch(key)
@@ -383,6 +394,8 @@ class KVManager:
         if is_insert and not tree.disable:
             key = tree.key_of(_prefix_of(req.origin_input_ids, req.output_ids, kv.kv_committed_len), req.extra_key)
             prefix_len = tree.insert(key, row[: len(key)], req.priority)
+            if self.hicache is not None:
+                self.hicache.on_insert(key, row[: len(key)])
             _check_protected_prefix(kv, prefix_len)
             to_free = [(cpl, prefix_len), (len(key), allocated)]  # [prefix_len, len(key)) went to the tree
         self._free_row(row, to_free)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 # NOTE: the one dtype of KV slot ids, from the allocator through the tree and `req_to_token` to the
@@ -48,7 +50,14 @@ class MHATokenToKVPool:
     """Per-layer K and V buffers of shape [size + page_size, num_kv_heads, head_dim].
 
     Slot 0 (page 0) is never handed out by an allocator; padded tokens write their K/V there.
+
+    Declared for attention (tiers.py): `is_hybrid` False and `full_to_window` None, every layer reads these
+    buffers by full slot; a hybrid pool (`SWAKVPool`) sets both.
     """
+
+    # NOTE: attention reads these, never probes the pool's class (one place per decision)
+    is_hybrid: ClassVar[bool] = False
+    full_to_window: torch.Tensor | None = None
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_num: int, device: str | torch.device = "cpu") -> None:

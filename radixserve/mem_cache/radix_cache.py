@@ -17,7 +17,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -25,6 +25,7 @@ from radixserve.mem_cache.cache_events import CacheEventLog
 from radixserve.mem_cache.evict_policy import get_eviction_key
 from radixserve.mem_cache.memory_pool import SLOT_DTYPE
 from radixserve.mem_cache.radix_key import RadixKey, common_prefix_len
+from radixserve.mem_cache.tiers import MatchResult, TieredCache
 
 __all__ = ["MatchResult", "RadixCache", "RadixKey", "TreeNode"]
 
@@ -61,12 +62,7 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={size}, lock_ref={self.lock_ref})"
 
 
-class MatchResult(NamedTuple):
-    device_indices: torch.Tensor
-    last_node: TreeNode
-
-
-class RadixCache:
+class RadixCache(TieredCache):
     """The radix tree cache. Usable with no pools (tests): then eviction frees nothing.
 
     `page_size` > 1 makes every key, match and node a whole number of pages. With `disable=True`
@@ -90,6 +86,8 @@ class RadixCache:
         self.disable = disable
         self.is_eagle = is_eagle
         self.events: CacheEventLog | None = None
+        # called with each leaf `evict` removes, before its slots are freed (the disk tier's write_back)
+        self.evict_hook: Callable[[TreeNode], None] | None = None
         self.eviction_policy = eviction_policy
         self._eviction_key = get_eviction_key(eviction_policy)
         self._page_struct = struct.Struct(f"{page_size}q")  # unpacks one page: a child key
@@ -370,6 +368,8 @@ class RadixCache:
             evicted += len(node.key)  # NOTE: == len(node.value), without a tensor call
             if self.events is not None:
                 victims.append((node.id, len(node.key), node.key.extra_key, node.parent.id))
+            if self.evict_hook is not None:
+                self.evict_hook(node)  # NOTE: before _delete_leaf: the hook walks the node's path to the root
             self._delete_leaf(node)
         if freed and self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))

@@ -16,11 +16,13 @@ their smaller buffers; attention translates full slots through the table (layers
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixserve.mem_cache.memory_pool import SLOT_DTYPE, MHATokenToKVPool
+from radixserve.mem_cache.tiers import DEVICE_TIER, WINDOW_TIER
 
 
 class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
@@ -28,7 +30,11 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     `size`, `page_size`, `available_size()`, `free_pages` and the free group are the full pool's, as before;
     `window` is the window pool's allocator (page size 1: window KV is freed token by token as windows slide).
+    Declared (tiers.py): `is_hybrid` True, tiers `device` (the full pool) and `window`.
     """
+
+    is_hybrid: ClassVar[bool] = True
+    tier_names: ClassVar[tuple[str, ...]] = (DEVICE_TIER, WINDOW_TIER)
 
     def __init__(self, size: int, page_size: int, window_size: int, device: str | torch.device = "cpu") -> None:
         if window_size < 1:
@@ -51,6 +57,12 @@ class SWATokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     @property
     def window_size(self) -> int:
         return self.window.size
+
+    def tier_capacity(self, name: str) -> int:
+        return self.window.size if name == WINDOW_TIER else super().tier_capacity(name)
+
+    def tier_free(self, name: str) -> int:
+        return self.window.available_size() if name == WINDOW_TIER else super().tier_free(name)
 
     # ------------------------------------------------------------------ alloc: a window slot per full slot
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -129,8 +141,10 @@ class SWAKVPool(MHATokenToKVPool):
     """K/V buffers of a hybrid model: full layers sized for the full pool, window layers for the window pool.
 
     Buffers are indexed by the slot the layer uses: full slots for full layers, window slots (through
-    `full_to_window`, the allocator's table, shared here read-only) for window layers.
+    `full_to_window`, the allocator's table, shared here read-only) for window layers. `is_hybrid` is True.
     """
+
+    is_hybrid: ClassVar[bool] = True
 
     def __init__(self, size: int, window_size: int, page_size: int, dtype: torch.dtype, head_num: int,
                  head_dim: int, layer_windows: Sequence[int | None], full_to_window: torch.Tensor,

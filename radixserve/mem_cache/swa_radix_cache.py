@@ -28,6 +28,7 @@ import torch
 
 from radixserve.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode
 from radixserve.mem_cache.radix_key import RadixKey
+from radixserve.mem_cache.tiers import WINDOW_TIER
 
 __all__ = ["SWARadixCache", "make_tree_cache", "usable_window_prefix"]
 
@@ -59,8 +60,8 @@ class SWARadixCache(RadixCache):
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, page_size: int = 1,
                  sliding_window: int = 1, disable: bool = False, eviction_policy: str = "lru") -> None:
-        if not hasattr(token_to_kv_pool_allocator, "full_to_window"):
-            raise ValueError("SWARadixCache needs a SWATokenToKVPoolAllocator")
+        if token_to_kv_pool_allocator is None or not token_to_kv_pool_allocator.is_hybrid:
+            raise ValueError("SWARadixCache needs a hybrid allocator (SWATokenToKVPoolAllocator)")
         if sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.sliding_window = sliding_window
@@ -77,6 +78,15 @@ class SWARadixCache(RadixCache):
 
     def window_protected_size(self) -> int:
         return self.window_protected_size_
+
+    def tier_lock_sizes(self, name: str) -> tuple[int, int]:
+        if name == WINDOW_TIER:
+            return self.window_evictable_size_, self.window_protected_size_
+        return super().tier_lock_sizes(name)
+
+    def node_tier_fields(self, node: TreeNode) -> dict[str, int]:
+        """Tokens of the node with window KV, and its window locks."""
+        return {"window": node.window_len, "window_locks": node.window_lock_ref}
 
     def total_window_size(self) -> int:
         """Window slots held by the tree, recounted from the allocator's table (independent of the counters)."""

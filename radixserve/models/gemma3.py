@@ -30,6 +30,7 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixserve.model_executor.cpu_memory import in_row_pieces
 from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.model_executor.pooling import pool_hidden
 from radixserve.models.config import ModelConfig
 from radixserve.models.llama import DecoderLayerWeights, DecoderWeights, LlamaForCausalLM, _last_token_index
 
@@ -179,12 +180,16 @@ class Gemma3ForCausalLM(nn.Module):
             _, hidden = self.decode_step(hidden, fb)  # NOTE: Gemma's loop leaves the residual stream, whole
         else:
             hidden = self._layers(hidden, positions, fb)
+        every = hidden
         if fb.forward_mode.is_extend():
             rows = _last_token_index(fb, hidden.device)
             if fb.extra_logits_indices is not None:
                 rows = torch.cat([rows, fb.extra_logits_indices])  # NOTE: after the bs sampling rows
             hidden = hidden[rows]
-        logits = self.lm_head(self.model.norm(hidden)).float()
+        normed = self.model.norm(hidden)
+        if fb.pooling is not None:  # embedding requests: the final norm's output (model_executor/pooling.py)
+            pool_hidden(fb, normed, lambda a, b: self.model.norm(every[a:b]))
+        logits = self.lm_head(normed).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -25,6 +25,7 @@ from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from radixserve.model_executor.cpu_memory import in_row_pieces
 from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.model_executor.pooling import pool_hidden
 from radixserve.models.config import ModelConfig, ModelLoadError
 
 if TYPE_CHECKING:
@@ -221,12 +222,15 @@ class LlamaForCausalLM(nn.Module):
             residual = None
             for layer in self.model.layers:
                 hidden, residual = layer(hidden, residual, cos, sin, fb)
+        every = hidden, residual
         if fb.forward_mode.is_extend():
             rows = _last_token_index(fb, hidden.device)
             if fb.extra_logits_indices is not None:
                 rows = torch.cat([rows, fb.extra_logits_indices])  # NOTE: after the bs sampling rows
             hidden, residual = hidden[rows], residual[rows]
         hidden, _ = self.model.norm(hidden, residual)
+        if fb.pooling is not None:  # embedding requests: the final norm's output (model_executor/pooling.py)
+            pool_hidden(fb, hidden, lambda a, b: self.model.norm(every[0][a:b], every[1][a:b])[0])
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

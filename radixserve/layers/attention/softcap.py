@@ -146,8 +146,9 @@ def forward_extend(backend: TorchAttnBackend, q: torch.Tensor, k: torch.Tensor, 
 
 
 def _translate(fb: ForwardBatch) -> torch.Tensor | None:
-    """The hybrid pool's full -> window slot table (window layers' tables are in window slots), or None."""
-    return getattr(fb.token_to_kv_pool, "full_to_window", None)
+    """The hybrid pool's full -> window slot table (window layers' tables are in window slots), or None: every
+    pool declares `full_to_window` (memory_pool.py)."""
+    return fb.token_to_kv_pool.full_to_window
 
 
 def _hides_nothing(fb: ForwardBatch) -> int:

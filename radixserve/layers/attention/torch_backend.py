@@ -128,7 +128,7 @@ class TorchAttnBackend(AttentionBackend):
     def _plan_windows(self, fb: ForwardBatch, prefix_len: int) -> None:
         """Per window: its cascade plan where the policy takes the part of P the window sees, else its tables."""
         # NOTE: with a hybrid pool, window layers read their own buffers: always through translated tables
-        table = getattr(fb.token_to_kv_pool, "full_to_window", None)
+        table = fb.token_to_kv_pool.full_to_window  # NOTE: declared by every pool (None unless hybrid)
         applies = [w for w in self.plan.windows if table is not None or window.window_applies(fb, w)]
         decode = fb.forward_mode.is_decode()
         plan_cascade = window_cascade.plan_decode if decode else window_cascade.plan_extend
