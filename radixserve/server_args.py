@@ -64,9 +64,13 @@ class ServerArgs:
     enable_hierarchical_cache: bool = _opt(False, "keep radix-cache pages on disk too, so a prefix's KV outlives the "
                                                   "KV pool and the process (docs/hicache.md)")
     hicache_storage_backend: str = _opt("file", "the disk tier's store: file (one file per page in "
-                                                "--hicache-storage-dir)", HICACHE_STORAGE_BACKENDS)
+                                                "--hicache-storage-dir) or redis (one value per page in the "
+                                                "Redis or Valkey server at --hicache-storage-url)",
+                                        HICACHE_STORAGE_BACKENDS)
     hicache_storage_dir: str | None = _opt(None, "the file store's directory; default: hicache/ under "
                                                  "RADIXSERVE_CACHE_DIR")
+    hicache_storage_url: str | None = _opt(None, "the redis store's server, e.g. redis://127.0.0.1:6379/0 "
+                                                 "(rediss:// for TLS, unix:///path.sock); its maxmemory caps it")
     hicache_storage_size: str | int = _opt("8GiB", "the file store's size cap in bytes (an int or e.g. 2GiB, "
                                                    "500MB); least recently used pages go first")
     hicache_write_policy: str = _opt("write_through", "when pages are stored: write_through (on insert into the "
@@ -200,6 +204,10 @@ class ServerArgs:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
         parse_size(self.hicache_storage_size)  # NOTE: raises ValueError naming hicache_storage_size
+        if self.hicache_storage_backend == "redis":
+            from radixserve.mem_cache.storage.redis_backend import check_redis_url
+
+            check_redis_url(self.hicache_storage_url)  # NOTE: raises ValueError naming hicache_storage_url
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache needs the radix cache: drop disable_radix_cache")
 

@@ -182,7 +182,7 @@ def test_parse_size_and_server_args():
     with pytest.raises(ValueError, match="hicache_storage_size"):
         ServerArgs(hicache_storage_size="lots")
     with pytest.raises(ValueError, match="hicache_storage_backend"):
-        ServerArgs(hicache_storage_backend="redis")
+        ServerArgs(hicache_storage_backend="nfs")
     with pytest.raises(ValueError, match="hicache_write_policy"):
         ServerArgs(hicache_write_policy="sometimes")
     with pytest.raises(ValueError, match="disable_radix_cache"):

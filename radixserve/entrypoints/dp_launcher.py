@@ -129,10 +129,13 @@ class DPLauncher:
     def start_workers(self) -> None:
         shares = core_shares(sorted(allowed_cpus()), self.config.dp_size)
         gpus = _gpu_ids(self.server_args.device, self.config.dp_size)
+        shared = shared_storage_args(self.server_args)
+        if shared.enable_hierarchical_cache:
+            logger.info("the workers share one hierarchical cache storage directory: %s", shared.hicache_storage_dir)
         for rank, cores in enumerate(shares):
             port = free_port(avoid=(self.server_args.port,))  # the gateway binds that one later
             threads = self.server_args.torch_threads or len(cores)
-            args = worker_flags(self.server_args, port, threads) + self.http_flags
+            args = worker_flags(shared, port, threads) + self.http_flags
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]
@@ -231,6 +234,19 @@ class DPLauncher:
     def _check_stop(self) -> None:
         if self._stop.is_set():
             raise KeyboardInterrupt
+
+
+def shared_storage_args(server_args: ServerArgs) -> ServerArgs:
+    """`server_args` with the disk tier's directory made absolute and explicit, so every worker of `--dp N` opens
+    the same one (its default, hicache/ under RADIXSERVE_CACHE_DIR, is resolved once here).
+
+    NOTE: the file backend is safe for several processes over one directory (docs/hicache.md, "Across workers")."""
+    if not server_args.enable_hierarchical_cache or server_args.hicache_storage_backend != "file":
+        return server_args
+    from radixserve import envs  # NOTE: light (no torch): the launcher never loads torch
+
+    directory = server_args.hicache_storage_dir or os.path.join(str(envs.CACHE_DIR.get()), "hicache")
+    return server_args.replace(hicache_storage_dir=os.path.abspath(os.path.expanduser(directory)))
 
 
 def allowed_cpus() -> set[int]:

@@ -230,6 +230,22 @@ def default_storage_dir() -> Path:
     return Path(envs.CACHE_DIR.get()) / "hicache"
 
 
+def open_storage_backend(server_args: Any) -> tuple[StorageBackend, str]:
+    """The store `--hicache-storage-backend` names and where it is, for the log (the one place a backend is
+    chosen). Raises ValueError for a bad URL, RuntimeError when the redis package is missing; a store that
+    cannot be reached is returned turned off."""
+    if server_args.hicache_storage_backend == "redis":
+        from radixserve.mem_cache.storage.redis_backend import RedisStorageBackend
+
+        store = RedisStorageBackend(server_args.hicache_storage_url)
+        return store, f"{store.location} (maxmemory {store.capacity_bytes} bytes, {store.eviction_policy or '?'})"
+    from radixserve.mem_cache.storage.file_backend import FileStorageBackend
+
+    directory = server_args.hicache_storage_dir or default_storage_dir()
+    files = FileStorageBackend(directory, parse_size(server_args.hicache_storage_size))
+    return files, f"{directory} ({files.capacity_bytes} bytes cap)"
+
+
 def make_hicache(server_args: Any, model_runner: Any, tree: Any, allocator: Any,
                  stats: Any = None) -> HiCacheController | None:
     """The scheduler's disk tier, or None when `--enable-hierarchical-cache` is off. Raises ValueError for a
@@ -241,7 +257,6 @@ def make_hicache(server_args: Any, model_runner: Any, tree: Any, allocator: Any,
                          "(docs/hicache.md); pass --disable-hybrid-swa-memory or drop the flag")
     if tree.disable or tree.is_eagle:
         raise ValueError("--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)")
-    from radixserve.mem_cache.storage.file_backend import FileStorageBackend
     from radixserve.mem_cache.storage.keys import kv_fingerprint, weights_identity
 
     # NOTE: a ModelRunner's attributes (SchedulerRunner does not promise them: the tests' fakes run no hicache)
@@ -252,10 +267,8 @@ def make_hicache(server_args: Any, model_runner: Any, tree: Any, allocator: Any,
         config=repr(model_runner.model_config), dtype=str(model_runner.dtype),
         kv_dtype=str(pool.dtype), page_size=allocator.page_size, page_tokens=page_tokens, layers=pool.layer_num,
         heads=pool.head_num, head_dim=pool.head_dim)
-    directory = server_args.hicache_storage_dir or default_storage_dir()
-    backend = FileStorageBackend(directory, parse_size(server_args.hicache_storage_size))
-    logger.info("hierarchical cache: %s storage at %s (%d bytes cap, %s, %d-token pages)",
-                server_args.hicache_storage_backend, directory, backend.capacity_bytes,
-                server_args.hicache_write_policy, page_tokens)
+    backend, where = open_storage_backend(server_args)
+    logger.info("hierarchical cache: %s storage at %s (%s, %d-token pages)", server_args.hicache_storage_backend,
+                where, server_args.hicache_write_policy, page_tokens)
     return HiCacheController(backend, pool, allocator, tree, fingerprint, page_tokens, server_args.hicache_write_policy,
                              stats)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-STORAGE_BACKENDS = ("file",)
+STORAGE_BACKENDS = ("file", "redis")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 

@@ -6,37 +6,40 @@ reader sees a whole page or none; a page whose header or checksum does not verif
 Files are created owner-only (0600, the directory 0700). The size cap evicts the least recently used files (the
 file's mtime, touched on every read; an in-memory index ordered by it). A full disk, a read-only or unwritable
 directory turns the store off with one warning; serving goes on without it.
+
+Several processes may share one directory (the workers of `serve --dp N`): writes are atomic renames, a temp file
+is removed at open only when its writer (the pid in its name) is dead or it is old, a page another process wrote
+is adopted by `exists`, one it deleted is a miss, and the size index is rebuilt from the directory every
+`RESCAN_S` seconds of writes and before evicting, so the cap holds for the directory as a whole (docs/hicache.md).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import re
-import struct
 import time
 from collections import OrderedDict
 from pathlib import Path
 
 from radixserve.mem_cache.storage.base import StorageStats
+from radixserve.mem_cache.storage.page_format import HEADER as _HEADER
+from radixserve.mem_cache.storage.page_format import HEADER_BYTES, MAGIC, checksum
+from radixserve.mem_cache.storage.page_format import verify_page as _verify
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"RSKVPG01"
-_HEADER = struct.Struct("<8sQ16s")  # magic, payload length, blake2b-128 digest of the payload
-HEADER_BYTES = _HEADER.size
+# NOTE: the page format (header, checksum) is page_format's, shared with the Redis backend
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp-"
 _KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 # NOTE: errors that mean the store cannot work at all (not a bad page): they turn it off
 _FATAL_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT}
 STALE_TMP_S = 600.0  # a temp file this old was left by a crashed writer: removed at open
-
-
-def checksum(payload: bytes) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+DEAD_WRITER_TMP_S = 60.0  # a temp file of a pid not alive here, this old, is removed at open too
+RESCAN_S = 10.0  # the size index is rebuilt from the directory at most this often on writes (other processes)
+RESCAN_BEFORE_EVICT_S = 1.0  # ... and before evicting, if not rebuilt for this long
 
 
 class FileStorageBackend:
@@ -50,6 +53,7 @@ class FileStorageBackend:
         self.stats = StorageStats()
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._usage = 0
+        self._scanned_at = 0.0  # time.monotonic() of the last rebuild of the index from the directory
         try:
             self._open()
         except OSError as exc:
@@ -70,21 +74,33 @@ class FileStorageBackend:
             os.chmod(self.directory, 0o700)  # NOTE: mkdir's mode is masked by the umask
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "directory is not writable", str(self.directory))
+        self._rescan(clean_temp=True)
+        self._make_room(0)
+
+    def _rescan(self, clean_temp: bool = False) -> None:
+        """Rebuild the index and usage from the directory, least recently used (oldest mtime) first.
+
+        NOTE: other processes over the same directory add and remove pages; this is how their pages count
+        against the cap. With `clean_temp` (at open) abandoned temp files are removed, never a live writer's."""
         now, found = time.time(), []
         with os.scandir(self.directory) as entries:
             for entry in entries:
-                if not entry.is_file(follow_symlinks=False):
+                try:
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    stat = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:  # removed by another process while listing
                     continue
-                stat = entry.stat(follow_symlinks=False)
                 if entry.name.startswith(TMP_PREFIX):
-                    if now - stat.st_mtime > STALE_TMP_S:
+                    if clean_temp and _abandoned_temp(entry.name, now - stat.st_mtime):
                         _unlink(entry.path)
                 elif entry.name.endswith(SUFFIX):
                     found.append((stat.st_mtime_ns, entry.name[: -len(SUFFIX)], stat.st_size))
+        self._index.clear()
         for _, key, size in sorted(found):
             self._index[key] = size
-            self._usage += size
-        self._make_room(0)
+        self._usage = sum(self._index.values())
+        self._scanned_at = time.monotonic()
 
     def _turn_off(self, exc: OSError, doing: str) -> None:
         if not self.stats.disabled:
@@ -101,9 +117,14 @@ class FileStorageBackend:
     def exists(self, key: str) -> bool:
         if not self.enabled:
             return False
-        if key in self._index:
-            return True
-        return self._path(key).is_file()  # NOTE: another process over the same directory may have written it
+        try:
+            size = os.stat(self._path(key)).st_size
+        except OSError:
+            self._forget(key)  # NOTE: another process over the same directory may have deleted it
+            return False
+        if key not in self._index:
+            self._touch(key, size)  # written by another process: adopted into the index (and the usage)
+        return True
 
     def get(self, key: str) -> bytes | None:
         if not self.enabled:
@@ -143,6 +164,8 @@ class FileStorageBackend:
         if size > self.capacity_bytes:
             return False
         tmp = self.directory / f"{TMP_PREFIX}{key}-{os.getpid()}-{os.urandom(4).hex()}"
+        if time.monotonic() - self._scanned_at > RESCAN_S:
+            self._try_rescan()
         try:
             self._make_room(size - self._index.get(key, 0))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -182,20 +205,46 @@ class FileStorageBackend:
 
     def _make_room(self, incoming: int) -> None:
         """Delete least recently used pages until `incoming` more bytes fit under the cap."""
+        if self._usage + incoming > self.capacity_bytes and time.monotonic() - self._scanned_at > RESCAN_BEFORE_EVICT_S:
+            self._try_rescan()  # NOTE: another process may have evicted already: count before deleting
         while self._index and self._usage + incoming > self.capacity_bytes:
             key, _ = next(iter(self._index.items()))
             self.delete(key)
             self.stats.evicted += 1
 
+    def _try_rescan(self) -> None:
+        try:
+            self._rescan()
+        except OSError as exc:  # NOTE: the write that follows meets the same error and decides
+            logger.debug("hierarchical cache storage rescan failed: %s", exc)
+            self._scanned_at = time.monotonic()
 
-def _verify(data: bytes) -> bytes | None:
-    if len(data) < HEADER_BYTES:
-        return None
-    magic, length, digest = _HEADER.unpack_from(data)
-    payload = data[HEADER_BYTES:]
-    if magic != MAGIC or length != len(payload) or checksum(payload) != digest:
-        return None
-    return payload
+
+def _abandoned_temp(name: str, age_s: float) -> bool:
+    """Whether a temp file (`.tmp-<key>-<pid>-<random>`) of age `age_s` is a dead writer's: removed at open.
+
+    NOTE: a live writer's temp file is never removed (it is renamed within milliseconds of being created). One is
+    abandoned when it is older than STALE_TMP_S, or when its pid is not a live process on this host and it is
+    older than DEAD_WRITER_TMP_S (a directory shared across hosts sees other hosts' pids as dead: the age guards
+    them; a reused pid only keeps a file until STALE_TMP_S)."""
+    if age_s > STALE_TMP_S:
+        return True
+    parts = name.rsplit("-", 2)
+    if age_s <= DEAD_WRITER_TMP_S or len(parts) != 3 or not parts[1].isdigit():
+        return False
+    return not _pid_alive(int(parts[1]))
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, owned by someone else
+        return True
+    return True
 
 
 def _unlink(path: str | os.PathLike) -> None:
