@@ -3,8 +3,8 @@ translation of a Messages request into the server's own chat request (openai_pro
 so `/v1/messages` runs through the one chat path (serving_anthropic.py; docs/server.md, "Anthropic Messages API").
 
 Scalar fields validate with pydantic (strict); `system`, `messages`, `tools` and `tool_choice` are walked here
-by hand, so an unsupported block (an image, a document, a thinking block) or a server tool is a 400 naming the
-exact field (`messages.2.content.1.type`).
+by hand, so an unsupported block (an image, a document) or a server tool is a 400 naming the exact field
+(`messages.2.content.1.type`). `thinking` and replayed thinking blocks: anthropic_thinking.py.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ConfigDict, ValidationError
 
+from radixserve.entrypoints.anthropic_thinking import THINKING_BLOCKS, check_replayed, thinking_fields
 from radixserve.entrypoints.http_errors import (
     ApiError,
     bad_request,
@@ -45,6 +46,7 @@ class CountTokensRequest(_Strict):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     cache_control: dict[str, Any] | None = None  # accepted: the radix cache reuses every shared prefix unasked
+    thinking: Any = None  # checked by anthropic_thinking.thinking_fields (400s naming `thinking.<field>`)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -138,7 +140,8 @@ def _remap(origin: list[str], param: str | None) -> str | None:
         index = rest.partition(".")[0]
         if index.isdigit() and int(index) < len(origin):
             return origin[int(index)]
-    renames = {"stop": "stop_sequences", "user": "metadata.user_id", "max_completion_tokens": "max_tokens"}
+    renames = {"stop": "stop_sequences", "user": "metadata.user_id", "max_completion_tokens": "max_tokens",
+               "thinking_budget": "thinking.budget_tokens", "separate_reasoning": "thinking"}
     if head in renames:
         return renames[head]
     if head == "tools":  # tools.N.function.parameters -> tools.N.input_schema
@@ -148,9 +151,9 @@ def _remap(origin: list[str], param: str | None) -> str | None:
     return param
 
 
-def translate(req: CountTokensRequest) -> Translated:
+def translate(req: CountTokensRequest, reasoning: bool = False) -> Translated:
     """The chat request of `req` (sampling fields only when it is a MessagesRequest); a 400 naming the field for
-    what the Messages API has and this server does not serve."""
+    what the Messages API has and this server does not serve; `reasoning`: the server runs a reasoning parser."""
     messages, origin = [], []
     system = _system_text(req.system)
     if system is not None:
@@ -183,6 +186,7 @@ def translate(req: CountTokensRequest) -> Translated:
                           "user message", param=at, code="unsupported_parameter")
     fields: dict[str, Any] = {"model": req.model, "messages": messages}
     fields |= _tools(req.tools, req.tool_choice)
+    fields |= thinking_fields(req.thinking, req.max_tokens if isinstance(req, MessagesRequest) else None, reasoning)
     if isinstance(req, MessagesRequest):
         if req.max_tokens < 1:
             raise bad_request(f"'max_tokens' must be at least 1, got {req.max_tokens}", param="max_tokens",
@@ -245,7 +249,11 @@ def _assistant(content: Any, at: str) -> tuple[dict[str, Any], set[str]]:
     texts, calls = [], []
     for j, block in enumerate(content):
         where = f"{at}.content.{j}"
-        if _block_type(block, where) != "tool_use":
+        kind = _block_type(block, where)
+        if kind in THINKING_BLOCKS:  # NOTE: dropped, as reasoning templates drop earlier turns' reasoning
+            check_replayed(block, where)
+            continue
+        if kind != "tool_use":
             texts.append(_text_block(block, where))
             continue
         _only(block, where, {"type", "id", "name", "input", "cache_control"})

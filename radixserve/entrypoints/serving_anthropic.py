@@ -4,6 +4,8 @@ A Messages request is translated into the server's chat request (anthropic_proto
 `OpenAIServing.chat`: the same checks, chat template, tool plan and grammars, and the one scheduler client path.
 Only the answer differs: `AnthropicServing` builds it as a message (whole) or as Anthropic's stream events, and
 `AnthropicEventStream` names each event on the wire (`event:` lines) and writes errors in Anthropic's shape.
+With `--reasoning-parser`, the chat path's reasoning split (chat_reasoning.py) gives a thinking block first
+(anthropic_thinking.py); the tool-call parser reads the answer after it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
+from radixserve.entrypoints import chat_reasoning
 from radixserve.entrypoints.anthropic_protocol import (
     AnthropicError,
     CountTokensRequest,
@@ -29,6 +32,7 @@ from radixserve.entrypoints.anthropic_protocol import (
     error_body,
     translate,
 )
+from radixserve.entrypoints.anthropic_thinking import thinking_block
 from radixserve.entrypoints.http_auth import Auth, Principal
 from radixserve.entrypoints.http_errors import ApiError, read_body
 from radixserve.entrypoints.logprobs import TokenTexts
@@ -80,7 +84,7 @@ class AnthropicServing(OpenAIServing):
     two places the chat path builds its answer."""
 
     async def messages(self, req: MessagesRequest, principal: Principal, request: Request, key: Any) -> Response:
-        translated = translate(req)
+        translated = translate(req, self.reasoning_parser is not None)
         chat = translated.chat
         try:
             response = await guarded(lambda: self.chat(chat, cache_namespace(principal.key_id, None, None),
@@ -93,7 +97,7 @@ class AnthropicServing(OpenAIServing):
 
     async def count_tokens(self, req: CountTokensRequest, key: Any) -> dict[str, int]:
         """The prompt's tokens as generation renders it: system, messages, tools, through the chat template."""
-        translated = translate(req)
+        translated = translate(req, self.reasoning_parser is not None)
         try:
             self.check_model(req.model)
             tools = self._plan(translated)
@@ -110,11 +114,15 @@ class AnthropicServing(OpenAIServing):
 
     def _chat_response(self, rid: str, results: list[ChoiceResult], usage: UsageInfo, logprobs: bool,
                        tools: ToolPlan | None = None, *more: Any) -> JSONResponse:
-        # NOTE: one choice: a Messages request has no `n`; `more` (a reasoning plan) is not served here
+        # NOTE: one choice: a Messages request has no `n`; `more`: the chat path's ReasoningPlan or None
         r = results[0]
-        message, reason = whole_message(tools, r.text, r.finish_reason) if tools else ({"content": r.text},
-                                                                                      r.finish_reason)
-        content: list[dict[str, Any]] = [{"type": "text", "text": message["content"]}] if message["content"] else []
+        reasoning, text = chat_reasoning.whole_fields(more[0] if more else None, r.text)
+        # NOTE: the tool-call parser reads the answer only (a call written inside the think block is thinking)
+        message, reason = whole_message(tools, text, r.finish_reason) if tools else ({"content": text},
+                                                                                    r.finish_reason)
+        content: list[dict[str, Any]] = [thinking_block(reasoning)] if reasoning else []
+        if message["content"]:
+            content.append({"type": "text", "text": message["content"]})
         for call in message.get("tool_calls") or []:
             try:
                 arguments = json.loads(call["function"]["arguments"] or "{}")
@@ -130,18 +138,22 @@ class AnthropicServing(OpenAIServing):
 
     def _chat_renderer(self, rid: str, usage: Any, logprobs: bool, tools: ToolPlan | None = None,
                        *more: Any) -> Render:
-        return _StreamState(self.model_name, StreamedCalls(tools) if tools is not None else None).render
+        # NOTE: `more`: the chat path's StreamedReasoning or None
+        return _StreamState(self.model_name, StreamedCalls(tools) if tools is not None else None,
+                            more[0] if more else None).render
 
 
 class _StreamState:
     """One streamed message: which content block is open, turning chat outputs into Anthropic's events."""
 
-    def __init__(self, model: str, calls: StreamedCalls | None) -> None:
+    def __init__(self, model: str, calls: StreamedCalls | None,
+                 thinking: chat_reasoning.StreamedReasoning | None = None) -> None:
         self.model = model
         self.calls = calls
+        self.thinking = thinking
         self.started = False
         self.blocks = 0  # content blocks started so far; the open one is blocks - 1
-        self.open: str | int | None = None  # "text", a tool call's index, or None
+        self.open: str | int | None = None  # "thinking", "text", a tool call's index, or None
 
     def render(self, index: int, out: GenerateOutput) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -152,8 +164,14 @@ class _StreamState:
                        "usage": usage_of(out.prompt_tokens, 0, out.cached_tokens)}
             events += [{"type": "message_start", "message": message}, {"type": "ping"}]
         content, pieces, reason = out.text_delta, [], out.finish_reason
+        if self.thinking is not None:
+            thought, content = self.thinking.delta(index, out.text_delta, out.token_ids, reason is not None)
+            if thought:  # NOTE: the block comes first: the parser hands out no answer before it is closed
+                if self.open != "thinking":
+                    self._start(events, "thinking", thinking_block(""))
+                events.append(self._delta({"type": "thinking_delta", "thinking": thought}))
         if self.calls is not None:
-            delta, reason = self.calls.delta(index, out.text_delta, out.finish_reason)
+            delta, reason = self.calls.delta(index, content, out.finish_reason)
             content, pieces = delta["content"], delta["tool_calls"] or []
         if content:
             if self.open != "text":
@@ -185,6 +203,8 @@ class _StreamState:
         return {"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}
 
     def _stop(self, events: list[dict[str, Any]]) -> None:
+        if self.open == "thinking":  # NOTE: as Anthropic's stream: the signature (here "") ends the block
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
         if self.open is not None:
             events.append({"type": "content_block_stop", "index": self.blocks - 1})
             self.open = None
