@@ -218,7 +218,7 @@ def test_bad_requests_are_400s_naming_the_field(api_server: ServerHandle) -> Non
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
          "input.0.content.0.type"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
         ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

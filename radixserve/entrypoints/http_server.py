@@ -81,6 +81,7 @@ _KEYLESS_ERRORS = (429, 503)
 _SCHEMA_MODELS = [CompletionRequest, ChatCompletionRequest, GenerateRequest, AbortRequest, TokenizeRequest,
                   DetokenizeRequest, CompletionResponse, ChatCompletionResponse, GenerateResponse, ModelList,
                   TokenizeResponse, DetokenizeResponse, AbortResponse, FlushCacheResponse, HealthResponse, *LORA_SCHEMAS,
+                  *serving_native.SESSION_SCHEMAS,
                   *EMBEDDING_SCHEMAS]
 
 
@@ -228,6 +229,7 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         return Response(tm.metrics.expose(), media_type=CONTENT_TYPE_LATEST)
 
     install_lora_routes(app, tm, auth, parse)  # /load_lora_adapter, /unload_lora_adapter (docs/lora.md)
+    serving_native.install_session_routes(app, tm, auth, parse)  # /open_session, /close_session (radix_cache.md)
     install_gateway_routes(app, tm, server_args, auth)  # what SGLang's model gateway calls (docs/scale_out.md)
     register_cache_explorer(app, tm, server_args)  # /cache/tree, /cache/view (docs/server.md)
     register_responses_routes(app, tm, auth, parse, openai, server_args)  # /v1/responses (docs/server.md)

@@ -102,6 +102,7 @@ class _SamplingFields(_Request):
     # Cache namespaces: vLLM's cache_salt and SGLang's extra_key; both only narrow the namespace.
     cache_salt: str | None = None
     extra_key: str | None = None
+    session_id: str | None = None  # an open agent session (POST /open_session) whose context stays cached
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     logit_bias: dict[str, float] | None = None  # token id (a string key) -> [-100, 100]
@@ -201,6 +202,30 @@ class GenerateRequest(_Request):
     cache_salt: str | None = None
     extra_key: str | None = None
     lora_path: str | None = None  # SGLang's name: the LoRA adapter to run (docs/lora.md); None: the base model
+    session_params: SessionParams | None = None  # SGLang's: the open agent session this request belongs to
+
+
+class SessionParams(_Request):
+    """SGLang's `session_params` of /generate: `id` names an open session; `rid`, `offset` and `replace` (its
+    branching) are accepted and not used here (docs/radix_cache.md, "Agent sessions")."""
+
+    id: str
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool | None = None
+
+
+class OpenSessionRequest(_Request):
+    """SGLang's /open_session: an optional `session_id` (else one is made), `capacity_of_str_len` (accepted; the
+    token bounds of the server apply), `ttl_s` (this session's idle timeout)."""
+
+    session_id: str | None = None
+    capacity_of_str_len: int | None = None
+    ttl_s: float | None = None
+
+
+class CloseSessionRequest(_Request):
+    session_id: str
 
 
 class AbortRequest(_Request):

@@ -276,13 +276,15 @@ def check_prompt_chars(tm: TokenizerManager, chars: int, param: str) -> None:
 
 def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: list[list[SamplingParams]],
                  extra_key: Any, top_logprobs: int | None = None, client_rids: list[str | None] | None = None,
-                 logprob_start_len: int = -1, lora_name: str | None = None) -> AsyncIterator[tuple[int, GenerateOutput]]:
+                 logprob_start_len: int = -1, lora_name: str | None = None,
+                 session: tuple[str, str] | None = None) -> AsyncIterator[tuple[int, GenerateOutput]]:
     """One request per (prompt, choice); choice index = prompt index * n + choice.
 
     `top_logprobs`: None for no logprobs, else the alternatives to return per token (0 for none).
     `client_rids`: the client's rid of each prompt (its choices share it), for /abort_request.
     `logprob_start_len`: with logprobs, also score every prompt from this position (-1: not).
-    `lora_name`: the LoRA adapter every sequence runs (None: the base model)."""
+    `lora_name`: the LoRA adapter every sequence runs (None: the base model).
+    `session`: (the open agent session every sequence belongs to, the field that named it), or None."""
     rids = client_rids or [None] * len(prompts)
     logprobs = top_logprobs is not None
     try:
@@ -293,7 +295,8 @@ def generate_all(tm: TokenizerManager, prompts: list[list[int]], choice_params: 
     scored = logprobs and logprob_start_len >= 0
     gens = [tm.generate(GenerateReq(ids, params, extra_key, logprobs, top_logprobs or 0,
                                     logprob_start_len if scored and choice == 0 else -1, client_rid=rid, group=group,
-                                    lora_name=lora_name))
+                                    lora_name=lora_name, session_id=session[0] if session else None,
+                                    session_field=session[1] if session else "session_id"))
             for ids, per_prompt, rid in zip(prompts, choice_params, rids, strict=True)
             for choice, params in enumerate(per_prompt)]
     n = len(choice_params[0]) if choice_params else 1

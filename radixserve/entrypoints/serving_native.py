@@ -10,10 +10,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from radixserve.client.requests import per_choice_params
-from radixserve.entrypoints.http_errors import bad_request, check_text
+from radixserve.entrypoints import openapi_docs as docs
+from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, check_top_logprobs, native_logprobs
 from radixserve.entrypoints.lora_api import check_adapter
-from radixserve.entrypoints.openai_protocol import GenerateRequest, NativeSamplingParams
+from radixserve.entrypoints.openai_protocol import (
+    CloseSessionRequest,
+    GenerateRequest,
+    NativeSamplingParams,
+    OpenSessionRequest,
+)
 from radixserve.entrypoints.serving_common import (
     CLIENT_CLOSED,
     ChoiceResult,
@@ -32,7 +38,9 @@ from radixserve.entrypoints.serving_common import (
     token_id_keys,
     tokenize_text,
 )
+from radixserve.frontend.tenant_namespace import namespace_owner
 from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
+from radixserve.managers.io_struct import CheckSessionReq, CloseSessionReq, OpenSessionReq
 from radixserve.sampling_params import SamplingParams
 
 _MAX_PARAM = "sampling_params.max_new_tokens"
@@ -114,6 +122,8 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
     check_request_items(tm, sequences=_num_prompts(req) * given.n, stop=given.stop,
                         stop_token_ids=given.stop_token_ids, logit_bias=given.logit_bias, prefix="sampling_params.")
     lora = await check_adapter(tm, req.lora_path, "lora_path")
+    session = await check_session(tm, extra_key, req.session_params.id if req.session_params else None,
+                                  "session_params.id")
     prompts, batch, param = await tm.run_tokenizer(key, _prompts, tm, req)
     start = _logprob_start(req, prompts)
     # NOTE: max_new_tokens 0 computes the prompt and generates nothing: it scores the prompt (with
@@ -122,7 +132,7 @@ async def generate(tm: TokenizerManager, texts: TokenTexts, req: GenerateRequest
     n = params[0].n
     choice_params = [per_choice_params(p, n) for p in params]
     outputs = generate_all(tm, prompts, choice_params, extra_key, top_logprobs, _client_rids(req, len(prompts), batch),
-                           logprob_start_len=start, lora_name=lora)
+                           logprob_start_len=start, lora_name=lora, session=session)
     logprob_texts = texts if req.return_logprob else None  # None: no logprobs
     scored = [ids[start:] if start >= 0 else None for ids in prompts]  # the prompt tokens that get logprobs
     if req.stream:
@@ -169,3 +179,61 @@ def _stream_renderer(started: float, logprob_texts: TokenTexts | None, scored: l
             meta |= native_logprobs(logprob_texts, acc, scored)
         return [{"text": acc.text, "output_ids": list(acc.token_ids), "meta_info": meta}]
     return render
+
+
+# ---------------------------------------------------------------------------------- agent sessions
+
+async def check_session(tm: TokenizerManager, extra_key: Any, session_id: str | None,
+                        param: str) -> tuple[str, str] | None:
+    """(session_id, param) if the caller's key has that session open (None passes); else a 404 naming `param`.
+
+    NOTE: the scheduler checks again when the request arrives (a session may close in between: the same 404)."""
+    if session_id is None:
+        return None
+    check_text(session_id, param)
+    out = await guarded(lambda: tm.session_control(CheckSessionReq(namespace_owner(extra_key), session_id)))
+    if not out.success:
+        raise ApiError(404, f"no open session {session_id!r} for this API key (unknown, closed or idle past its "
+                            "timeout); open one with POST /open_session", param=param, code="session_not_found")
+    return session_id, param
+
+
+SESSION_SCHEMAS = [OpenSessionRequest, CloseSessionRequest]
+_CLOSED = {"type": "object", "required": ["success", "session_id"],
+           "properties": {"success": {"type": "boolean"}, "session_id": {"type": "string"}}}
+
+
+def install_session_routes(app: Any, tm: TokenizerManager, auth: Any, parse: Any) -> None:
+    """SGLang's POST /open_session and /close_session, per API key (docs/radix_cache.md, "Agent sessions")."""
+
+    @app.post("/open_session", openapi_extra=docs.json_body(OpenSessionRequest),
+              responses=docs.responses({"type": "string"}, 400, 401, 409, 429, 503))
+    async def open_session(request: Request) -> JSONResponse:
+        principal = auth.principal(request)
+        req, _ = await parse(request, OpenSessionRequest, principal)
+        if req.session_id is not None:
+            check_text(req.session_id, "session_id")
+            if not 1 <= len(req.session_id) <= 128:
+                raise bad_request("session_id must have 1 to 128 characters", param="session_id")
+        if req.capacity_of_str_len is not None and req.capacity_of_str_len < 0:
+            raise bad_request("capacity_of_str_len must be >= 0", param="capacity_of_str_len")
+        if req.ttl_s is not None and not req.ttl_s > 0:
+            raise bad_request("ttl_s must be a positive number of seconds", param="ttl_s")
+        out = await guarded(lambda: tm.session_control(
+            OpenSessionReq(principal.key_id, req.session_id, req.ttl_s, req.capacity_of_str_len)))
+        if not out.success:
+            raise ApiError(out.status_code, out.message, param="session_id" if out.status_code == 409 else None,
+                           code="session_exists" if out.status_code == 409 else "too_many_sessions")
+        return JSONResponse(out.session_id)
+
+    @app.post("/close_session", openapi_extra=docs.json_body(CloseSessionRequest),
+              responses=docs.responses(_CLOSED, 400, 401, 404, 503))
+    async def close_session(request: Request) -> JSONResponse:
+        principal = auth.principal(request)
+        req, _ = await parse(request, CloseSessionRequest, principal)
+        check_text(req.session_id, "session_id")
+        out = await guarded(lambda: tm.session_control(CloseSessionReq(principal.key_id, req.session_id)))
+        if not out.success:
+            raise ApiError(404, f"no open session {req.session_id!r} for this API key", param="session_id",
+                           code="session_not_found")
+        return JSONResponse({"success": True, "session_id": req.session_id})

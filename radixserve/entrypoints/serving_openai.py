@@ -57,6 +57,7 @@ from radixserve.entrypoints.serving_common import (
     token_id_keys,
     tokenize_text,
 )
+from radixserve.entrypoints.serving_native import check_session
 from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
 from radixserve.function_call.answer import StreamedCalls, whole_message
 from radixserve.function_call.chat_tools import ToolError, ToolPlan, template_messages, template_tools
@@ -294,9 +295,10 @@ class OpenAIServing:
         choice_params = [per_choice_params(p, req.n) for p in params]
         if req.rid is not None:
             check_text(req.rid, "rid")
+        session = await check_session(self.tm, extra_key, req.session_id, "session_id")
         # NOTE: echo with logprobs scores every prompt from position 0 (recomputed, never a cache hit).
         outputs = generate_all(self.tm, prompts, choice_params, extra_key, top_logprobs, [req.rid] * len(prompts),
-                               logprob_start_len=0 if echo is not None else -1, lora_name=lora)
+                               logprob_start_len=0 if echo is not None else -1, lora_name=lora, session=session)
         usage = _Usage([len(p) for p in prompts], req.n)
         rid = new_id("chatcmpl" if chat else "cmpl")
         logprobs = top_logprobs is not None
