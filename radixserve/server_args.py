@@ -76,7 +76,19 @@ class ServerArgs:
     hicache_write_policy: str = _opt("write_through", "when pages are stored: write_through (on insert into the "
                                                       "tree), write_through_selective (at a page's second hit), "
                                                       "write_back (on eviction from the tree)", HICACHE_WRITE_POLICIES)
+    hicache_size: float = _opt(0.0, "the host-memory tier in front of the disk tier, in GB (1e9 bytes); 0: see "
+                                    "--hicache-ratio (docs/hicache.md)")
+    hicache_ratio: float = _opt(0.0, "the host-memory tier's size as a multiple of the KV pool's bytes (when "
+                                     "--hicache-size is 0); both 0 (the default): no host tier")
+    hicache_host_dtype: str = _opt("auto", "the host tier's page dtype: auto (the KV pool's, bit-identical loads), "
+                                           "bfloat16, float16 or float32", ("auto", "bfloat16", "float16", "float32"))
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
+    max_sessions: int = _opt(256, "most open agent sessions (/open_session) at once (docs/radix_cache.md)")
+    session_max_tokens: int | None = _opt(None, "most tokens of one session's context pinned in the radix cache "
+                                                "(its head); default: --session-max-pinned-tokens")
+    session_max_pinned_tokens: int | None = _opt(None, "most tokens pinned by all sessions together (least recently "
+                                                       "used session unpinned first); default: half the KV pool")
+    session_idle_timeout_s: float = _opt(600.0, "seconds a session may stay idle; then it is unpinned and closed")
     grammar_compile_timeout: float = _opt(30.0, "seconds a request's grammar (json_schema, regex, ebnf, "
                                                 "structural_tag) may take to compile; then it ends with 400")
     grammar_cache_bytes: int = _opt(256 << 20, "bytes of compiled grammars kept (ours and xgrammar's caches "
@@ -179,6 +191,12 @@ class ServerArgs:
             raise ValueError(f"grammar_cache_bytes must be at least 1 MiB (1048576), got {self.grammar_cache_bytes}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be positive, got {self.grammar_compile_timeout}")
+        if self.max_sessions < 0 or not self.session_idle_timeout_s > 0:
+            raise ValueError("max_sessions must be >= 0 and session_idle_timeout_s positive, got "
+                             f"{self.max_sessions} and {self.session_idle_timeout_s}")
+        for name in ("session_max_tokens", "session_max_pinned_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be positive, got {self.queue_timeout}")
         if self.torch_threads is not None and self.torch_threads < 1:
@@ -208,6 +226,14 @@ class ServerArgs:
             from radixserve.mem_cache.storage.redis_backend import check_redis_url
 
             check_redis_url(self.hicache_storage_url)  # NOTE: raises ValueError naming hicache_storage_url
+        for name in ("hicache_size", "hicache_ratio"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a number >= 0")
+            if getattr(self, name) and not self.enable_hierarchical_cache:
+                raise ValueError(f"{name} sizes the hierarchical cache's host tier: add enable_hierarchical_cache")
+        if self.hicache_host_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"hicache_host_dtype={self.hicache_host_dtype!r} is not one of auto, bfloat16, float16, "
+                             "float32")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache needs the radix cache: drop disable_radix_cache")
 

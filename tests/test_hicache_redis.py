@@ -113,7 +113,7 @@ def test_get_set_exists_delete_and_usage(server):
     assert store.stats.pages_written == 1 and store.stats.bytes_written == len(PAGE)
     assert store.usage() >= before + len(PAGE)  # NOTE: the server's used_memory, what maxmemory caps
     raw = server.client().get(DEFAULT_PREFIX + "a1")  # NOTE: the file backend's page format, prefixed key
-    assert len(raw) == HEADER_BYTES + len(PAGE) and raw[:8] == b"RSKVPG01"
+    assert len(raw) == HEADER_BYTES + len(PAGE) and raw[:8] == b"RSKVPG02"
     assert store.set("a1", PAGE[::-1]) and store.get("a1") == PAGE[::-1]  # replaced
     holding = store.usage()
     store.delete("a1")

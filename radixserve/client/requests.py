@@ -64,8 +64,11 @@ def per_choice_params(params: SamplingParams, n: int | None = None) -> list[Samp
 
 def generate_message(rid: str, input_ids: list[int], params: SamplingParams, extra_key: Any,
                      logprob: LogprobSpec, lora_name: str | None = None,
-                     embed: str | None = None) -> TokenizedGenerateReqInput:
+                     embed: str | None = None, session_id: str | None = None,
+                     session_field: str = "session_id") -> TokenizedGenerateReqInput:
     """The scheduler's message for one choice. NOTE: always streamed from the scheduler, so a front end
     knows the time of the first token (TTFT) and can stream or collect as its caller asked.
-    `embed`: an embedding request's pooling ("last", "mean"; its params must ask for 0 new tokens)."""
-    return TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True, logprob, lora_name, embed)
+    `embed`: an embedding request's pooling ("last", "mean"; its params must ask for 0 new tokens).
+    `session_id`: an open agent session (`session_field`: the request field that named it)."""
+    return TokenizedGenerateReqInput(rid, list(input_ids), params, extra_key, True, logprob, lora_name, embed,
+                                     session_id, session_field)

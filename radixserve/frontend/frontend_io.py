@@ -55,6 +55,8 @@ class GenerateReq:
     group: Any = None  # the HTTP request it belongs to (fair admission); None: its own
     lora_name: str | None = None  # a LoRA adapter the scheduler holds; None: the base model
     embed: str | None = None  # an embedding request's pooling ("last", "mean"); None: it generates
+    session_id: str | None = None  # an open agent session of its owner (docs/radix_cache.md, "Agent sessions")
+    session_field: str = "session_id"  # the request field that named it (a 404 names it)
 
 
 class FinishView:

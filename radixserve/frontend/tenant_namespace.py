@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 
+from radixserve.mem_cache.radix_key import namespace_owner
+
+__all__ = ["api_key_id", "cache_namespace", "namespace_owner"]
+
 
 def cache_namespace(api_key_id: str | None, cache_salt: str | None, extra_key: str | None) -> tuple | None:
     """The structured `extra_key` of the radix key: a tuple of (kind, value) pairs, or None (shared).
@@ -20,13 +24,6 @@ def cache_namespace(api_key_id: str | None, cache_salt: str | None, extra_key: s
     if extra_key is not None:
         parts.append(("key", extra_key))
     return tuple(parts) or None
-
-
-def namespace_owner(extra_key: tuple | None) -> str | None:
-    """The API key id a request's namespace starts with (see cache_namespace), or None."""
-    if extra_key and extra_key[0][0] == "api":
-        return extra_key[0][1]
-    return None
 
 
 def api_key_id(key: str) -> str:

@@ -40,11 +40,15 @@ from radixserve.frontend.tokenizer_metrics import ServerMetrics
 from radixserve.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
+    CheckSessionReq,
+    CloseSessionReq,
     FlushCacheOut,
     FlushCacheReq,
     GetInternalStateOut,
     GetInternalStateReq,
     LogprobSpec,
+    OpenSessionReq,
+    SessionOut,
 )
 from radixserve.managers.scheduler_process import SchedulerInfo
 
@@ -230,7 +234,7 @@ class TokenizerManager:
             self._link.send_request(generate_message(
                 rid, req.input_ids, req.sampling_params, req.extra_key,
                 LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len), req.lora_name,
-                req.embed))
+                req.embed, req.session_id, req.session_field))
             state.sent = True
             while True:
                 item = await state.queue.get()
@@ -300,6 +304,10 @@ class TokenizerManager:
 
     async def flush_cache(self) -> FlushCacheOut:
         return await self.request_reply(FlushCacheReq(), FlushCacheOut)
+
+    async def session_control(self, msg: OpenSessionReq | CloseSessionReq | CheckSessionReq) -> SessionOut:
+        """Open, close or look up an agent session (the scheduler's SessionPins answers)."""
+        return await self.request_reply(msg, SessionOut)
 
     async def get_internal_state(self, timeout_s: float | None = None) -> dict[str, Any]:
         out: GetInternalStateOut = await self.request_reply(GetInternalStateReq(), GetInternalStateOut, timeout_s)

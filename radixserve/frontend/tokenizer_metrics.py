@@ -31,6 +31,14 @@ SCHEDULER_COUNTERS = {
     "hicache_bytes_written": ("hicache_bytes_written", "disk tier: KV bytes written"),
     "hicache_bytes_read": ("hicache_bytes_read", "disk tier: KV bytes read"),
     "hicache_corrupt_pages": ("hicache_corrupt_pages", "disk tier: pages that failed their checksum (deleted)"),
+    "hicache_host_loaded_tokens": ("hicache_host_loaded_tokens", "prompt tokens whose KV was loaded from the host "
+                                                                 "tier"),
+    "hicache_storage_loaded_tokens": ("hicache_storage_loaded_tokens", "prompt tokens whose KV was loaded from the "
+                                                                       "storage backend"),
+    "hicache_host_hits": ("hicache_host_hits", "host tier: pages found"),
+    "hicache_host_misses": ("hicache_host_misses", "host tier: pages looked for and absent"),
+    "hicache_load_seconds": ("hicache_load_seconds", "hierarchical cache: seconds loading pages into the KV pool"),
+    "hicache_store_seconds": ("hicache_store_seconds", "hierarchical cache: seconds storing pages (host + storage)"),
 }
 SCHEDULER_GAUGES = {
     "num_running_reqs": ("num_running_reqs", "requests in the running (decode) batch"),
@@ -38,6 +46,7 @@ SCHEDULER_GAUGES = {
     "token_usage": ("token_usage", "fraction of the KV pool held by requests and locked cache (not evictable)"),
     "evictable_tokens": ("evictable_tokens", "KV tokens in the radix cache that could be evicted"),
     "max_total_num_tokens": ("max_total_num_tokens", "KV pool size in tokens"),
+    "hicache_host_usage_bytes": ("hicache_host_usage_bytes", "host tier: bytes of KV pages held"),
     "spec_accept_rate": ("spec_accept_rate", "speculative decoding: accepted / verified draft tokens, since start"),
     "spec_accept_length": ("spec_accept_length", "speculative decoding: tokens a request's verify step yielded, "
                                                  "on average since start (accepted drafts + the model's own)"),

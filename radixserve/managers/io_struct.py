@@ -43,6 +43,8 @@ class TokenizedGenerateReqInput:
     logprob: LogprobSpec = NO_LOGPROBS
     lora_name: str | None = None  # a registered LoRA adapter; None: the base model
     embed: str | None = None  # an embedding request's pooling ("last", "mean"): a prefill that generates nothing
+    session_id: str | None = None  # an open agent session of its namespace's owner (session_cache.py)
+    session_field: str = "session_id"  # the request field that named it (the 404 names it)
 
 
 @dataclass
@@ -61,6 +63,41 @@ class FlushCacheOut:
     tokens_freed: int = 0
     message: str = ""
     cache_epoch: int = 0  # successful flushes so far: a benchmark can prove its run started cold
+
+
+@dataclass
+class OpenSessionReq:
+    """Open an agent session (SGLang's /open_session) for `owner` (the API key id, None without keys)."""
+
+    owner: str | None
+    session_id: str | None = None  # None: the scheduler names it
+    ttl_s: float | None = None  # idle timeout; None: --session-idle-timeout-s
+    capacity_of_str_len: int | None = None  # accepted for SGLang's clients; the token bounds apply
+
+
+@dataclass
+class CloseSessionReq:
+    owner: str | None
+    session_id: str
+
+
+@dataclass
+class CheckSessionReq:
+    """Is this session open for `owner`? (the front end's check before it sends a request naming it)"""
+
+    owner: str | None
+    session_id: str
+
+
+@dataclass
+class SessionOut:
+    """The answer to an open or close: `status_code` 200, 404 (no such open session of this owner), 409 (the id is
+    taken) or 429 (--max-sessions reached)."""
+
+    success: bool
+    status_code: int
+    session_id: str | None
+    message: str = ""
 
 
 @dataclass

@@ -39,10 +39,13 @@ from radixserve.managers.grammar_manager import GrammarManager
 from radixserve.managers.io_struct import (
     AbortReq,
     CacheTreeReq,
+    CheckSessionReq,
+    CloseSessionReq,
     FlushCacheOut,
     FlushCacheReq,
     GetInternalStateOut,
     GetInternalStateReq,
+    OpenSessionReq,
     TokenizedGenerateReqInput,
 )
 from radixserve.managers.overlap_utils import OverlapDebug
@@ -61,6 +64,7 @@ from radixserve.managers.scheduler_state import StateReport
 from radixserve.managers.step_pipelines import Pipelines
 from radixserve.mem_cache.hicache import make_hicache
 from radixserve.mem_cache.kv_manager import KVManager
+from radixserve.mem_cache.session_cache import SessionPins
 from radixserve.mem_cache.swa_radix_cache import make_tree_cache
 from radixserve.server_args import ServerArgs
 from radixserve.speculative.config import SpecConfig
@@ -149,6 +153,8 @@ class Scheduler:
         self.pipelines = Pipelines(self.model_runner, self.device, release=self.grammars.release)
         self.failures = FailureContainment(self, self.pipelines, self.queue, self.prefill, self.output)
         self.state_report = StateReport(self)
+        self.sessions = SessionPins.of_args(self.kv_manager, args, self.max_total_num_tokens)
+        self.inputs.sessions = self.output.sessions = self.sessions
 
     # ---- loops ----------------------------------------------------------------------------------
     def event_loop(self) -> None:
@@ -292,6 +298,7 @@ class Scheduler:
                 return msgs
 
     def process_input_requests(self, msgs: list[Any]) -> None:
+        self.sessions.maybe_expire()
         for msg in msgs:
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.handle_generate_request(msg)
@@ -305,6 +312,8 @@ class Scheduler:
                 self.output_sink(cache_tree_snapshot(self, msg))
             elif isinstance(msg, LORA_MESSAGES):
                 self.output_sink(self.lora.handle(msg))
+            elif isinstance(msg, (OpenSessionReq, CloseSessionReq, CheckSessionReq)):
+                self.output_sink(self.sessions.handle(msg))
             else:
                 logger.error("unknown message %r ignored", type(msg).__name__)
 
@@ -314,12 +323,14 @@ class Scheduler:
         if busy:
             return FlushCacheOut(False, 0, f"{len(busy)} request(s) hold KV: {', '.join(r.rid for r in busy[:8])}",
                                  self.cache_epoch)
+        unpinned = self.sessions.unpin_all()  # NOTE: sessions stay open, unpinned: the tree is about to be emptied
         freed = self.kv_manager.flush()
         for req in self.queue.waiting:  # NOTE: their unlocked matches point into the old tree
             self.kv_manager.forget_match(req)
         self.cache_epoch += 1
         grammars = self.grammars.flush()  # NOTE: a grammar still compiling stays (its requests wait for it)
-        return FlushCacheOut(True, freed, f"flushed {freed} cached tokens; {grammars}", self.cache_epoch)
+        return FlushCacheOut(True, freed, f"flushed {freed} cached tokens ({unpinned} of them unpinned from "
+                                          f"{len(self.sessions.sessions)} open sessions); {grammars}", self.cache_epoch)
 
     # ---- step helpers -----------------------------------------------------------------------------
     def _expire_waiting(self) -> None:
@@ -418,7 +429,7 @@ class Scheduler:
         overlap = self.pipelines.overlap
         with overlap.streams.schedule.context() if overlap is not None else contextlib.nullcontext():
             return check_conservation(self.token_to_kv_pool_allocator, self.tree_cache, self.req_to_token_pool,
-                                      [r.kv for r in self.active_requests()])
+                                      [r.kv for r in self.active_requests()], self.sessions.pinned_nodes())
 
     def check_memory(self, strict: bool | None = None) -> dict[str, Any]:
         """The conservation identity's terms, or {"error": ...}; logs a failure, raises it under strict

@@ -17,6 +17,8 @@ from radixserve.managers.request_queue import RequestQueue
 from radixserve.managers.scheduler_lora import LoraControl
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor
+from radixserve.mem_cache.radix_key import namespace_owner
+from radixserve.mem_cache.session_cache import SessionPins
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class InputProcessor:
         self.limits = limits
         self.grammars = grammars
         self.lora = lora
+        self.sessions: SessionPins | None = None  # the scheduler's agent sessions (set by Scheduler)
 
     def handle_generate_request(self, msg: TokenizedGenerateReqInput) -> None:
         req = Req(msg.rid, msg.input_ids, msg.sampling_params, msg.extra_key, msg.stream, self.limits.eos_token_ids,
@@ -41,6 +44,10 @@ class InputProcessor:
             error = f"request id {msg.rid!r} is already in use"
         if error is None and msg.lora_name is not None:
             error, status = self._attach_adapter(req, msg.lora_name) or (None, 400)
+        if error is None and msg.session_id is not None and self.sessions is not None:
+            # NOTE: a session is its owner's only: another API key's request gets the same 404 as an unknown id
+            error = self.sessions.attach(msg.rid, namespace_owner(msg.extra_key), msg.session_id, msg.session_field)
+            status = 404
         if error is not None:
             self.stats.num_rejected += 1
             logger.warning("Reject %s: %s", msg.rid, error)

@@ -45,6 +45,13 @@ class SchedulerStats:
     hicache_bytes_written: int = 0
     hicache_bytes_read: int = 0
     hicache_corrupt_pages: int = 0
+    hicache_host_loaded_tokens: int = 0  # of hicache_loaded_tokens, those from the host-memory tier (host_tier.py)
+    hicache_storage_loaded_tokens: int = 0  # ... and those from the storage backend
+    hicache_host_hits: int = 0  # host tier: pages found / looked for and absent
+    hicache_host_misses: int = 0
+    hicache_host_usage_bytes: int = 0  # host tier: bytes held now (a gauge)
+    hicache_load_seconds: float = 0.0  # wall time loading pages into the pool (reads + pool writes)
+    hicache_store_seconds: float = 0.0  # wall time storing pages (host copies + backend writes)
     started_at: float = field(default_factory=time.time)
 
     def as_dict(self) -> dict[str, float]:

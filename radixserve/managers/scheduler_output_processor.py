@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from radixserve.managers.request_queue import RequestQueue
     from radixserve.managers.schedule_batch import ScheduleBatch
     from radixserve.mem_cache.kv_manager import KVManager
+    from radixserve.mem_cache.session_cache import SessionPins
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class OutputProcessor:
         self.output_sink = output_sink
         self.log_interval = max(log_interval, 1)
         self.decode_throughput = DecodeThroughput()
+        self.sessions: SessionPins | None = None  # the scheduler's agent sessions (set by Scheduler)
 
     def process_batch_result(self, launched: LaunchedBatch, counters: PipelineCounters) -> None:
         """Wait for a launched batch's tokens, then process them for the requests that still own their rows."""
@@ -244,7 +246,10 @@ class OutputProcessor:
     def release_finished_req(self, req: Req) -> None:
         """Hand a finished request's KV to the tree (not an aborted one's), free the rest, count it."""
         aborted = req.finished_reason.type == "abort"
+        session = self.sessions.context_of(req) if self.sessions is not None else None
         self.kv_manager.release(req, insert=not aborted)
+        if session is not None and not aborted:  # NOTE: after the insert, before anything can evict it
+            self.sessions.on_finished(*session)
         self.queue.forget(req)
         self.planner.room_freed()
         if aborted:

@@ -54,6 +54,7 @@ def internal_state(s: Scheduler) -> dict[str, Any]:
         "cache_epoch": s.cache_epoch,
         **s.grammars.cache_info(),
         **_window_pool(s),
+        **s.sessions.report(),  # NOTE: session_pinned_tokens are part of protected_tokens (tree-owned, locked)
     }
 
 
@@ -76,7 +77,8 @@ def _pool_fingerprint(s: Scheduler) -> tuple:
     stats = s.stats
     return (stats.num_prefill_batches, stats.num_decode_batches, stats.num_requests, stats.num_aborts,
             s.token_to_kv_pool_allocator.available_size(), s.tree_cache.evictable_size(),
-            s.tree_cache.protected_size(), s.req_to_token_pool.available_size(), len(s.queue), s.is_idle())
+            s.tree_cache.protected_size(), s.req_to_token_pool.available_size(), len(s.queue), s.is_idle(),
+            len(s.sessions.sessions))
 
 
 def kv_accounting(scheduler: Scheduler) -> dict[str, Any]:
@@ -91,7 +93,7 @@ def kv_accounting(scheduler: Scheduler) -> dict[str, Any]:
     active = scheduler.active_requests()
     try:
         report = check_conservation(scheduler.token_to_kv_pool_allocator, scheduler.tree_cache, pool,
-                                    [r.kv for r in active])
+                                    [r.kv for r in active], scheduler.sessions.pinned_nodes())
         holds, error = True, None
     except ConservationError as e:
         report, holds, error = e.report, False, str(e)

@@ -70,12 +70,13 @@ def _recount_tree(nodes: list[Any], tree_cache: Any) -> None:
 
 
 def check_conservation(allocator: Any, tree_cache: Any, req_to_token_pool: Any,
-                       active: Sequence[ReqKV] = ()) -> dict[str, int]:
+                       active: Sequence[ReqKV] = (), pinned: Sequence[Any] = ()) -> dict[str, int]:
     """Check the identity and single ownership; returns the terms, raises ConservationError otherwise.
 
-    `active`: the KV handles (`req.kv`) of the requests that may hold KV.
+    `active`: the KV handles (`req.kv`) of the requests that may hold KV; `pinned`: the tree nodes agent sessions
+    hold a lock on (session_cache.py), one entry per pin.
 
-    With no active requests it also requires every request row free and no tree lock held.
+    With no active requests it also requires every request row free and no tree lock held but the sessions' pins.
     """
     ps = allocator.page_size
     reqs = _unique_active(active)
@@ -103,9 +104,9 @@ def check_conservation(allocator: Any, tree_cache: Any, req_to_token_pool: Any,
     _check_rows_reference_owned(allocator, nodes, req_to_token_pool, reqs)
     # NOTE: the device tier is checked above; every further tier the allocator declares has its check here
     for name in allocator.tier_names[1:]:
-        report.update(_tier_check(name)(allocator, tree_cache, nodes, req_to_token_pool, reqs))
+        report.update(_tier_check(name)(allocator, tree_cache, nodes, req_to_token_pool, reqs, pinned))
     if not reqs:
-        _check_idle(tree_cache, req_to_token_pool, report)
+        _check_idle(tree_cache, req_to_token_pool, report, pinned)
     return report
 
 
@@ -151,23 +152,43 @@ def _check_rows_reference_owned(allocator: Any, nodes: list[Any], pool: Any, req
             )
 
 
-def _check_idle(tree_cache: Any, pool: Any, report: dict) -> None:
+def _pinned_paths(tree_cache: Any, pinned: Sequence[Any]) -> list[Any]:
+    """Every node on the path from the root to each pinned node (the root left out), once per pin."""
+    out = []
+    for node in pinned:
+        while node is not None and node is not tree_cache.root_node:
+            out.append(node)
+            node = node.parent
+    return out
+
+
+def _check_idle(tree_cache: Any, pool: Any, report: dict, pinned: Sequence[Any] = ()) -> None:
     if pool is not None and pool.available_size() != pool.size:
         raise ConservationError(
             f"no active request, yet request rows are in use: {pool.size - pool.available_size()} of {pool.size}",
             report=report,
         )
-    if report["protected"] != 0:
-        raise ConservationError(f"no active request, yet {report['protected']} tree tokens are locked",
-                                report=report)
+    # NOTE: idle, the only locks are the sessions' pins: each node's lock_ref is the number of pins at or below it
+    expected: dict[int, list] = {}
+    for node in _pinned_paths(tree_cache, pinned):
+        expected.setdefault(id(node), [node, 0])[1] += 1
+    pinned_tokens = sum(len(node.key) for node, _ in expected.values())
+    if report["protected"] != pinned_tokens:
+        raise ConservationError(f"no active request, yet {report['protected']} tree tokens are locked "
+                                f"({pinned_tokens} pinned by sessions)", report=report)
+    wrong = [(len(node.key), node.lock_ref, count) for node, count in expected.values() if node.lock_ref != count]
+    if wrong:
+        raise ConservationError(f"session-pinned nodes' lock refs disagree with their pins (tokens, lock_ref, "
+                                f"pins): {wrong[:10]}", report=report)
 
 
 # ---------------------------------------------------------------------------------------------- further tiers
-TierCheck = Callable[[Any, Any, list[Any], Any, list[Any]], dict[str, int]]
+TierCheck = Callable[[Any, Any, list[Any], Any, list[Any], Sequence[Any]], dict[str, int]]
 
 
 def _tier_check(name: str) -> TierCheck:
-    """The check of tier `name` beyond the device pool: (allocator, tree, nodes, req_to_token pool, requests) ->
+    """The check of tier `name` beyond the device pool: (allocator, tree, nodes, req_to_token pool, requests, the
+    sessions' pinned nodes) ->
     its report terms, raising ConservationError. A tier without one is an error, never a silent pass."""
     checks: dict[str, TierCheck] = {WINDOW_TIER: check_window_pool}
     if name not in checks:
@@ -176,7 +197,8 @@ def _tier_check(name: str) -> TierCheck:
 
 
 # ---------------------------------------------------------------------------------------------- window pool
-def check_window_pool(allocator: Any, tree_cache: Any, nodes: list[Any], pool: Any, reqs: list[Any]) -> dict[str, int]:
+def check_window_pool(allocator: Any, tree_cache: Any, nodes: list[Any], pool: Any, reqs: list[Any],
+                      pinned: Sequence[Any] = ()) -> dict[str, int]:
     """Raises ConservationError if the window pool's identity, ownership or a running window fails; returns terms."""
     table, size = allocator.full_to_window, allocator.tier_capacity(WINDOW_TIER)
     hybrid_tree = tree_cache is not None and tree_cache.is_hybrid
@@ -206,8 +228,12 @@ def check_window_pool(allocator: Any, tree_cache: Any, nodes: list[Any], pool: A
             f"{leaked[:50]}, doubly-owned window slots {doubly[:50]}", leaked, doubly, report)
     _check_running_windows(allocator, tree_cache, pool, reqs)
     if not reqs and report["window_protected"]:
-        raise ConservationError(f"no active request, yet {report['window_protected']} window slots are locked",
-                                report=report)
+        # NOTE: idle, window locks may only be the sessions' pins' (on the paths to their nodes)
+        on_pins = {id(n) for n in _pinned_paths(tree_cache, pinned)}
+        stray = [n for n in nodes if n.window_lock_ref and id(n) not in on_pins]
+        if stray or not pinned:
+            raise ConservationError(f"no active request, yet {report['window_protected']} window slots are locked",
+                                    report=report)
     return report
 
 

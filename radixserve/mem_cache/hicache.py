@@ -1,4 +1,5 @@
-"""`HiCacheController`: the disk tier behind the radix tree (SGLang's HiCache L3), and `make_hicache`.
+"""`HiCacheController`: the tiers behind the radix tree (SGLang's HiCache: an optional host-memory tier, L2, in front
+of a storage backend, L3), and `make_hicache`. This class alone orders them: loads look in host, then storage.
 
 The `KVManager` calls it at four points and it never owns a slot for longer than one call:
 - `extend_match` (match_prefix): after the tree's hit, load the following stored pages of the request's key into
@@ -12,6 +13,7 @@ Loading is synchronous, before the forward that needs the pages (docs/hicache.md
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from radixserve.mem_cache.host_tier import HostKVTier
 from radixserve.mem_cache.radix_cache import MatchResult, TreeNode
 from radixserve.mem_cache.radix_key import RadixKey
 from radixserve.mem_cache.storage.base import WRITE_POLICIES, StorageBackend, parse_size
@@ -41,14 +44,20 @@ class HiCacheController:
     (`kv_pool`: per-layer K/V buffers) and a `StorageBackend`, keyed by `page_keys` under `fingerprint`."""
 
     def __init__(self, backend: StorageBackend, kv_pool: Any, allocator: Any, tree: Any, fingerprint: bytes,
-                 page_tokens: int, write_policy: str = "write_through", stats: Any = None) -> None:
+                 page_tokens: int, write_policy: str = "write_through", stats: Any = None,
+                 host: HostKVTier | None = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy={write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")
         if page_tokens % allocator.page_size:
             raise ValueError(f"storage page of {page_tokens} tokens is not a multiple of the pool's page size")
         self.backend, self.kv_pool, self.allocator, self.tree = backend, kv_pool, allocator, tree
         self.fingerprint, self.page_tokens, self.write_policy = fingerprint, page_tokens, write_policy
-        self.loaded_tokens = 0  # tokens loaded from storage into the tree, in all
+        self.loaded_tokens = 0  # tokens loaded into the tree, in all (host + storage)
+        # NOTE: the host tier (host_tier.py) sits in front of the backend; this class alone decides the order:
+        # a load looks in host first, then storage (promoting what storage gives to host); a store goes to both
+        self.host = host
+        self.host_loaded_tokens = self.storage_loaded_tokens = 0  # loaded_tokens by the tier they came from
+        self.load_s = self.store_s = 0.0  # wall time in loads (reads + pool writes) and stores, in all
         self.scheduler_stats = stats  # a SchedulerStats: its hicache_* counters are copied from ours after each use
         # NOTE: set by the scheduler: blocks until no launched forward is still running. Under the overlap loop a
         # freed slot (an overrun or retracted request's) may still be written by the forward in flight; only a
@@ -62,7 +71,13 @@ class HiCacheController:
 
     @property
     def stats(self) -> dict:
-        return {**self.backend.stats.as_dict(), "loaded_tokens": self.loaded_tokens, "usage": self.backend.usage()}
+        out = {**self.backend.stats.as_dict(), "loaded_tokens": self.loaded_tokens, "usage": self.backend.usage(),
+               "host_loaded_tokens": self.host_loaded_tokens, "storage_loaded_tokens": self.storage_loaded_tokens,
+               "load_s": self.load_s, "store_s": self.store_s}
+        if self.host is not None:
+            out.update({f"host_{k}": v for k, v in self.host.stats.as_dict().items()},
+                       host_usage=self.host.usage(), host_capacity=self.host.capacity_bytes)
+        return out
 
     def _sync(self) -> None:
         out, mine = self.scheduler_stats, self.backend.stats
@@ -70,6 +85,16 @@ class HiCacheController:
             out.hicache_loaded_tokens, out.hicache_storage_hits = self.loaded_tokens, mine.hits
             out.hicache_storage_misses, out.hicache_corrupt_pages = mine.misses, mine.corrupt
             out.hicache_bytes_written, out.hicache_bytes_read = mine.bytes_written, mine.bytes_read
+            out.hicache_host_loaded_tokens = self.host_loaded_tokens
+            out.hicache_storage_loaded_tokens = self.storage_loaded_tokens
+            out.hicache_load_seconds, out.hicache_store_seconds = self.load_s, self.store_s
+            if self.host is not None:
+                out.hicache_host_hits, out.hicache_host_misses = self.host.stats.hits, self.host.stats.misses
+                out.hicache_host_usage_bytes = self.host.usage()
+
+    @property
+    def _storing(self) -> bool:
+        return self.backend.enabled or self.host is not None
 
     def _wait_for_forwards(self) -> bool:
         """Block until no launched forward runs (`before_pool_write`); False if one failed (then skip the I/O)."""
@@ -95,8 +120,11 @@ class HiCacheController:
     def _store_pages(self, keys: Sequence[str], slots: torch.Tensor) -> int:
         """Store page i of `keys` from `slots[i * page_tokens:(i + 1) * page_tokens]` (pages already stored are
         skipped); returns the pages written."""
-        todo = [i for i, key in enumerate(keys) if not self.backend.exists(key)]
-        if not todo or not self.backend.enabled:
+        start_s, host = time.perf_counter(), self.host
+        to_disk = {i for i, key in enumerate(keys) if self.backend.enabled and not self.backend.exists(key)}
+        to_host = {i for i, key in enumerate(keys) if host is not None and key not in host}
+        todo = sorted(to_disk | to_host)
+        if not todo:
             return 0
         t, written = self.page_tokens, 0
         for start in range(0, len(todo), _GATHER_PAGES):  # NOTE: bounds the host copy of a long prompt's KV
@@ -104,7 +132,11 @@ class HiCacheController:
             kv = self._gather(torch.cat([slots[i * t:(i + 1) * t] for i in group]))
             for n, i in enumerate(group):
                 page = kv[:, :, n * t:(n + 1) * t].contiguous()
-                written += self.backend.set(keys[i], page.view(torch.uint8).numpy().tobytes())
+                if host is not None and i in to_host:
+                    host.put(keys[i], page)
+                if i in to_disk:
+                    written += self.backend.set(keys[i], page.view(torch.uint8).numpy().tobytes())
+        self.store_s += time.perf_counter() - start_s
         self._sync()
         return written
 
@@ -117,7 +149,9 @@ class HiCacheController:
         element = torch.tensor([], dtype=self.kv_pool.dtype).element_size()
         if len(payload) != element * torch.Size(shape).numel():
             return None
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.kv_pool.dtype).view(shape)
+        # NOTE: a writable buffer (the file backend reads into a bytearray) is viewed, not copied
+        buf = payload if isinstance(payload, bytearray) else bytearray(payload)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_pool.dtype).view(shape)
 
     # ---- load -----------------------------------------------------------------------------------
     def extend_match(self, tokens: Sequence[int], extra_key: Any, match: MatchResult, priority: int = 0) -> MatchResult:
@@ -128,20 +162,21 @@ class HiCacheController:
         evictable tree slots between their match and their lock."""
         t, m = self.page_tokens, len(match.device_indices)
         first, last = m // t, len(tokens) // t  # storage pages [first, last) could extend the match
-        if first >= last or not self.backend.enabled:
+        if first >= last or not (self.backend.enabled or self.host is not None):
             return match
+        start_s = time.perf_counter()
         keys = self._keys(tokens, extra_key, last)[first:]
         room = (self.allocator.available_size() + m - first * t) // t  # NOTE: whole pages of free slots
         pages: list[torch.Tensor] = []
+        from_host: list[bool] = []
         for key in keys[:max(room, 0)]:
-            if not self.backend.exists(key):
-                break
-            page = self._decode(self.backend.get(key) or b"")
+            page = self._read_page(key)
             if page is None:
-                self.backend.delete(key)
                 break
-            pages.append(page)
+            pages.append(page[0])
+            from_host.append(page[1])
         end = (first + len(pages)) * t
+        self.load_s += time.perf_counter() - start_s
         self._sync()
         if end <= m:
             return match
@@ -150,11 +185,15 @@ class HiCacheController:
         slots = self.allocator.alloc(end - m)
         if slots is None:
             return match
-        kv = torch.cat(pages, dim=2)[:, :, m - first * t:]
-        pool, idx = self.kv_pool, slots.to(self.kv_pool.device, torch.int64)
+        start_s = time.perf_counter()
+        pool, idx, skip = self.kv_pool, slots.to(self.kv_pool.device, torch.int64), m - first * t
+        # NOTE: one layer at a time through a small reused buffer: a cat of whole pages along the token axis would
+        # allocate (and page-fault) the whole prefix's KV again, about twice slower (benchmarks/bench_hicache_tiers.py)
+        scratch = torch.empty((end - m, pool.head_num, pool.head_dim), dtype=pool.dtype)
         for layer in range(pool.layer_num):
-            pool.k_buffer[layer][idx] = kv[0, layer].to(pool.device)
-            pool.v_buffer[layer][idx] = kv[1, layer].to(pool.device)
+            for side, buffer in ((0, pool.k_buffer[layer]), (1, pool.v_buffer[layer])):
+                torch.cat([pages[0][side, layer, skip:]] + [page[side, layer] for page in pages[1:]], out=scratch)
+                buffer[idx] = scratch.to(pool.device)
         if pool.device.type == "cuda":
             torch.cuda.synchronize(pool.device)  # NOTE: forwards run on their own stream: the KV must be there
         key = RadixKey(tokens[:end], extra_key)
@@ -165,9 +204,31 @@ class HiCacheController:
         if len(new.device_indices) < end:
             raise RuntimeError(f"loaded {end - m} tokens from storage but the tree matches {len(new.device_indices)}")
         self.loaded_tokens += end - m
+        host_tokens = t * sum(from_host) - (m - first * t if from_host[0] else 0)
+        self.host_loaded_tokens += host_tokens
+        self.storage_loaded_tokens += end - m - host_tokens
         self.load_calls += 1
+        self.load_s += time.perf_counter() - start_s
         self._sync()
-        return new
+        # NOTE: the loaded tokens are device KV now; the per-tier lengths say where they came from
+        return new._replace(host_hit_length=host_tokens, storage_hit_length=end - m - host_tokens)
+
+    def _read_page(self, key: str) -> tuple[torch.Tensor, bool] | None:
+        """One page in the pool's dtype and whether it came from the host tier: host first, then storage (a page
+        storage gives is promoted to host); None at the first miss or a corrupt page."""
+        if self.host is not None:
+            page = self.host.get(key)
+            if page is not None:
+                return page, True
+        if not self.backend.enabled or not self.backend.exists(key):
+            return None
+        page = self._decode(self.backend.get(key) or b"")
+        if page is None:
+            self.backend.delete(key)
+            return None
+        if self.host is not None:
+            self.host.put(key, page)
+        return page, False
 
     # ---- store ----------------------------------------------------------------------------------
     def on_insert(self, key: RadixKey, slots: torch.Tensor, chunked: bool = False) -> None:
@@ -177,7 +238,7 @@ class HiCacheController:
         NOTE: a continuing chunk (`chunked`) is published at the start of the next step, while its forward may
         still run under the overlap loop: its KV is not read then. The insert after the request's last chunk (its
         result processed: all KV computed) stores every page from the first, so the chunks' pages too."""
-        if self.write_policy != "write_through" or chunked or not self.backend.enabled:
+        if self.write_policy != "write_through" or chunked or not self._storing:
             return
         last = len(key) // self.page_tokens
         if last:
@@ -186,7 +247,7 @@ class HiCacheController:
     def on_lock(self, tokens: Sequence[int], extra_key: Any, slots: torch.Tensor) -> None:
         """write_through_selective: a request was admitted with `slots` matched for `tokens`; count a hit on each
         full page and store the pages at their SELECTIVE_HITS-th hit."""
-        if self.write_policy != "write_through_selective" or not self.backend.enabled:
+        if self.write_policy != "write_through_selective" or not self._storing:
             return
         keys = self._keys(tokens, extra_key, len(slots) // self.page_tokens)
         due = []
@@ -205,7 +266,7 @@ class HiCacheController:
     def on_evict(self, node: TreeNode) -> None:
         """write_back: `node`, a leaf, is being evicted (its slots and its ancestors' are still valid): store the
         full storage pages that end inside it."""
-        if not self.backend.enabled:
+        if not self._storing:
             return
         path = []
         while node is not None and node.parent is not None:
@@ -270,5 +331,22 @@ def make_hicache(server_args: Any, model_runner: Any, tree: Any, allocator: Any,
     backend, where = open_storage_backend(server_args)
     logger.info("hierarchical cache: %s storage at %s (%s, %d-token pages)", server_args.hicache_storage_backend,
                 where, server_args.hicache_write_policy, page_tokens)
+    host = make_host_tier(server_args, pool)
     return HiCacheController(backend, pool, allocator, tree, fingerprint, page_tokens, server_args.hicache_write_policy,
-                             stats)
+                             stats, host)
+
+
+def make_host_tier(server_args: Any, pool: Any) -> HostKVTier | None:
+    """The host tier `--hicache-size` / `--hicache-ratio` ask for (in front of the storage backend), or None."""
+    from radixserve.mem_cache.host_tier import HOST_DTYPES, host_tier_bytes
+
+    pool_bytes = pool.size * pool.bytes_per_token(pool.head_num, pool.head_dim, pool.layer_num, pool.dtype)
+    capacity = host_tier_bytes(getattr(server_args, "hicache_size", 0), getattr(server_args, "hicache_ratio", 0),
+                               pool_bytes)
+    if not capacity:
+        return None
+    dtype = HOST_DTYPES[getattr(server_args, "hicache_host_dtype", "auto")]
+    host = HostKVTier(capacity, pool.dtype, dtype)
+    logger.info("hierarchical cache: host tier of %d bytes (%.2fx the KV pool), pages in %s", capacity,
+                capacity / max(pool_bytes, 1), host.dtype)
+    return host

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -83,6 +83,14 @@ class KVRequest(Protocol):
     def prefix_match_limit(self) -> int: ...
 
 
+class TreePin(NamedTuple):
+    """A lock a session holds on a tree node (KVManager.pin_prefix): the node, its window mark, its depth."""
+
+    node: TreeNode
+    window_mark: int | None
+    tokens: int
+
+
 class KVManager:
     """The tree, the allocator and `req_to_token` behind one object; the only writer of `ReqKV`.
 
@@ -101,6 +109,8 @@ class KVManager:
         # NOTE: a hybrid model's window W (the tree declares it, tiers.py), None for a plain one: the one switch
         # for the window pool
         self.sliding_window: int | None = tree_cache.sliding_window
+        # SessionPins.unpin_namespaces (session_cache.py), set by SessionPins; None: no sessions
+        self.release_pins: Callable[[Callable[[Any], bool]], int] | None = None
 
     # ---- sizes ----------------------------------------------------------------------------------
     def available_size(self) -> int:
@@ -161,6 +171,23 @@ class KVManager:
             yield
         finally:
             self._dec_lock(node, mark)
+
+    # ---- session pins (session_cache.py) --------------------------------------------------------
+    def pin_prefix(self, tokens: Sequence[int], extra_key: Any, max_tokens: int) -> TreePin | None:
+        """Lock the tree's node at the end of the cached head (at most `max_tokens`) of `tokens`; None if none of
+        it is cached. NOTE: the pinned tokens stay tree-owned and count as protected until `unpin`."""
+        tree = self.tree_cache
+        if tree.disable or max_tokens <= 0:
+            return None
+        with self.timing():
+            match = tree.match_prefix(tree.key_of(list(tokens[:max_tokens]), extra_key))
+            if len(match.device_indices) == 0:
+                return None
+            return TreePin(match.last_node, self._inc_lock(match.last_node), len(match.device_indices))
+
+    def unpin(self, pin: TreePin) -> None:
+        """Release a pin_prefix lock."""
+        self._dec_lock(pin.node, pin.window_mark)
 
     def _inc_lock(self, node: TreeNode) -> int | None:
         """Lock the path to `node` (and, hybrid, the window KV of its last W - 1 tokens); returns the window mark."""
@@ -421,8 +448,10 @@ class KVManager:
 
     def drop_namespaces(self, match: Callable[[Any], bool]) -> int:
         """Frees the cached KV of every namespace `match` selects (no request may hold any of it: the caller
-        checks); returns the tokens freed."""
+        checks); returns the tokens freed. Agent sessions' pins in those namespaces are released first."""
         with self.timing():
+            if self.release_pins is not None:  # NOTE: a pinned node is locked, and the tree refuses to drop it
+                self.release_pins(match)
             return self.tree_cache.drop_namespaces(match)
 
     def flush(self) -> int:

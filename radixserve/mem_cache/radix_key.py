@@ -33,6 +33,13 @@ _LOW32 = 0xFFFFFFFF
 _INT32_RANGE = (-(1 << 31), (1 << 31) - 1)
 
 
+def namespace_owner(extra_key: Any) -> str | None:
+    """The API key id a request's namespace starts with (the server puts ("api", id) first), or None."""
+    if extra_key and extra_key[0][0] == "api":
+        return extra_key[0][1]
+    return None
+
+
 def pack_tokens(token_ids: Any) -> bytes:
     """Token ids as packed native int64 bytes: array('q') and bytes-like views are copied as is."""
     if isinstance(token_ids, array) and token_ids.typecode == "q":

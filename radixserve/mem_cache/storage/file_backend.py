@@ -25,8 +25,7 @@ from pathlib import Path
 
 from radixserve.mem_cache.storage.base import StorageStats
 from radixserve.mem_cache.storage.page_format import HEADER as _HEADER
-from radixserve.mem_cache.storage.page_format import HEADER_BYTES, MAGIC, checksum
-from radixserve.mem_cache.storage.page_format import verify_page as _verify
+from radixserve.mem_cache.storage.page_format import HEADER_BYTES, MAGIC, checksum, verify_parts
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +125,23 @@ class FileStorageBackend:
             self._touch(key, size)  # written by another process: adopted into the index (and the usage)
         return True
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytearray | None:
+        """The verified payload as a `bytearray` (writable: the controller views it as a tensor without a copy)."""
         if not self.enabled:
             return None
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            with open(path, "rb", buffering=0) as f:
+                # NOTE: one read of the header, then one read into a buffer of the payload's size (no slicing copy)
+                header = f.read(HEADER_BYTES)
+                size = os.fstat(f.fileno()).st_size
+                payload: bytearray | None = bytearray(max(size - HEADER_BYTES, 0))
+                view, got = memoryview(payload), 0
+                while got < len(payload) and (n := f.readinto(view[got:])):
+                    got += n
+                view.release()
+                if got != len(payload) or f.read(1):
+                    payload = None  # NOTE: changed under us (another writer replaces whole files, so not expected)
         except FileNotFoundError:
             self._forget(key)
             self.stats.misses += 1
@@ -140,8 +149,7 @@ class FileStorageBackend:
         except OSError as exc:
             self._turn_off(exc, "reading")
             return None
-        payload = _verify(data)
-        if payload is None:
+        if payload is None or not verify_parts(header, payload):
             logger.warning("hierarchical cache page %s failed its checksum; deleted", path.name)
             self.stats.corrupt += 1
             self.stats.misses += 1
@@ -153,7 +161,7 @@ class FileStorageBackend:
             os.utime(path)  # NOTE: the LRU order survives a restart: the index is rebuilt by mtime
         except OSError:
             pass
-        self._touch(key, len(data))
+        self._touch(key, HEADER_BYTES + len(payload))
         return payload
 
     def set(self, key: str, payload: bytes) -> bool:
