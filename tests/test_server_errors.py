@@ -167,5 +167,5 @@ def test_logprobs_out_of_range_or_without_logprobs(server: ServerHandle) -> None
 
 
 def test_unknown_route_and_method(server: ServerHandle) -> None:
-    _error(server.post("/v1/embeddings", json={}), 404)
+    _error(server.post("/v1/no_such_route", json={}), 404)
     _error(server.get(CHAT), 405)
