@@ -205,7 +205,7 @@ def test_f32_prefill_batches_run_the_step_passes(folder, monkeypatch, isa):
     runner = _runner(folder, monkeypatch, True)
     layer = runner.model.model.layers[0]
     fused, act, ops = layer.input_layernorm.fused_add, layer.mlp.act, runner.model.fused_ops
-    assert isinstance(fused, prefill_passes.AddRMSNorm) and isinstance(act, prefill_passes.SiluAndMul)
+    assert isinstance(fused, prefill_passes.RowAddRMSNorm) and isinstance(act, prefill_passes.RowSiluAndMul)
     assert fused._kernel.dtype == torch.float32
     width, inter = runner.model.config.hidden_size, runner.model.config.intermediate_size
     weight = layer.input_layernorm.weight.detach()

@@ -1,5 +1,8 @@
 """The C decode step's row passes over prefill batches (kernels/csrc/decode_step.c and decode_step_f32.c).
 
+RowSiluAndMul and RowAddRMSNorm stand in for the compiled nn.Modules SiluAndMul and AddRMSNorm of
+layers/fused_ops.py from MIN_ROWS rows (named apart so each name means one thing).
+
 A model whose decode batches run the C decode step has that step's loops for the passes between matrix products:
 in bf16 bit-equal to the compiled fused ops (layers/fused_ops.py) or rounding alike, in float32 equal to them to
 float32 rounding. On a prefill chunk they are faster than inductor's code, so from MIN_ROWS rows the layers call
@@ -25,7 +28,7 @@ def _takes(kernel: DecodeStepKernel, x: torch.Tensor) -> bool:
     return x.shape[0] >= MIN_ROWS and x.dtype == kernel.dtype and x.is_contiguous()
 
 
-class SiluAndMul:
+class RowSiluAndMul:
     """SiLU-and-mul of a fused [gate | up] batch: the C loop from MIN_ROWS rows (in bf16 the compiled op's
     rounding steps: a result differs, if at all, by one bf16 unit in a few places), the compiled op below."""
 
@@ -42,7 +45,7 @@ class SiluAndMul:
         return out
 
 
-class AddRMSNorm:
+class RowAddRMSNorm:
     """(RMSNorm(x + residual), x + residual) of a batch: the C rows from MIN_ROWS rows (in bf16 bit-equal to the
     compiled op; in float32 the sum is, the norm to float32 rounding), the compiled op below. `eps`: the model's, the
     one the compiled op was built with."""
@@ -65,8 +68,8 @@ class AddRMSNorm:
 class PrefillPasses:
     """The passes a model runs in place of its compiled ones (LlamaForCausalLM.set_fused_ops)."""
 
-    silu_and_mul: SiluAndMul
-    add_rmsnorm: AddRMSNorm
+    silu_and_mul: RowSiluAndMul
+    add_rmsnorm: RowAddRMSNorm
 
 
 def c_prefill_passes(ops: Any, eps: float) -> PrefillPasses | None:
@@ -75,4 +78,4 @@ def c_prefill_passes(ops: Any, eps: float) -> PrefillPasses | None:
     kernel = load_decode_step_kernel(ops.dtype)
     if kernel is None:
         return None
-    return PrefillPasses(SiluAndMul(kernel, ops.silu_and_mul), AddRMSNorm(kernel, ops.add_rmsnorm, eps))
+    return PrefillPasses(RowSiluAndMul(kernel, ops.silu_and_mul), RowAddRMSNorm(kernel, ops.add_rmsnorm, eps))
