@@ -82,6 +82,10 @@ class ServerArgs:
                                      "--hicache-size is 0); both 0 (the default): no host tier")
     hicache_host_dtype: str = _opt("auto", "the host tier's page dtype: auto (the KV pool's, bit-identical loads), "
                                            "bfloat16, float16 or float32", ("auto", "bfloat16", "float16", "float32"))
+    kv_events_config: str | None = _opt(None, "publish the radix cache's KV events (BlockStored, BlockRemoved, "
+                                              "AllBlocksCleared) for a cache-aware router, as SGLang's JSON: "
+                                              "'{\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                                              "\"topic\": \"kv\"}' (docs/server.md#kv-events)")
     queue_timeout: float | None = _opt(None, "seconds a request may wait for admission; then it ends with 503")
     max_sessions: int = _opt(256, "most open agent sessions (/open_session) at once (docs/radix_cache.md)")
     session_max_tokens: int | None = _opt(None, "most tokens of one session's context pinned in the radix cache "
@@ -236,6 +240,9 @@ class ServerArgs:
                              "float32")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache needs the radix cache: drop disable_radix_cache")
+        from radixserve.mem_cache.kv_events import KVEventsConfig
+
+        KVEventsConfig.from_json(self.kv_events_config)  # NOTE: raises ValueError naming kv_events_config
 
     def _check_lora(self) -> None:
         if isinstance(self.lora_paths, (str, list)):  # NOTE: a list from Engine(...) kwargs, a str for one adapter

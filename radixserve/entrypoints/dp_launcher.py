@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import httpx
 
 from radixserve.entrypoints.dp_processes import Child, core_shares, free_port, worker_flags
+from radixserve.mem_cache.kv_events import rank_config_json
 from radixserve.server_args import ServerArgs
 
 logger = logging.getLogger("radixserve.dp")
@@ -135,7 +136,9 @@ class DPLauncher:
         for rank, cores in enumerate(shares):
             port = free_port(avoid=(self.server_args.port,))  # the gateway binds that one later
             threads = self.server_args.torch_threads or len(cores)
-            args = worker_flags(shared, port, threads) + self.http_flags
+            # NOTE: each worker publishes its KV events on its own port (the configured one + its rank), as SGLang's
+            worker = shared.replace(kv_events_config=rank_config_json(shared.kv_events_config, rank))
+            args = worker_flags(worker, port, threads) + self.http_flags
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
             if gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[rank % len(gpus)]

@@ -27,6 +27,7 @@ from radixserve.entrypoints.tool_protocol import (
     ToolChoice,
     ToolDefinition,
 )
+from radixserve.mem_cache.tiers import tier_details
 
 
 def new_id(prefix: str) -> str:
@@ -268,6 +269,11 @@ class ErrorResponse(BaseModel):
 
 
 class PromptTokensDetails(_Response):
+    """`cached_tokens` (every tier); with the hierarchical cache also `cached_tokens_details`, the same tokens by
+    tier ({"device", "host", "storage"}, an extension; absent otherwise, so it is an extra field here)."""
+
+    model_config = ConfigDict(extra="allow")
+
     cached_tokens: int = 0
 
 
@@ -278,9 +284,9 @@ class UsageInfo(_Response):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> UsageInfo:
+    def of(cls, prompt: int, completion: int, cached: int, details: dict[str, int] | None = None) -> UsageInfo:
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, **tier_details(details)))
 
 
 class TopLogprob(_Response):

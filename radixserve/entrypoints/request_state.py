@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from radixserve.client.shaping import native_logprobs
 from radixserve.client.text_stream import IncrementalDetokenizer, final_text
 from radixserve.managers.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
+from radixserve.mem_cache.tiers import tier_details
 from radixserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ class RequestState:
         self.prompt_tokens = len(input_ids)
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.cached_tokens_details: dict[str, int] | None = None  # by tier, with the hierarchical cache
         self.figures: dict[str, float] | None = None  # the scheduler's (TokenIDOut.figures)
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
@@ -57,6 +59,7 @@ class RequestState:
         self.top_logprobs.extend(out.output_top_logprobs or ())
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = (
             out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+        self.cached_tokens_details = out.cached_tokens_details or self.cached_tokens_details
         self.figures = out.figures or self.figures
         if finish_reason is not None:
             self.finish_reason = finish_reason
@@ -81,6 +84,7 @@ class RequestState:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            **tier_details(self.cached_tokens_details),
             "finish_reason": self.finish_reason,
             "e2e_latency": end - self.submitted_at,
             "ttft": ttft,

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from radixserve.entrypoints.http_errors import ApiError, bad_request
 from radixserve.entrypoints.protocol_base import RequestModel
+from radixserve.mem_cache.tiers import tier_details
 
 # NOTE: OpenAI's metadata bounds: 16 pairs, keys of 64 characters, values of 512
 MAX_METADATA_PAIRS = 16
@@ -329,8 +330,10 @@ def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def usage(input_tokens: int, output_tokens: int, cached: int, reasoning: int = 0) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
+def usage(input_tokens: int, output_tokens: int, cached: int, reasoning: int = 0,
+          details: dict[str, int] | None = None) -> dict[str, Any]:
+    """`details`: the cached tokens by tier (hierarchical cache), as `input_tokens_details.cached_tokens_details`."""
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached, **tier_details(details)},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": input_tokens + output_tokens}
 

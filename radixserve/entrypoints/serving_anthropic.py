@@ -48,6 +48,7 @@ from radixserve.frontend.tokenizer_manager import (
 from radixserve.function_call.answer import StreamedCalls, whole_message
 from radixserve.function_call.chat_tools import ToolError, ToolPlan
 from radixserve.function_call.legacy import plan_request_tools
+from radixserve.mem_cache.tiers import tier_details
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +73,12 @@ def stop_reason(reason: str | None, finish: dict[str, Any] | None) -> tuple[str 
     return ("end_turn" if reason is not None else None), None
 
 
-def usage_of(prompt: int, completion: int, cached: int) -> dict[str, int]:
+def usage_of(prompt: int, completion: int, cached: int, details: dict[str, int] | None = None) -> dict[str, Any]:
     """Anthropic's usage: `input_tokens` are the prompt tokens computed, `cache_read_input_tokens` those the
-    radix cache served (their sum is the prompt); the cache is written without being asked, so creation is 0."""
+    radix cache served (their sum is the prompt); the cache is written without being asked, so creation is 0.
+    With the hierarchical cache, `cached_tokens_details` splits `cache_read_input_tokens` by tier (an extension)."""
     return {"input_tokens": prompt - cached, "output_tokens": completion, "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0}
+            "cache_creation_input_tokens": 0, **tier_details(details)}
 
 
 class AnthropicServing(OpenAIServing):
@@ -133,7 +135,7 @@ class AnthropicServing(OpenAIServing):
         stop, sequence = stop_reason(reason, r.finish)
         body = {"id": new_message_id(), "type": "message", "role": "assistant", "model": self.model_name,
                 "content": content, "stop_reason": stop, "stop_sequence": sequence,
-                "usage": usage_of(r.prompt_tokens, r.completion_tokens, r.cached_tokens)}
+                "usage": usage_of(r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.cached_tokens_details)}
         return JSONResponse(body)
 
     def _chat_renderer(self, rid: str, usage: Any, logprobs: bool, tools: ToolPlan | None = None,
@@ -161,7 +163,7 @@ class _StreamState:
             self.started = True
             message = {"id": new_message_id(), "type": "message", "role": "assistant", "model": self.model,
                        "content": [], "stop_reason": None, "stop_sequence": None,
-                       "usage": usage_of(out.prompt_tokens, 0, out.cached_tokens)}
+                       "usage": usage_of(out.prompt_tokens, 0, out.cached_tokens, out.cached_tokens_details)}
             events += [{"type": "message_start", "message": message}, {"type": "ping"}]
         content, pieces, reason = out.text_delta, [], out.finish_reason
         if self.thinking is not None:
@@ -189,7 +191,8 @@ class _StreamState:
             self._stop(events)
             stop, sequence = stop_reason(reason, out.finish)
             events.append({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": sequence},
-                           "usage": usage_of(out.prompt_tokens, out.completion_tokens, out.cached_tokens)})
+                           "usage": usage_of(out.prompt_tokens, out.completion_tokens, out.cached_tokens,
+                                             out.cached_tokens_details)})
             events.append({"type": "message_stop"})
         return events
 

@@ -149,6 +149,7 @@ class ChoiceResult(FinishView):
     input_logprobs: list[float | None] | None = None  # with prompt logprobs, once they arrived
     input_top_logprobs: list[TopLogprobs] | None = None
     figures: dict[str, float] | None = None  # the scheduler's (TokenIDOut.figures)
+    cached_tokens_details: dict[str, int] | None = None  # by tier, with the hierarchical cache
 
     def add(self, out: GenerateOutput) -> None:
         self.rid = out.rid
@@ -158,6 +159,7 @@ class ChoiceResult(FinishView):
         self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.cached_tokens_details = out.cached_tokens_details or self.cached_tokens_details
         self.figures = out.figures or self.figures
         self.logprobs += out.logprobs or []
         self.top_logprobs += out.top_logprobs or []

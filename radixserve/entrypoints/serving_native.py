@@ -41,6 +41,7 @@ from radixserve.entrypoints.serving_common import (
 from radixserve.frontend.tenant_namespace import namespace_owner
 from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
 from radixserve.managers.io_struct import CheckSessionReq, CloseSessionReq, OpenSessionReq
+from radixserve.mem_cache.tiers import tier_details
 from radixserve.sampling_params import SamplingParams
 
 _MAX_PARAM = "sampling_params.max_new_tokens"
@@ -105,7 +106,7 @@ def _meta(rid: str, r: ChoiceResult | GenerateOutput, started: float) -> dict[st
     # NOTE: the scheduler's finish reason as it is (SGLang's: the stop token or string matched, the length
     # reached, an abort's message and status), the same dict the Engine returns.
     return {"id": rid, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "cached_tokens": r.cached_tokens, "finish_reason": r.finish, "e2e_latency": time.monotonic() - started,
+            "cached_tokens": r.cached_tokens, **tier_details(r.cached_tokens_details), "finish_reason": r.finish, "e2e_latency": time.monotonic() - started,
             **(r.figures or {})}
 
 

@@ -80,15 +80,21 @@ class _Usage:
         self.n = n
         self.completion = [0] * (len(prompt_lens) * n)
         self.cached = [0] * (len(prompt_lens) * n)
+        self.details: list[dict[str, int] | None] = [None] * (len(prompt_lens) * n)  # by tier (hierarchical cache)
 
-    def add(self, index: int, out: GenerateOutput) -> None:
+    def add(self, index: int, out: GenerateOutput | ChoiceResult) -> None:
         self.completion[index] = out.completion_tokens
         self.cached[index] = out.cached_tokens
+        self.details[index] = out.cached_tokens_details or self.details[index]
 
     def info(self) -> UsageInfo:
         n = self.n
-        cached = sum(min(self.cached[p * n:(p + 1) * n]) for p in range(len(self.prompt_lens)))
-        return UsageInfo.of(sum(self.prompt_lens), sum(self.completion), cached)
+        # NOTE: each prompt's choice with the smallest hit gives its tier split too, so the split sums to `cached`
+        picks = [min(range(p * n, (p + 1) * n), key=self.cached.__getitem__) for p in range(len(self.prompt_lens))]
+        cached = sum(self.cached[i] for i in picks)
+        split = [self.details[i] for i in picks]
+        details = None if None in split else {tier: sum(d[tier] for d in split) for tier in split[0]}
+        return UsageInfo.of(sum(self.prompt_lens), sum(self.completion), cached, details)
 
 
 @dataclass(frozen=True)
@@ -326,7 +332,7 @@ class OpenAIServing:
         for r in results:
             raise_if_aborted(r)
         for i, r in enumerate(results):
-            usage.completion[i], usage.cached[i] = r.completion_tokens, r.cached_tokens
+            usage.add(i, r)
         # NOTE: built and JSON-encoded on a front-end thread: with echo and logprobs it holds every prompt token.
         if chat:
             return await self.tm.run_cpu(key, self._chat_response, rid, results, usage.info(), logprobs, tools,

@@ -135,6 +135,7 @@ class ResponsesServing:
             watcher.close()
         r = results[0]
         raise_if_aborted(r)
+        turn.cached_details = r.cached_tokens_details
         return JSONResponse(turn.whole(r.text, r.finish_reason, r.token_ids, r.completion_tokens, r.cached_tokens))
 
     def _render(self, chat: list[ChatMessage], plan: ToolPlan | None, generation: bool) -> str:
@@ -239,6 +240,7 @@ class _Turn:
         self.created = None
         self.output_ids: list[int] = []
         self.completion = self.cached = 0
+        self.cached_details: dict[str, int] | None = None  # the cached tokens by tier (hierarchical cache)
 
     def body(self, status: Any, output: list[dict[str, Any]], use: dict[str, Any] | None) -> dict[str, Any]:
         body = response_body(self.id, self.req, self.serving.chat.model_name, status, output, use, self.created)
@@ -263,7 +265,7 @@ class _Turn:
         self.output_ids = token_ids
         spent = 0 if self.thinking is None else reasoning_out.reasoning_tokens(
             self.thinking, self.serving.tm.tokenizer, token_ids, text)
-        return self.finish(status, output, usage(len(self.ids), completion, cached, spent))
+        return self.finish(status, output, usage(len(self.ids), completion, cached, spent, self.cached_details))
 
     def finish(self, status: str, output: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
         body = self.body(status, output, use)
@@ -277,6 +279,7 @@ class _Turn:
                out: GenerateOutput) -> list[dict[str, Any]]:
         self.output_ids += out.token_ids
         self.completion, self.cached = out.completion_tokens, out.cached_tokens
+        self.cached_details = out.cached_tokens_details or self.cached_details
         chunks = events.start()
         text = out.text_delta
         if self.streamed is not None:
@@ -299,7 +302,8 @@ class _Turn:
     def finale(self, events: ResponseEvents) -> list[dict[str, Any]]:
         chunks = events.close()
         spent = self.streamed.tokens.get(0, 0) if self.streamed is not None else 0
-        body = self.finish(events.status, events.output, usage(len(self.ids), self.completion, self.cached, spent))
+        body = self.finish(events.status, events.output, usage(len(self.ids), self.completion, self.cached, spent,
+                                                                self.cached_details))
         return chunks + [events.event(f"response.{events.status}", response=body)]
 
 

@@ -98,3 +98,4 @@ class GenerateOutput(FinishView):
     input_top_logprobs: list[TopLogprobs] | None = None
     figures: dict[str, float] | None = None  # the scheduler's figures of the request (TokenIDOut.figures)
     embedding: list[float] | None = None  # an embedding request's L2-normalised vector, in its finishing output
+    cached_tokens_details: dict[str, int] | None = None  # by tier, with the hierarchical cache (TokenIDOut's)

@@ -373,7 +373,8 @@ class TokenizerManager:
                 rid=record.rid, text_delta=delta, token_ids=new_ids, finish=finished, prompt_tokens=state.prompt_len, completion_tokens=record.completion_tokens,
                 cached_tokens=record.cached_tokens, logprobs=record.output_logprobs,
                 top_logprobs=record.output_top_logprobs, input_logprobs=record.input_token_logprobs,
-                input_top_logprobs=record.input_top_logprobs, figures=record.figures, embedding=record.embedding))
+                input_top_logprobs=record.input_top_logprobs, figures=record.figures, embedding=record.embedding,
+                cached_tokens_details=record.cached_tokens_details))
             if finished is not None:
                 state.done = True
                 self._observe_finished(state, aborted=finished.get("type") == "abort")

@@ -36,10 +36,22 @@ def cache_tree_snapshot(scheduler: Scheduler, req: CacheTreeReq) -> CacheTreeOut
     evictable, protected = cache.evictable_size(), cache.protected_size()
     snapshot["pool"] = {"size": size, "available": available, "evictable": evictable, "protected": protected,
                         "in_requests": max(size - available - evictable - protected, 0)}
+    snapshot["tiers"] = tiers_of(scheduler, snapshot["pool"])
     snapshot["waiting_requests"] = len(scheduler.waiting_queue)
     snapshot["cache_epoch"] = scheduler.cache_epoch
     snapshot["took_ms"] = round((time.perf_counter() - start) * 1000, 3)
     return CacheTreeOut(snapshot)
+
+
+def tiers_of(scheduler: Scheduler, pool: dict) -> dict:
+    """Which tier holds what: the device pool (its tokens as `pool` counts them, and the tree's nodes there), and with
+    --enable-hierarchical-cache the host and storage tiers' pages, bytes, capacity and counters (hicache.py)."""
+    hicache = scheduler.kv_manager.hicache
+    out = {"device": {"tokens": pool["size"], "cached": pool["evictable"] + pool["protected"],
+                      "free": pool["available"]}, "hierarchical": hicache is not None}
+    if hicache is not None:
+        out.update(hicache.tier_summary())
+    return out
 
 
 def _clamp(value: int, name: str) -> int:

@@ -183,6 +183,8 @@ class TokenIDOut:
     figures: dict[str, float] | None = None
     # An embedding request's L2-normalised pooled hidden state, in its finishing record (Req.embed); else None.
     embedding: list[float] | None = None
+    # With the hierarchical cache: `cached_tokens` by tier, {"device", "host", "storage"} (they sum to it); else None.
+    cached_tokens_details: dict[str, int] | None = None
 
 
 @dataclass

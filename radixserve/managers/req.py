@@ -103,6 +103,7 @@ class Req:
         self.retracted_stain = False
         self.retraction_count = 0
         self.cached_tokens = 0
+        self.cached_tokens_details: dict[str, int] | None = None  # by tier, with the hierarchical cache
         self.already_computed = 0
         self.num_matched_prefix_tokens = 0
         self.wait_since = time.monotonic()
@@ -241,7 +242,7 @@ class Req:
             self.output_top_logprobs[sent:] if logprobs else None,
             self.input_token_logprobs if send_input else None,
             self.input_top_logprobs if send_input else None,
-            self.figures(), self.embedding if self.finish_sent else None)
+            self.figures(), self.embedding if self.finish_sent else None, self.cached_tokens_details)
 
     def figures(self) -> dict[str, float] | None:
         """Its figures for meta_info (TokenIDOut.figures)."""

@@ -91,12 +91,12 @@ class ScheduleBatch:
         fb.extra_top_k = max(r.logprob.top_logprobs_num for r, n in zip(self.reqs, counts, strict=True) if n)
         fb.input_logprob_counts = counts
 
-    @staticmethod
-    def _count_cached_tokens(req: Req, prefix_len: int, seq_len: int) -> None:
+    def _count_cached_tokens(self, req: Req, prefix_len: int, seq_len: int) -> None:
         # NOTE: counted once, at the first prefill; chunk continuations add 0, re-prefills after retraction nothing.
         if not req.retracted_stain:
             req.cached_tokens += max(prefix_len - req.already_computed, 0)
             req.already_computed = seq_len
+            req.cached_tokens_details = self.kv_manager.cached_by_tier(req.kv, req.cached_tokens)
 
     # ---- decode ---------------------------------------------------------------------------------
     def prepare_for_decode(self) -> ForwardBatch:

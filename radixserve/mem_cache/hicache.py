@@ -79,6 +79,27 @@ class HiCacheController:
                        host_usage=self.host.usage(), host_capacity=self.host.capacity_bytes)
         return out
 
+    def tier_summary(self) -> dict[str, Any]:
+        """What each tier behind the tree holds and has done, for the cache explorer: pages, bytes, capacity, hit and
+        load counters (the host entry is None without a host tier)."""
+        shape = torch.Size(self._page_shape())
+        page_bytes = shape.numel() * torch.tensor([], dtype=self.kv_pool.dtype).element_size()
+        host, store, s = self.host, self.backend, self.backend.stats
+        return {
+            "page_tokens": self.page_tokens, "page_bytes": page_bytes, "write_policy": self.write_policy,
+            "loads": self.load_calls, "loaded_tokens": self.loaded_tokens, "load_s": round(self.load_s, 6),
+            "store_s": round(self.store_s, 6),
+            "host": None if host is None else {
+                "pages": len(host), "bytes": host.usage(), "capacity_bytes": host.capacity_bytes,
+                "dtype": str(host.dtype).removeprefix("torch."), "hits": host.stats.hits,
+                "misses": host.stats.misses, "evicted": host.stats.evicted,
+                "loaded_tokens": self.host_loaded_tokens},
+            "storage": {
+                "backend": store.kind, "enabled": store.enabled, "pages": store.pages(), "bytes": store.usage(),
+                "capacity_bytes": store.capacity_bytes, "hits": s.hits, "misses": s.misses, "corrupt": s.corrupt,
+                "pages_written": s.pages_written, "evicted": s.evicted, "loaded_tokens": self.storage_loaded_tokens},
+        }
+
     def _sync(self) -> None:
         out, mine = self.scheduler_stats, self.backend.stats
         if out is not None:

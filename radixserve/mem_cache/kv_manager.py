@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 
 from radixserve.mem_cache.radix_key import RadixKey
+from radixserve.mem_cache.tiers import split_cached_tokens
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
@@ -60,6 +61,10 @@ class ReqKV:
     prefix_indices: torch.Tensor | None = None
     window_lock: int | None = None  # a hybrid tree's window-lock mark (SWARadixCache.inc_window_lock)
     window_freed_len: int = 0  # hybrid: own positions below this have had their window KV freed
+    # tokens the hierarchical cache loaded into the tree for this request's matches, by the tier they came from
+    # (summed over its matches while it waits; `cached_by_tier` clamps them to its cached tokens)
+    host_hit_len: int = 0
+    storage_hit_len: int = 0
 
     @property
     def prefix_len(self) -> int:
@@ -141,9 +146,18 @@ class KVManager:
         if self.hicache is not None:
             # NOTE: stored pages past the tree's hit are loaded into free slots and inserted: the tree owns them
             match = self.hicache.extend_match(tokens, req.extra_key, match, req.priority)
+            kv.host_hit_len += match.host_hit_length
+            kv.storage_hit_len += match.storage_hit_length
         kv.prefix_indices, kv.last_node = match.device_indices, match.last_node
         kv.cache_protected_len = len(match.device_indices)
         return kv.cache_protected_len
+
+    def cached_by_tier(self, kv: ReqKV, cached: int) -> dict[str, int] | None:
+        """`cached` prefix tokens split by the tier that held them when matched ({"device", "host", "storage"},
+        summing to `cached`); None without the hierarchical cache (the split is then all device)."""
+        if self.hicache is None:
+            return None
+        return split_cached_tokens(cached, kv.host_hit_len, kv.storage_hit_len)
 
     def forget_match(self, req: KVRequest) -> None:
         """Drop a waiting request's unlocked match (after the tree was flushed)."""

@@ -17,7 +17,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from radixserve.mem_cache.evict_policy import get_eviction_key
 from radixserve.mem_cache.memory_pool import SLOT_DTYPE
 from radixserve.mem_cache.radix_key import RadixKey, common_prefix_len
 from radixserve.mem_cache.tiers import MatchResult, TieredCache
+
+if TYPE_CHECKING:
+    from radixserve.mem_cache.kv_events import KVEventSink
 
 __all__ = ["MatchResult", "RadixCache", "RadixKey", "TreeNode"]
 
@@ -88,6 +91,8 @@ class RadixCache(TieredCache):
         self.events: CacheEventLog | None = None
         # called with each leaf `evict` removes, before its slots are freed (the disk tier's write_back)
         self.evict_hook: Callable[[TreeNode], None] | None = None
+        # KV events for a router (kv_events.py, --kv-events-config): told what blocks the tree stores and removes
+        self.kv_events: KVEventSink | None = None
         self.eviction_policy = eviction_policy
         self._eviction_key = get_eviction_key(eviction_policy)
         self._page_struct = struct.Struct(f"{page_size}q")  # unpacks one page: a child key
@@ -110,6 +115,8 @@ class RadixCache(TieredCache):
         self._empty = MatchResult(self.root_node.value, self.root_node)
         if self.events is not None:
             self.events.record("reset", None, None, 0)
+        if self.kv_events is not None:
+            self.kv_events.cleared()
 
     def _now(self) -> float:
         # NOTE: strictly increasing between operations, so LRU order never depends on clock ties.
@@ -264,6 +271,8 @@ class RadixCache(TieredCache):
             node = self._add_leaf(node, tokens[pos * 8:], extra_key, value[pos:end].clone(), priority, chunked, now)
         if self.events is not None:
             self.events.record("insert", node.id, extra_key, end - pos, pos)
+        if self.kv_events is not None and pos < end:
+            self.kv_events.stored(tokens[:end * 8], extra_key, pos, end)
         return pos
 
     def _add_leaf(self, parent: TreeNode, tokens: bytes, extra_key: Any, value: torch.Tensor,
@@ -370,6 +379,8 @@ class RadixCache(TieredCache):
                 victims.append((node.id, len(node.key), node.key.extra_key, node.parent.id))
             if self.evict_hook is not None:
                 self.evict_hook(node)  # NOTE: before _delete_leaf: the hook walks the node's path to the root
+            if self.kv_events is not None:
+                self.kv_events.removed(node)
             self._delete_leaf(node)
         if freed and self.token_to_kv_pool_allocator is not None:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
@@ -390,6 +401,9 @@ class RadixCache(TieredCache):
             stack.extend(node.children.values())
         if any(node.lock_ref for node in nodes):
             raise RuntimeError("a namespace to drop is locked by a running request")
+        if self.kv_events is not None:
+            for node in nodes:  # NOTE: before the nodes are unlinked: the sink walks each one's path
+                self.kv_events.removed(node)
         for top in tops:
             del self.root_node.children[top.key.child_key(self.page_size)]
         freed = sum(len(node.key) for node in nodes)

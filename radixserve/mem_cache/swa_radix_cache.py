@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from radixserve.mem_cache.kv_events import make_kv_events
 from radixserve.mem_cache.radix_cache import MatchResult, RadixCache, TreeNode
 from radixserve.mem_cache.radix_key import RadixKey
 from radixserve.mem_cache.tiers import WINDOW_TIER
@@ -38,8 +39,11 @@ def make_tree_cache(req_to_token_pool: Any, allocator: Any, page_size: int, serv
     """The scheduler's tree: a `SWARadixCache` over a hybrid pool (`sliding_window` set), else a `RadixCache`."""
     options = {"disable": server_args.disable_radix_cache, "eviction_policy": server_args.radix_eviction_policy}
     if sliding_window is None:
-        return RadixCache(req_to_token_pool, allocator, page_size, **options)
-    return SWARadixCache(req_to_token_pool, allocator, page_size, sliding_window, **options)
+        tree = RadixCache(req_to_token_pool, allocator, page_size, **options)
+    else:
+        tree = SWARadixCache(req_to_token_pool, allocator, page_size, sliding_window, **options)
+    tree.kv_events = make_kv_events(server_args, tree)  # NOTE: None unless --kv-events-config publishes
+    return tree
 
 
 def usable_window_prefix(present: torch.Tensor, page_size: int, window: int) -> int:

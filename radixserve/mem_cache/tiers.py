@@ -28,12 +28,12 @@ if TYPE_CHECKING:
     from radixserve.mem_cache.radix_key import RadixKey
 
 __all__ = ["DEVICE_TIER", "HOST_TIER", "STORAGE_TIER", "WINDOW_TIER", "KVTier", "MatchResult", "PrefixCache",
-           "TieredCache"]
+           "TieredCache", "split_cached_tokens", "tier_details"]
 
 DEVICE_TIER = "device"  # the pool every layer reads (a hybrid model's full pool)
 WINDOW_TIER = "window"  # a hybrid model's window pool (window layers only)
-HOST_TIER = "host"  # reserved: a host-memory copy of evicted device KV
-STORAGE_TIER = "storage"  # reserved: a disk / remote copy
+HOST_TIER = "host"  # the hierarchical cache's host-memory pages (host_tier.py)
+STORAGE_TIER = "storage"  # the hierarchical cache's disk / remote pages (storage/)
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,21 @@ class MatchResult(NamedTuple):
     def last_device_node(self) -> TreeNode:
         """SGLang's name for `last_node`."""
         return self.last_node
+
+
+def split_cached_tokens(cached: int, host: int, storage: int) -> dict[str, int]:
+    """A request's `cached` tokens by the tier that held them: `host` and `storage` are the tokens the tiers
+    loaded for its matches (clamped, host first); the rest were device hits. NOTE: the values sum to `cached`
+    (SGLang's `cached_tokens_details` names: device, host, storage)."""
+    cached = max(cached, 0)
+    from_host = min(max(host, 0), cached)
+    from_storage = min(max(storage, 0), cached - from_host)
+    return {DEVICE_TIER: cached - from_host - from_storage, HOST_TIER: from_host, STORAGE_TIER: from_storage}
+
+
+def tier_details(details: dict[str, int] | None) -> dict[str, dict[str, int]]:
+    """`{"cached_tokens_details": details}` to merge into a usage or meta_info dict; {} when None (no tiers)."""
+    return {} if details is None else {"cached_tokens_details": dict(details)}
 
 
 @runtime_checkable

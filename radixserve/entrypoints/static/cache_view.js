@@ -73,6 +73,46 @@
     $("facts").replaceChildren(...facts.map((f) => el("span", "", f)));
   }
 
+  function bytes(n) {
+    if (n === null || n === undefined) return "?";
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let i = 0;
+    while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+    return `${i ? n.toFixed(1) : n} ${units[i]}`;
+  }
+
+  // One row per tier: the device pool (tokens), and with the hierarchical cache the host and storage tiers (pages).
+  function drawTiers(snapshot) {
+    const tiers = snapshot.tiers;
+    const table = $("tiers");
+    if (!tiers) { table.replaceChildren(); return; }
+    const d = tiers.device;
+    const rows = [["device", `${d.cached} of ${d.tokens} tokens cached in the tree, ${d.free} free`, "", ""]];
+    if (!tiers.hierarchical) {
+      rows.push(["host / storage", "off (--enable-hierarchical-cache)", "", ""]);
+    } else {
+      const h = tiers.host;
+      rows.push(h ? ["host", `${h.pages} pages, ${bytes(h.bytes)} of ${bytes(h.capacity_bytes)} (${h.dtype})`,
+        `hits ${h.hits}, misses ${h.misses}, evicted ${h.evicted}`, `loaded ${h.loaded_tokens} tokens`]
+        : ["host", "none (--hicache-size / --hicache-ratio)", "", ""]);
+      const s = tiers.storage;
+      const cap = s.capacity_bytes ? bytes(s.capacity_bytes) : "no cap";
+      rows.push([`storage (${s.backend})`, `${s.pages === null ? "?" : s.pages} pages, ${bytes(s.bytes)} of ${cap}` +
+        (s.enabled ? "" : " — turned off"), `hits ${s.hits}, misses ${s.misses}, corrupt ${s.corrupt}, ` +
+        `written ${s.pages_written}, evicted ${s.evicted}`, `loaded ${s.loaded_tokens} tokens`]);
+    }
+    table.replaceChildren(...rows.map((cells) => {
+      const tr = el("tr");
+      tr.dataset.tier = cells[0].split(" ")[0];
+      tr.append(el("th", "", cells[0]), ...cells.slice(1).map((c) => el("td", "", c)));
+      return tr;
+    }));
+    if (tiers.hierarchical) {
+      table.title = `${tiers.page_tokens}-token pages of ${bytes(tiers.page_bytes)}, ${tiers.write_policy}, ` +
+        `${tiers.loads} loads`;
+    }
+  }
+
   function pathOf(byId, id) {
     const path = new Set();
     while (id !== null && id !== undefined && byId.has(id)) {
@@ -222,6 +262,7 @@
       state.snapshot = snapshot;
       addEvents(snapshot);
       drawPool(snapshot);
+      drawTiers(snapshot);
       drawTree(snapshot);
       setStatus(`live · ${new Date().toLocaleTimeString()}`, false);
     } catch (err) {

@@ -53,6 +53,8 @@ class StorageBackend(Protocol):
     """
 
     stats: StorageStats
+    kind: str  # "file" or "redis" (--hicache-storage-backend)
+    capacity_bytes: int  # the size cap (file) or the server's maxmemory (redis; 0: none)
 
     @property
     def enabled(self) -> bool: ...
@@ -75,4 +77,8 @@ class StorageBackend(Protocol):
 
     def usage(self) -> int:
         """Bytes the store holds now (the size cap applies to this)."""
+        ...
+
+    def pages(self) -> int | None:
+        """Pages the store holds now, or None when it cannot tell cheaply (a shared server)."""
         ...

@@ -44,6 +44,8 @@ RESCAN_BEFORE_EVICT_S = 1.0  # ... and before evicting, if not rebuilt for this 
 class FileStorageBackend:
     """Pages as files in `directory` (created 0700), at most `capacity_bytes` of them (headers included)."""
 
+    kind = "file"
+
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"storage capacity must be positive, got {capacity_bytes}")
@@ -65,6 +67,10 @@ class FileStorageBackend:
 
     def usage(self) -> int:
         return self._usage
+
+    def pages(self) -> int | None:
+        """Pages in the directory as this process last indexed it (other workers' writes count after a rescan)."""
+        return len(self._index)
 
     def _open(self) -> None:
         created = not self.directory.exists()

@@ -76,6 +76,8 @@ def redacted(url: str) -> str:
 class RedisStorageBackend:
     """Pages as values in the Redis server at `url`, under `prefix`. `client` (tests): a ready redis client."""
 
+    kind = "redis"
+
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, socket_timeout: float = SOCKET_TIMEOUT_S,
                  connect_timeout: float = CONNECT_TIMEOUT_S, client: Any = None) -> None:
         check_redis_url(url)
@@ -106,6 +108,10 @@ class RedisStorageBackend:
     @property
     def enabled(self) -> bool:
         return not self.stats.disabled
+
+    def pages(self) -> int | None:
+        """Not known without scanning the server's keys: None."""
+        return None
 
     def usage(self) -> int:
         """The server's `used_memory` (what maxmemory caps: every key of the database, not only ours)."""

@@ -1,0 +1,245 @@
+"""What the hierarchical cache shows from outside, on one real server with the file storage tier and KV events on:
+the per-tier split of cached tokens in every API's usage (a prefix computed, the device tree flushed, asked again:
+storage hits that sum to cached_tokens), the tiers in /cache/tree, and the ZMQ KV events a cache-aware router
+would subscribe to (stored for a request's pages, removed on eviction, cleared on /flush_cache)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from array import array
+
+import httpx
+import msgpack
+import pytest
+import zmq
+from server_harness import check_idle_conservation, free_port, start_server
+
+from radixserve.mem_cache.kv_events import KVEventsConfig
+from radixserve.server_args import ServerArgs
+
+MODEL = "SmolLM2-135M-Instruct"
+TOPIC = b"kv-test"
+BLOCK = 16  # --page-size: one event block per page
+STORAGE_PAGE = 32  # the storage page at page size 16
+QUESTION = "Tell me about " + " ".join(f"item{i}" for i in range(30)) + "."  # ~100 tokens: 3 storage pages
+PROMPT_IDS = 100  # tokens of each /generate input_ids prompt of the KV events test (6 whole blocks)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    port = free_port()
+    sub.bind(f"tcp://127.0.0.1:{port}")  # NOTE: a tcp://host:port endpoint is connected to, as in SGLang
+    sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    config = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": TOPIC.decode()})
+    server = start_server("--dtype", "float32", "--max-total-tokens", "256", "--page-size", str(BLOCK),
+                          "--enable-hierarchical-cache", "--hicache-storage-dir",
+                          str(tmp_path_factory.mktemp("hicache")), "--hicache-storage-size", "1GiB",
+                          "--kv-events-config", config)
+    for _ in range(20):  # NOTE: a bound SUB takes in the server's connection (and subscribes it) only when used
+        sub.poll(50)
+    try:
+        yield server, sub
+    finally:
+        server.stop()
+        sub.close(linger=0)
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    r = httpx.post(server.base_url + path, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _flush(server) -> None:
+    check_idle_conservation(server)
+    assert httpx.post(server.base_url + "/flush_cache", timeout=60).status_code == 200
+
+
+def _stream_json(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:") and line[5:].strip()
+            not in ("[DONE]",)]
+
+
+def _usage_of(kind: str, server, stream: bool) -> tuple[int, dict | None]:
+    """One request of API `kind` with QUESTION; its cached tokens and their split by tier."""
+    chat = [{"role": "user", "content": QUESTION}]
+    if kind == "generate":
+        r = _post(server, "/generate", {"text": QUESTION, "sampling_params": {"max_new_tokens": 2,
+                                                                                "temperature": 0}, "stream": stream})
+        meta = (_stream_json(r)[-1] if stream else r.json())["meta_info"]
+        return meta["cached_tokens"], meta.get("cached_tokens_details")
+    if kind in ("chat", "completions"):
+        body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "stream": stream,
+                **({"messages": chat} if kind == "chat" else {"prompt": QUESTION})}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        r = _post(server, "/v1/chat/completions" if kind == "chat" else "/v1/completions", body)
+        usage = (_stream_json(r)[-1] if stream else r.json())["usage"]["prompt_tokens_details"]
+        return usage["cached_tokens"], usage.get("cached_tokens_details")
+    if kind == "responses":
+        r = _post(server, "/v1/responses", {"model": MODEL, "input": QUESTION, "max_output_tokens": 2,
+                                            "temperature": 0, "stream": stream})
+        body = [e for e in _stream_json(r) if e.get("type") in ("response.completed", "response.incomplete")][0]["response"] if stream \
+            else r.json()
+        details = body["usage"]["input_tokens_details"]
+        return details["cached_tokens"], details.get("cached_tokens_details")
+    r = _post(server, "/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": chat, "stream": stream})
+    usage = [e for e in _stream_json(r) if e.get("type") == "message_delta"][0]["usage"] if stream \
+        else r.json()["usage"]
+    return usage["cache_read_input_tokens"], usage.get("cached_tokens_details")
+
+
+@pytest.mark.parametrize("kind", ["generate", "chat", *(pytest.param(k, marks=pytest.mark.long)
+                                                         for k in ("completions", "responses", "messages"))])
+def test_usage_splits_cached_tokens_by_tier(served, kind):
+    server, _ = served
+    cached, details = _usage_of(kind, server, stream=False)  # computed (or already on disk from another API)
+    assert details is not None and sum(details.values()) == cached
+    for stream in (False, True):
+        _flush(server)  # NOTE: the device tree is empty now; the pages are still on disk
+        cached, details = _usage_of(kind, server, stream)
+        assert cached > 0 and cached % STORAGE_PAGE == 0, (kind, stream, cached)
+        assert details == {"device": 0, "host": 0, "storage": cached}, (kind, stream, details)
+    cached, details = _usage_of(kind, server, stream=True)  # the same again: the tree has it now
+    assert cached > 0 and details == {"device": cached, "host": 0, "storage": 0}, (kind, details)
+    check_idle_conservation(server)
+
+
+def test_cache_tree_shows_the_tiers(served):
+    server, _ = served
+    _usage_of("generate", server, stream=False)
+    _flush(server)
+    _usage_of("generate", server, stream=False)  # NOTE: loaded from disk: storage hits
+    check_idle_conservation(server)
+    snapshot = httpx.get(server.base_url + "/cache/tree", timeout=60).json()
+    tiers, pool = snapshot["tiers"], snapshot["pool"]
+    assert tiers["hierarchical"] and tiers["host"] is None
+    assert tiers["device"] == {"tokens": pool["size"], "cached": pool["evictable"] + pool["protected"],
+                               "free": pool["available"]}
+    assert tiers["device"]["cached"] > 0
+    storage = tiers["storage"]
+    assert storage["backend"] == "file" and storage["enabled"] and storage["capacity_bytes"] == 1 << 30
+    assert storage["pages"] > 0 and storage["bytes"] >= storage["pages"] * tiers["page_bytes"]
+    assert storage["hits"] > 0 and storage["loaded_tokens"] > 0 and storage["pages_written"] >= storage["pages"]
+    assert tiers["page_tokens"] == STORAGE_PAGE and tiers["loaded_tokens"] == storage["loaded_tokens"]
+    metrics = server.metrics()
+    assert metrics["radixserve:hicache_storage_loaded_tokens_total"] == storage["loaded_tokens"]
+
+
+# ---------------------------------------------------------------------------------------------- KV events
+def _drain(sub, quiet_s: float = 0.8) -> list[list]:
+    """Every event received until none came for `quiet_s` (checks the frames and the sequence numbers)."""
+    events, deadline = [], time.monotonic() + quiet_s
+    while time.monotonic() < deadline:
+        if sub.poll(50):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == TOPIC and len(seq) == 8
+            ts, batch = msgpack.unpackb(payload)
+            assert isinstance(ts, float) and batch
+            events += batch
+            deadline = time.monotonic() + quiet_s
+    return events
+
+
+def _generate_ids(server, ids: list[int]) -> None:
+    _post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+
+
+def _chained(stored: list[list], prompt: list[int]) -> list[int]:
+    """The hashes of `prompt`'s whole blocks, followed through the stored events from a root block (parent None);
+    checks each hash is blake2b-64 of its parent and its tokens."""
+    by_parent = {}
+    for _, hashes, parent, tokens, size, lora, medium in stored:
+        assert size == BLOCK and lora is None and medium == "GPU" and len(tokens) == size * len(hashes)
+        for i, h in enumerate(hashes):
+            by_parent.setdefault(parent, []).append((h, tokens[i * size:(i + 1) * size]))
+            parent = h
+    chain, parent = [], None
+    for start in range(0, len(prompt) // BLOCK * BLOCK, BLOCK):
+        block = prompt[start:start + BLOCK]
+        found = [h for h, tokens in by_parent.get(parent, []) if tokens == block]
+        if not found:
+            break
+        h = found[0]
+        if parent is not None:
+            digest = hashlib.blake2b(parent.to_bytes(8, "big") + array("q", block).tobytes(), digest_size=8)
+            assert h == int.from_bytes(digest.digest(), "big") & ((1 << 63) - 1)
+        chain.append(h)
+        parent = h
+    return chain
+
+
+def test_kv_events_stored_removed_cleared(served):
+    server, sub = served
+    _flush(server)
+    assert ["AllBlocksCleared"] in _drain(sub)
+    prompts = [[1000 + 7 * p + i for i in range(PROMPT_IDS)] for p in range(3)]  # distinct from the first token
+    _generate_ids(server, prompts[0])
+    stored = [e for e in _drain(sub) if e[0] == "BlockStored"]
+    first = _chained(stored, prompts[0])
+    assert len(first) == PROMPT_IDS // BLOCK, stored  # every whole block of the prompt
+    _generate_ids(server, prompts[1])
+    _generate_ids(server, prompts[2])  # NOTE: 3 x 96 cached tokens in a 256-token pool: the oldest is evicted
+    events = _drain(sub)
+    removed = {h for e in events if e[0] == "BlockRemoved" for h in e[1]}
+    assert all(e[-1] == "GPU" for e in events if e[0] == "BlockRemoved")
+    assert set(first) <= removed, (first, removed)
+    later = [_chained([e for e in events if e[0] == "BlockStored"], p) for p in prompts[1:]]
+    assert all(len(chain) == PROMPT_IDS // BLOCK for chain in later)
+    check_idle_conservation(server)
+    _flush(server)
+    events = _drain(sub)
+    assert events[-1] == ["AllBlocksCleared"]
+    assert set(later[1]) <= {h for e in events if e[0] == "BlockRemoved" for h in e[1]}
+
+
+def test_kv_events_config_is_checked_naming_the_field():
+    assert KVEventsConfig.from_json(None) is None
+    for bad, field in (('{"publisher": "kafka"}', "kv_events_config.publisher"), ("{", "kv_events_config"),
+                       ('{"topic": 5}', "kv_events_config.topic"), ('{"hwm": 0}', "kv_events_config.hwm"),
+                       ('{"port": 1}', "kv_events_config.port"), ('{"publisher": "zmq", "endpoint": "x"}',
+                                                                  "kv_events_config.endpoint")):
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            ServerArgs(kv_events_config=bad)
+    ranked = json.loads(__import__("radixserve.mem_cache.kv_events", fromlist=["x"]).rank_config_json(
+        '{"publisher": "zmq", "endpoint": "tcp://*:5557"}', 2))
+    assert ranked["endpoint"] == "tcp://*:5559"
+
+
+def test_kv_event_blocks_follow_the_tree_without_a_server():
+    """Blocks are page-aligned from the root: a split moves none, an eviction removes the leaf's, a namespace is
+    in every hash, a dropped namespace removes its blocks, a reset clears (no model, no sockets)."""
+    from radixserve.mem_cache.kv_events import KVEventSink, block_hashes, encode_ops
+    from radixserve.mem_cache.radix_cache import RadixCache
+    from radixserve.mem_cache.radix_key import RadixKey
+
+    tree, sink = RadixCache(page_size=4), KVEventSink(None)
+    tree.kv_events = sink
+
+    def events() -> list[list]:
+        return encode_ops(sink.take(0.01), 4)
+
+    a, b = list(range(12)), list(range(8)) + [90, 91, 92, 93]
+    tree.insert(RadixKey(a))
+    (stored,) = events()
+    hashes = block_hashes(array("q", a).tobytes(), None, 4, 3)
+    assert stored == ["BlockStored", hashes, None, a, 4, None, "GPU"]
+    tree.insert(RadixKey(b))  # NOTE: splits a's node after 8 tokens; only b's last block is new
+    (stored,) = events()
+    assert stored[1] == block_hashes(array("q", b).tobytes(), None, 4, 3)[2:] and stored[2] == hashes[1]
+    assert stored[3] == [90, 91, 92, 93]
+    tree.insert(RadixKey(a, extra_key="tenant"))
+    (other,) = events()
+    assert other[2] is None and not set(other[1]) & set(hashes)  # same tokens, another namespace
+    tree.evict(4)  # the least recently used leaf: a's last block
+    assert events() == [["BlockRemoved", hashes[2:], "GPU"]]
+    tree.drop_namespaces(lambda key: key == "tenant")
+    assert events() == [["BlockRemoved", other[1], "GPU"]]
+    tree.reset()
+    assert events() == [["AllBlocksCleared"]]
