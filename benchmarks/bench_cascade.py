@@ -179,14 +179,16 @@ def time_attention(runner: ModelRunner, args: argparse.Namespace, call: tuple, r
     backends = {mode: create_attention_backend(args.backend, runner) for mode in ("on", "off")}
     backends["on"].cascade = cascade.CascadePolicy(min_prefix=1, min_decode_batch=1, min_decode_saved=0)
     backends["off"].cascade = None
-    for backend in backends.values():
-        backend.init_forward_metadata(call[-1])
+    # NOTE: a forward's metadata travels on the batch: each backend's own goes back on before it runs
+    metas = {mode: backend.init_forward_metadata(call[-1]) for mode, backend in backends.items()}
 
-    def attend(backend) -> None:
+    def attend(backend, meta) -> None:
+        call[-1].attn_metadata = meta
         for _ in range(repeat):
             backend.forward(*call)
 
-    seconds = time_rounds({mode: lambda b=b: attend(b) for mode, b in backends.items()}, args.rounds)
+    seconds = time_rounds({mode: lambda b=b, m=metas[mode]: attend(b, m) for mode, b in backends.items()},
+                          args.rounds)
     return 1e6 * seconds["on"] / repeat, 1e6 * seconds["off"] / repeat
 
 

@@ -131,7 +131,12 @@ class ServerArgs:
     max_loaded_loras: int | None = _opt(None, "most adapters packed for the forward at once (least recently used "
                                               "out); default: --max-loras-per-batch")
     disable_overlap_schedule: bool = _opt(False, "use event_loop_normal instead of event_loop_overlap")
-    attention_backend: str = _opt("auto", "attention backend: auto (cpu kernel on CPU, torch elsewhere), cpu, torch")
+    attention_backend: str = _opt("auto", "attention backend: auto (cpu kernels on a CPU, triton on CUDA where "
+                                          "triton is installed, else torch), cpu, torch, triton")
+    cuda_graph_max_bs: int | None = _opt(None, "largest decode batch replayed from a captured CUDA graph (buckets "
+                                               "1, 2, 4, 8, then every 8 up to it); default: min(160, "
+                                               "--max-running-requests) (docs/attention.md#cuda-graphs)")
+    disable_cuda_graph: bool = _opt(False, "run every decode step eagerly on CUDA (no graph capture at start-up)")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
     linear_method: str = _opt("auto", "how linear layers keep and multiply weights: auto (measured per shape), "
                                       "dense (F.linear), onednn (prepacked, CPU)")
@@ -203,6 +208,8 @@ class ServerArgs:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be positive, got {self.queue_timeout}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"torch_threads must be >= 1, got {self.torch_threads}")
         if self.speculative_algorithm != "none":

@@ -9,6 +9,8 @@ pins=(-c constraints.txt)
 install() { python3 -m pip install -q --disable-pip-version-check ${pins[@]+"${pins[@]}"} "$@"; }
 # NOTE: torch first and alone, so that pip takes the pinned release instead of whatever another package allows.
 install "torch==2.13.0"
+# NOTE: the test extra includes triton (constraints.txt: the version torch's CUDA wheel pins), whose interpreter runs
+# the Triton attention kernels' tests on the CPU
 install -e ".[test]"
 # NOTE: optional: SGLang's model gateway (tests/test_scale_out.py is skipped, saying why, where it cannot install).
 install -e ".[router]" \

@@ -95,12 +95,18 @@ def _extend_batch(shared: int, prefix_lens: list[int], extend_lens: list[int], k
 
 
 def _both(on, off, batch, layer: RadixAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    got, want, _ = _both_with_metadata(on, off, batch, layer)
+    return got, want
+
+
+def _both_with_metadata(on, off, batch, layer: RadixAttention) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Both backends' outputs, and the metadata each built for the batch."""
     q, k, v, fb = batch
-    outs = []
+    outs, metas = [], []
     for backend in (on, off):
-        backend.init_forward_metadata(fb)
+        metas.append(backend.init_forward_metadata(fb))
         outs.append(backend.forward(q, k, v, layer, fb))
-    return outs[0], outs[1]
+    return outs[0], outs[1], metas
 
 
 BACKENDS = ["torch", "torch-math", "cpu", *(f"cpu-{isa}" for isa in KERNEL_ISAS)]
@@ -114,9 +120,9 @@ def test_decode_cascade_matches_plain(name, dtype, kv_heads, heads, dim, monkeyp
     on, off = _backends(name)
     layer = RadixAttention(0, heads, kv_heads, dim, dim**-0.5)
     for shared, own_lens in [(70, [1, 5, 3, 40]), (MIN_PREFIX, [2, 1]), (130, [64, 65, 1])]:
-        got, want = _both(on, off, _decode_batch(shared, own_lens, kv_heads, heads, dim, dtype), layer)
-        assert on.cascade_forwards["decode"] >= 1 and on.cascade_decode_meta is not None
-        assert off.cascade_forwards["decode"] == 0 and off.cascade_decode_meta is None
+        got, want, (m_on, m_off) = _both_with_metadata(on, off, _decode_batch(shared, own_lens, kv_heads, heads, dim, dtype), layer)
+        assert on.cascade_forwards["decode"] >= 1 and m_on.cascade_decode is not None
+        assert off.cascade_forwards["decode"] == 0 and m_off.cascade_decode is None
         assert got.dtype == dtype
         assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype]), (shared, own_lens)
 
@@ -135,8 +141,8 @@ def test_extend_cascade_matches_plain(name, dtype, kv_heads, heads, dim, monkeyp
     ]
     for shared, prefix_lens, extend_lens in cases:
         batch = _extend_batch(shared, prefix_lens, extend_lens, kv_heads, heads, dim, dtype)
-        got, want = _both(on, off, batch, layer)
-        assert on.cascade_extend_meta is not None and off.cascade_extend_meta is None
+        got, want, (m_on, m_off) = _both_with_metadata(on, off, batch, layer)
+        assert m_on.cascade_extend is not None and m_off.cascade_extend is None
         assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype]), (shared, prefix_lens)
     assert on.cascade_forwards["extend"] == len(cases)
 
@@ -175,12 +181,12 @@ def test_detection():
     assert cascade.shared_prefix_len(fb, 25) == 25  # all equal up to the limit
     table[fb.req_pool_indices[1], 23] = 0
     assert cascade.shared_prefix_len(fb, 42) == 23  # diverging in the middle
-    on.init_forward_metadata(fb)
-    assert on.cascade_decode_meta.prefix_slots.shape == (23,) and on.cascade_forwards["decode"] == 1
+    meta = on.init_forward_metadata(fb)
+    assert meta.cascade_decode.prefix_slots.shape == (23,) and on.cascade_forwards["decode"] == 1
     table[fb.req_pool_indices[2], 0] = 0
     assert cascade.shared_prefix_len(fb, 42) == 0
-    on.init_forward_metadata(fb)  # rows differ at slot 0: no cascade
-    assert on.cascade_decode_meta is None and on.decode_meta is not None and on.cascade_forwards["decode"] == 1
+    meta = on.init_forward_metadata(fb)  # rows differ at slot 0: no cascade
+    assert meta.cascade_decode is None and meta.decode is not None and on.cascade_forwards["decode"] == 1
 
 
 def test_detection_thresholds_and_flag():
@@ -208,20 +214,19 @@ def test_detection_thresholds_and_flag():
     own = [3, 5, 1, 2] * (default.cascade.min_decode_batch // 4)
     long_prefix = _decode_batch(default.cascade.min_prefix + 10, own, 1, 2, 16, torch.float32)[3]
     assert (len(own) - 1) * (default.cascade.min_prefix + 10) >= default.cascade.min_decode_saved
-    for backend in (flagged, default):
-        backend.init_forward_metadata(long_prefix)
-    assert flagged.cascade_decode_meta is None and flagged.cascade_forwards == {"decode": 0, "extend": 0}
-    assert default.cascade_decode_meta is not None and default.cascade_forwards["decode"] == 1
+    m_flagged, m_default = (backend.init_forward_metadata(long_prefix) for backend in (flagged, default))
+    assert m_flagged.cascade_decode is None and flagged.cascade_forwards == {"decode": 0, "extend": 0}
+    assert m_default.cascade_decode is not None and default.cascade_forwards["decode"] == 1
 
 
 def test_prefix_slots_do_not_alias_the_table():
     """The overlap loop may rewrite req_to_token once init_forward_metadata returns."""
     on, _ = _backends("torch")
     q, k, v, fb = _decode_batch(20, [3, 5], 1, 2, 16, torch.float32)
-    on.init_forward_metadata(fb)
-    before = on.cascade_decode_meta.prefix_slots.clone()
+    meta = on.init_forward_metadata(fb)
+    before = meta.cascade_decode.prefix_slots.clone()
     fb.req_to_token_pool.req_to_token.fill_(0)
-    assert torch.equal(on.cascade_decode_meta.prefix_slots, before)
+    assert torch.equal(meta.cascade_decode.prefix_slots, before)
 
 
 SHARED = 40

@@ -95,7 +95,7 @@ def test_decode(isa, dtype, dim, group, kv_heads, monkeypatch):
     assert calls == {"__call__": 1}
     _assert_close(got.view(q.shape), ref, dtype, "decode")
     # the longest request alone on two threads: (request, kv head) units instead of whole requests
-    meta, k_all, v_all = backend.decode_meta, *fb.token_to_kv_pool.get_kv_buffer(0)
+    meta, k_all, v_all = fb.attn_metadata.decode, *fb.token_to_kv_pool.get_kv_buffer(0)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

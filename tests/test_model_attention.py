@@ -77,7 +77,7 @@ def test_decode_paths_match_reference(kv_heads, heads):
     assert torch.allclose(got.double(), ref, atol=1e-5)
     k_all, v_all = fb.token_to_kv_pool.get_kv_buffer(0)
     for path in (decode_block_diagonal, decode_head_major):
-        out = path(q, k_all, v_all, backend.decode_meta, DIM**-0.5).view(len(seq_lens), heads, DIM)
+        out = path(q, k_all, v_all, fb.attn_metadata.decode, DIM**-0.5).view(len(seq_lens), heads, DIM)
         assert torch.allclose(out.double(), ref, atol=1e-5), path.__name__
 
 

@@ -249,8 +249,7 @@ def test_switch_off_keeps_sdpa(monkeypatch):
         pytest.skip("no C compiler here, so the native kernel cannot be built")
     assert backend.extend_kernel is None
     q, k, v, fb = _extend_batch([0, 8], [20, 3], 1, 2, 32, torch.float32)
-    backend.init_forward_metadata(fb)
-    assert backend.extend_meta.kernel_reqs is None
+    assert backend.init_forward_metadata(fb).extend.kernel_reqs is None
     backend.forward(q, k, v, RadixAttention(0, 2, 1, 32, 32**-0.5), fb)
     assert not calls
 
@@ -377,8 +376,7 @@ def test_cpu_backend_runs_bf16_extend_on_amx(monkeypatch):
     table[rows[1], :300] = table[rows[0], :300]  # both requests now share a cached 300-token prefix
     outs = []
     for backend in (create_attention_backend("cpu", runner), TorchAttnBackend(runner)):
-        backend.init_forward_metadata(fb)
-        assert backend.cascade_extend_meta is not None
+        assert backend.init_forward_metadata(fb).cascade_extend is not None
         outs.append(backend.forward(q, k, v, layer, fb))
     assert not calls  # NOTE: cascade extend needs seeds and log-sum-exps, which this kernel does not take
     assert torch.allclose(outs[0].float(), outs[1].float(), atol=TOLERANCE[torch.bfloat16])

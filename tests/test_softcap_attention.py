@@ -106,8 +106,8 @@ def test_cascade_batches_leave_capped_layers_capped():
         table[row, :shared] = table[state[2][0], :shared]
     backend = create_attention_backend("cpu", torch.device("cpu"), windows=(W,))
     backend.cascade = CascadePolicy(min_prefix=8)
-    backend.init_forward_metadata(fb)
-    assert backend.cascade_extend_meta is not None and backend.extend_meta is None
+    meta = backend.init_forward_metadata(fb)
+    assert meta.cascade_extend is not None and meta.extend is None
     for window in (W, None):
         got = backend.forward(q, k_new, v_new, _layer(heads, kv_heads, window), fb).view(-1, heads, DIM).double()
         assert torch.allclose(got, _extend_refs(q, state, prefix_lens, extend_lens, kv_heads, window), atol=1e-5)
@@ -121,8 +121,8 @@ def test_cascade_decode_batches_leave_capped_layers_capped():
         table[row, :shared] = table[state[2][0], :shared]
     backend = create_attention_backend("cpu", torch.device("cpu"), windows=(W,))
     backend.cascade = CascadePolicy(min_prefix=8, min_decode_batch=2, min_decode_saved=1)
-    backend.init_forward_metadata(fb)
-    assert backend.cascade_decode_meta is not None and backend.decode_meta is None
+    meta = backend.init_forward_metadata(fb)
+    assert meta.cascade_decode is not None and meta.decode is None
     for window in (W, None):
         got = backend.forward(q, k_new, v_new, _layer(heads, kv_heads, window), fb).view(-1, heads, DIM)
         assert torch.allclose(got.double(), _decode_refs(q, state, seq_lens, kv_heads, window), atol=1e-5)

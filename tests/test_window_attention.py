@@ -62,8 +62,8 @@ def _decode_refs(q, state, seq_lens, kv_heads, window):
 def test_torch_decode_with_window(kv_heads, heads, seq_lens):
     q, k_new, v_new, fb, state = _decode(seq_lens, kv_heads, heads)
     backend = TorchAttnBackend(plan=AttentionPlan("torch", windows=(W,)))
-    backend.init_forward_metadata(fb)
-    assert (W in backend.window_decode_meta) == (max(seq_lens) > W)
+    meta = backend.init_forward_metadata(fb)
+    assert (W in meta.window_decode) == (max(seq_lens) > W)
     window_layer = RadixAttention(0, heads, kv_heads, DIM, DIM**-0.5, sliding_window=W)
     got = backend.forward(q, k_new, v_new, window_layer, fb).view(len(seq_lens), heads, DIM)
     assert torch.allclose(got.double(), _decode_refs(q, state, seq_lens, kv_heads, W), atol=1e-5)
@@ -131,9 +131,9 @@ def test_cascade_batches_keep_window_layers_windowed(backend_name):
         table[row, :shared] = table[state[2][0], :shared]
     backend = create_attention_backend(backend_name, torch.device("cpu"), windows=(W,))
     backend.cascade = CascadePolicy(min_prefix=8)
-    backend.init_forward_metadata(fb)
-    assert backend.cascade_extend_meta is not None
-    assert backend.window_extend_meta[W].prefix_slots.shape == (shared - 9,)  # a = 24 - 16 + 1
+    meta = backend.init_forward_metadata(fb)
+    assert meta.cascade_extend is not None
+    assert meta.window_extend[W].prefix_slots.shape == (shared - 9,)  # a = 24 - 16 + 1
     for window in (W, None):
         layer = RadixAttention(0, heads, kv_heads, DIM, DIM**-0.5, sliding_window=window)
         got = backend.forward(q, k_new, v_new, layer, fb).view(-1, heads, DIM).double()

@@ -71,6 +71,14 @@ def _run(backend, batch, layer: RadixAttention) -> torch.Tensor:
     return backend.forward(q, k, v, layer, fb)
 
 
+def _run_both(on, off, batch, layer: RadixAttention) -> tuple[torch.Tensor, torch.Tensor, object, object]:
+    """Both outputs, and the metadata each backend built for the batch (it travels on the batch)."""
+    got = _run(on, batch, layer)
+    m_on = batch[3].attn_metadata
+    want = _run(off, batch, layer)
+    return got, want, m_on, batch[3].attn_metadata
+
+
 @pytest.mark.parametrize("name", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads, heads, dim", SHAPES)
@@ -80,9 +88,9 @@ def test_decode_window_cascade_matches_window_path(name, dtype, kv_heads, heads,
     for window, shared, own in DECODE_CASES:
         layer = RadixAttention(0, heads, kv_heads, dim, dim**-0.5, sliding_window=window)
         batch = _decode_batch(shared, own, kv_heads, heads, dim, dtype)
-        got, want = _run(on, batch, layer), _run(off, batch, layer)
-        assert isinstance(on.window_decode_meta[window], cascade.CascadeDecodeMetadata), (shared, own)
-        assert isinstance(off.window_decode_meta[window], WindowDecodeMetadata)
+        got, want, m_on, m_off = _run_both(on, off, batch, layer)
+        assert isinstance(m_on.window_decode[window], cascade.CascadeDecodeMetadata), (shared, own)
+        assert isinstance(m_off.window_decode[window], WindowDecodeMetadata)
         assert not got.isnan().any() and got.dtype == dtype
         assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype]), (shared, own)
     assert on.window_cascade_forwards["decode"] == len(DECODE_CASES)
@@ -97,9 +105,9 @@ def test_extend_window_cascade_matches_window_path(name, dtype, kv_heads, heads,
     for window, shared, prefix_lens, extend_lens in EXTEND_CASES:
         layer = RadixAttention(0, heads, kv_heads, dim, dim**-0.5, sliding_window=window)
         batch = _extend_batch(shared, prefix_lens, extend_lens, kv_heads, heads, dim, dtype)
-        got, want = _run(on, batch, layer), _run(off, batch, layer)
-        assert isinstance(on.window_extend_meta[window], cascade.CascadeExtendMetadata), (shared, prefix_lens)
-        assert isinstance(off.window_extend_meta[window], WindowExtendMetadata)
+        got, want, m_on, m_off = _run_both(on, off, batch, layer)
+        assert isinstance(m_on.window_extend[window], cascade.CascadeExtendMetadata), (shared, prefix_lens)
+        assert isinstance(m_off.window_extend[window], WindowExtendMetadata)
         assert not got.isnan().any()
         assert torch.allclose(got.float(), want.float(), atol=TOLERANCE[dtype]), (shared, prefix_lens)
     assert on.window_cascade_forwards["extend"] == len(EXTEND_CASES)
@@ -177,14 +185,16 @@ def test_hybrid_pool_reads_translated_slots_inside_the_windows(name, monkeypatch
     batch = _decode_batch(40, [1, 30, 3, 20], kv_heads, heads, dim, torch.float32)
     row = batch[3].req_to_token_pool.req_to_token[batch[3].req_pool_indices[0]]
     want = _run(off, batch, layer)
-    got = _run(on, _hybrid(batch, row[:25]), layer)  # positions 0 .. 24 are outside every window
-    assert isinstance(on.window_decode_meta[W], cascade.CascadeDecodeMetadata)
+    hybrid = _hybrid(batch, row[:25])
+    got = _run(on, hybrid, layer)  # positions 0 .. 24 are outside every window
+    assert isinstance(hybrid[3].attn_metadata.window_decode[W], cascade.CascadeDecodeMetadata)
     assert torch.allclose(got, want, atol=1e-5)
     batch = _extend_batch(40, [40, 40, 52], [7, 1, 20], kv_heads, heads, dim, torch.float32)
     row = batch[3].req_to_token_pool.req_to_token[batch[3].req_pool_indices[0]]
     want = _run(off, batch, layer)
-    got = _run(on, _hybrid(batch, row[:25]), layer)  # the first queries' windows start at 25
-    assert isinstance(on.window_extend_meta[W], cascade.CascadeExtendMetadata)
+    hybrid = _hybrid(batch, row[:25])
+    got = _run(on, hybrid, layer)  # the first queries' windows start at 25
+    assert isinstance(hybrid[3].attn_metadata.window_extend[W], cascade.CascadeExtendMetadata)
     assert torch.allclose(got, want, atol=1e-5)
 
 

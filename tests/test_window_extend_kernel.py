@@ -78,8 +78,8 @@ def test_backend_routes_window_extend_through_kernel(isa, dtype, atol, prefix_le
     fb.req_to_token_pool, fb.token_to_kv_pool = table, pool
     layer = RadixAttention(0, heads, kv_heads, dim, dim**-0.5, sliding_window=window)
     backend = create_attention_backend("cpu", torch.device("cpu"), windows=(window,))
-    backend.init_forward_metadata(fb)
-    assert window in backend.window_extend_meta and backend.extend_kernel is not None
+    meta = backend.init_forward_metadata(fb)
+    assert window in meta.window_extend and backend.extend_kernel is not None
     windows: list[int] = []
     real_extend = type(backend.extend_kernel).extend
 

@@ -24,6 +24,7 @@ import torch
 if TYPE_CHECKING:
     from radixserve.layers.attention.base import AttentionPlan
     from radixserve.layers.fused_ops import FusedOps
+    from radixserve.model_executor.cuda_graph_runner import GraphPlan
     from radixserve.platform import DtypeChoice
     from radixserve.server_args import ServerArgs
 
@@ -61,6 +62,7 @@ class ExecutionPlan:
     attention: AttentionPlan
     prefill_copy_bytes: int  # bf16-weight decoder layers' resident float32 copies for prefill (0: none)
     entries: tuple[PlanEntry, ...]
+    cuda_graphs: GraphPlan | None = None  # decode buckets captured at start-up (cuda_graph_runner.py); None: off
 
     def choice(self, part: str) -> str:
         return next(e.choice for e in self.entries if e.part == part)
@@ -75,9 +77,10 @@ class ExecutionPlan:
 
 def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, args: ServerArgs) -> ExecutionPlan:
     """Every choice of how `model` (loaded, on `device` in the chosen dtype) runs, none applied yet."""
-    from radixserve.layers.attention.registry import plan_attention, resolve_backend
+    from radixserve.layers.attention.registry import backend_class, plan_attention, resolve_backend
     from radixserve.layers.fused_ops import load_fused_ops
     from radixserve.layers.linear_tuning import plan_large_rows, plan_linear_methods
+    from radixserve.model_executor.cuda_graph_runner import plan_cuda_graphs
 
     dtype = getattr(torch, dtype_choice.dtype)
     kv_dtype, kv_reason = resolve_kv_dtype(args.kv_cache_dtype, dtype, dtype_choice.weights)
@@ -98,18 +101,26 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     no_cascade = _cascade_refusal(args, device, dtype, cap)
     attention = plan_attention(args.attention_backend, device, cascade=no_cascade is None, windows=windows)
     copies = _prefill_copy_entries(model, methods)
+    hybrid = bool(windows) and not args.disable_hybrid_swa_memory
+    graphs = plan_cuda_graphs(args, device, backend_class(attention.backend).graph_refusal(windows, hybrid))
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                PlanEntry("kv cache", str(kv_dtype).removeprefix("torch."), kv_reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
                *copies[1],
                *_attention_entries(attention, dtype, args, no_cascade),
                *_window_entries(windows, not args.disable_hybrid_swa_memory, no_cascade),
-               *_softcap_entries(cap),
+               *_softcap_entries(cap, attention.backend),
+               PlanEntry("cuda graphs", _graph_choice(graphs), graphs.reason),
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
                          refusal or _c_decoder_reason(dtype, methods))]
     return ExecutionPlan(dtype, kv_dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
-                         copies[0], tuple(entries))
+                         copies[0], tuple(entries), graphs)
+
+
+def _graph_choice(graphs: GraphPlan) -> str:
+    sizes = graphs.bs_list
+    return f"decode bs {sizes[0]}..{sizes[-1]} ({len(sizes)} graphs)" if sizes else "off"
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, weights: str | None = None) -> tuple[torch.dtype, str]:
@@ -201,6 +212,8 @@ def _cascade_refusal(args: ServerArgs, device: torch.device, dtype: torch.dtype,
 
     if args.disable_cascade_attention:
         return "--disable-cascade-attention"
+    if resolve_backend(args.attention_backend, device) == "triton":
+        return "the triton backend has no cascade path: each request attends over its whole context"
     if cap is not None:  # NOTE: no cascade path caps scores (layers/attention/softcap.py)
         return "attention soft-cap: no cascade path caps scores"
     if resolve_backend(args.attention_backend, device) == "cpu":
@@ -219,6 +232,15 @@ def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs
     level = f" ({plan.level})" if plan.level else ""
     why_torch = ("no C kernels (--attention-backend torch, not a CPU, or they did not build)" if plan.level is None
                  else f"torch's op measured faster at this level and dtype ({dname})")
+    backend = PlanEntry("attention backend", plan.backend, plan.reason or f"--attention-backend {args.attention_backend}")
+    if plan.backend == "triton":
+        from radixserve.layers.attention.triton_backend import DEFAULT_KV_SPLITS
+
+        return [backend, PlanEntry("attention decode", f"triton split-K ({DEFAULT_KV_SPLITS} splits)",
+                                   "flash decoding over each request's slot table row"),
+                PlanEntry("attention extend", "triton prefix + causal",
+                          "the cached prefix from the pool and the new tokens in one kernel"),
+                PlanEntry("attention shared prefix", "off", no_cascade or "")]
     if plan.uses("decode", dtype):
         decode = PlanEntry("attention decode", "C decode" + level, f"measured faster than torch's op here{level}")
     else:
@@ -230,8 +252,7 @@ def _attention_entries(plan: AttentionPlan, dtype: torch.dtype, args: ServerArgs
                            "a prefix the whole batch shares is attended once")
     else:
         prefix = PlanEntry("attention shared prefix", "off", no_cascade or "")
-    return [PlanEntry("attention backend", plan.backend, f"--attention-backend {args.attention_backend}"),
-            decode, _extend_entry(plan, dtype, level, why_torch), prefix]
+    return [backend, decode, _extend_entry(plan, dtype, level, why_torch), prefix]
 
 
 def _extend_entry(plan: AttentionPlan, dtype: torch.dtype, level: str, why_torch: str) -> PlanEntry:
@@ -259,9 +280,11 @@ def _window_entries(windows: tuple[int, ...], hybrid: bool, no_cascade: str | No
     return [PlanEntry("attention window", ", ".join(map(str, windows)), paths + memory)]
 
 
-def _softcap_entries(cap: float | None) -> list[PlanEntry]:
+def _softcap_entries(cap: float | None, backend: str) -> list[PlanEntry]:
     if cap is None:
         return []
+    if backend == "triton":
+        return [PlanEntry("attention soft-cap", f"{cap:g}", "in the triton kernels (float32 scores capped, then masked)")]
     return [PlanEntry("attention soft-cap", f"{cap:g}", "every capped layer (window layers too): torch math attention "
                       "(float32 scores capped, masked, softmax), no C kernels / cascade, whatever the entries above say")]
 

@@ -67,6 +67,9 @@ class ForwardBatch:
     req_to_token_pool: object | None = None
     token_to_kv_pool: object | None = None
     attn_backend: object | None = None
+    # Set by the backend's init_forward_metadata (once per forward, before the first layer): its typed
+    # AttentionMetadata (layers/attention/base.py), which every layer reads; graph replays reuse a captured one.
+    attn_metadata: object | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,7 @@ from radixserve.mem_cache.kv_manager import WINDOW_SLIDE_TOKENS
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.mem_cache.swa_memory import SWAKVPool, SWATokenToKVPoolAllocator
 from radixserve.model_executor.cpu_memory import keep_freed_memory, serve_from_heap
+from radixserve.model_executor.cuda_graph_runner import GraphDecodeRunner
 from radixserve.model_executor.execution_plan import plan_execution
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.models.device_setup import setup_model_for_device
@@ -95,6 +96,7 @@ class ModelRunner:
                                                      plan=self.execution_plan.attention)
         self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
         self.lora = self._init_lora() if server_args.lora_enabled else None  # lora/manager.LoraManager
+        self.cuda_graphs = self._init_cuda_graphs()  # GraphDecodeRunner, captured once; None: every step eager
         self.malloc_tuned = self.malloc_tuned and serve_from_heap()
         self._log_startup()
 
@@ -110,7 +112,12 @@ class ModelRunner:
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
+        graphs = self.cuda_graphs
         with torch.inference_mode():
+            if graphs is not None and graphs.refusal(forward_batch) is None:
+                return graphs.replay(forward_batch, read_done)  # NOTE: it records read_done once rows are read
+            if graphs is not None:
+                graphs.note_eager(forward_batch)
             try:
                 self.attn_backend.init_forward_metadata(forward_batch)
             finally:
@@ -134,6 +141,20 @@ class ModelRunner:
             return self.model(fb.input_ids, fb.positions, fb)
         finally:
             self.lora.finish()
+
+    def _init_cuda_graphs(self) -> GraphDecodeRunner | None:
+        """Captures decode at the plan's bucket sizes (execution_plan.cuda_graphs); the time is logged."""
+        plan = self.execution_plan.cuda_graphs
+        if plan is None or not plan.bs_list:
+            return None
+        template = ForwardBatch.for_decode([0], [0], [1], torch.zeros(1, dtype=torch.int32), self.device)
+        template.req_to_token_pool, template.token_to_kv_pool = self.req_to_token_pool, self.token_to_kv_pool
+        template.attn_backend = self.attn_backend
+        runner = GraphDecodeRunner(plan, self.attn_backend, self._run_model, template,
+                                   self.req_to_token_pool.req_to_token.shape[1], self.device)
+        with torch.inference_mode():
+            runner.capture()
+        return runner
 
     def _init_lora(self) -> Any:
         from radixserve.lora.manager import LoraLimits, LoraManager, parse_lora_paths
@@ -246,7 +267,13 @@ class ModelRunner:
         return {"dtype": self.dtype_choice.dtype, "dtype_reason": self.dtype_choice.reason,
                 "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "attention_kernels": kernels, "cpu": platform.describe(), "malloc_tuned": self.malloc_tuned,
-                "execution_plan": self.execution_plan.as_dict()}
+                "execution_plan": self.execution_plan.as_dict(), "cuda_graphs": self._graph_info()}
+
+    def _graph_info(self) -> dict | None:
+        graphs = self.cuda_graphs
+        if graphs is None:
+            return None
+        return {"batch_sizes": list(graphs.plan.bs_list), "capture_s": round(graphs.capture_s, 3)}
 
     def _log_startup(self) -> None:
         gib = sum(b.numel() * b.element_size() for b in self.token_to_kv_pool.k_buffer

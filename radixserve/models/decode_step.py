@@ -41,6 +41,7 @@ from radixserve.kernels.decode_step import (
     load_decode_step_kernel,
 )
 from radixserve.kernels.gemv import load_gemv_kernel
+from radixserve.layers.attention.torch_metadata import TorchAttnMetadata, metadata_of
 from radixserve.layers.attention.window import WindowDecodeMetadata
 from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
 from radixserve.layers.f32_gemv import F32_GEMV_ROWS, F32GemvLinearMethod
@@ -106,11 +107,13 @@ class DecodeStep:
         # Python layers call: the same results). A model with windows needs the backend's window tables (window.py),
         # not a window's cascade plan (window_cascade.py).
         fns = self._functions_for(backend, kv_dtype)
-        plain = getattr(backend, "decode_meta", None) is not None
-        cascaded = not plain and getattr(backend, "cascade_decode_meta", None) is not None and fns.prefix is not None
+        meta = fb.attn_metadata
+        if not isinstance(meta, TorchAttnMetadata):  # another backend's tables: the step reads only these
+            return False
+        plain = meta.decode is not None
+        cascaded = not plain and meta.cascade_decode is not None and fns.prefix is not None
         return (fb.batch_size <= self.max_rows and (plain or cascaded)
-                and (not self._windows or (hasattr(backend, "window_decode_meta") and all(
-                    isinstance(m, WindowDecodeMetadata) for m in backend.window_decode_meta.values())))
+                and all(isinstance(m, WindowDecodeMetadata) for m in meta.window_decode.values())
                 and fns.attention is not None
                 and self._lora.refusal() is None)
 
@@ -119,7 +122,7 @@ class DecodeStep:
         layers add their last output into the stream themselves (the first is then scratch)."""
         bs, backend = hidden.shape[0], fb.attn_backend
         fns = self._functions_for(backend, fb.token_to_kv_pool.dtype)
-        plain = backend.decode_meta is not None
+        plain = metadata_of(fb).decode is not None
         if fns.attention is None or bs > self.max_rows or not (plain or fns.prefix is not None):
             raise ValueError("the C decode step does not take this forward (check `takes` first)")
         if fb.token_to_kv_pool is not self._pool:
@@ -143,17 +146,17 @@ class DecodeStep:
         """This step's attention groups: the full layers' (the backend's decode table, or its cascade plan: the
         shared prefix, read by the C function `prefix`, and each request's own positions), then each window's: its
         window table where the window hides keys or the pool is hybrid, else the full layers' own."""
-        backend = fb.attn_backend
-        meta, cascaded = backend.decode_meta, backend.cascade_decode_meta
+        fmeta = metadata_of(fb)
+        meta, cascaded = fmeta.decode, fmeta.cascade_decode
         if meta is not None:
             full = GroupTable(fb.out_cache_loc, meta.kv_indices, fb.seq_lens, meta.max_len, self._group_slots[0])
         else:
             full = GroupTable(fb.out_cache_loc, cascaded.suffix_indices, cascaded.suffix_lens,
                               cascaded.suffix_max_len, self._group_slots[0], cascaded.prefix_slots, prefix)
-        window_loc = getattr(backend, "window_out_loc", None)  # hybrid pool: window layers write window slots
+        window_loc = fmeta.window_out_loc  # hybrid pool: window layers write window slots
         tables = [full]
         for w, rows in zip(self._windows, self._group_slots[1:], strict=True):
-            wmeta = backend.window_decode_meta.get(w)
+            wmeta = fmeta.window_decode.get(w)
             tables.append(replace(full, num_slots=rows) if wmeta is None else
                           GroupTable(fb.out_cache_loc if window_loc is None else window_loc, wmeta.kv_indices,
                                      wmeta.lens, wmeta.max_len, rows))

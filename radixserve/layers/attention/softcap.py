@@ -25,6 +25,7 @@ import torch
 
 from radixserve.layers.attention import window
 from radixserve.layers.attention.base import as_cached, gather_kv
+from radixserve.layers.attention.torch_metadata import metadata_of
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.torch_backend import TorchAttnBackend
@@ -114,10 +115,11 @@ def forward_decode(backend: TorchAttnBackend, q: torch.Tensor, k: torch.Tensor, 
     """A capped layer's decode on `backend`: stores the new K/V where the layer keeps them (window slots for a
     window layer of a hybrid pool), then attends over the window's tables or the whole context's."""
     k_all, v_all = _store(backend, k, v, layer, fb, save_kv_cache)
-    windowed = backend._window_meta(layer, backend.window_decode_meta)
+    fmeta = metadata_of(fb)
+    windowed = backend.window_meta(layer, fmeta.window_decode)
     if windowed is not None and not isinstance(windowed, window.WindowDecodeMetadata):  # the window's cascade plan
         windowed = window.decode_metadata(fb, layer.sliding_window, _translate(fb))
-    meta = windowed if windowed is not None else backend.decode_meta
+    meta = windowed if windowed is not None else fmeta.decode
     if meta is None:  # cascade was planned for this batch (a backend built with it on): the plain tables
         meta = window.decode_metadata(fb, _hides_nothing(fb))
     return decode_attention(q, k_all, v_all, meta.kv_indices, meta.max_len, meta.mask, layer.scaling,
@@ -129,13 +131,14 @@ def forward_extend(backend: TorchAttnBackend, q: torch.Tensor, k: torch.Tensor, 
     """A capped layer's extend on `backend` (see forward_decode): banded per request where the layer's window
     tables are built, else causal over each request's context (its new K/V alone when nothing is cached)."""
     k_all, v_all = _store(backend, k, v, layer, fb, save_kv_cache)
-    windowed = backend._window_meta(layer, backend.window_extend_meta)
+    fmeta = metadata_of(fb)
+    windowed = backend.window_meta(layer, fmeta.window_extend)
     if windowed is not None and not isinstance(windowed, window.WindowExtendMetadata):  # see forward_decode
         windowed = window.extend_metadata(fb, layer.sliding_window, _translate(fb))
     if windowed is not None:
         keys, values = gather_kv(k_all, windowed.kv_indices, q.dtype), gather_kv(v_all, windowed.kv_indices, q.dtype)
         return extend_attention(q, keys, values, windowed.slices, layer.scaling, layer.logit_cap)
-    meta = backend.extend_meta
+    meta = fmeta.extend
     if meta is None:  # cascade was planned for this batch (see forward_decode)
         meta = window.extend_metadata(fb, _hides_nothing(fb))
     if meta.kv_indices is not None:

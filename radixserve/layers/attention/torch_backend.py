@@ -25,7 +25,6 @@ Soft-capped scores (softcap.py, Gemma 2): a layer with `logit_cap` runs torch ma
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
@@ -33,47 +32,29 @@ import torch.nn.functional as F
 
 from radixserve import envs
 from radixserve.layers.attention import cascade, softcap, window, window_cascade
-from radixserve.layers.attention.base import AttentionBackend, AttentionPlan, as_cached, gather_kv
+from radixserve.layers.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionPlan,
+    as_cached,
+    gather_kv,
+)
+from radixserve.layers.attention.torch_metadata import (  # noqa: F401 (DecodeMetadata, ExtendSlice: re-exported)
+    DecodeMetadata,
+    ExtendMetadata,
+    ExtendSlice,
+    GraphDecodeTables,
+    TorchAttnMetadata,
+    decode_metadata,
+    extend_metadata,
+    metadata_of,
+)
 
 if TYPE_CHECKING:
     from radixserve.kernels.attention import DecodeKernel
     from radixserve.kernels.attention_amx import AmxExtendKernel
     from radixserve.layers.radix_attention import RadixAttention
     from radixserve.model_executor.forward_batch import ForwardBatch
-
-
-@dataclass
-class DecodeMetadata:
-    kv_indices: torch.Tensor  # [bs * max_len] pool slots, row-major over (request, position)
-    max_len: int
-    mask: torch.Tensor | None  # additive float32 [bs, max_len]; None when all lengths are equal
-
-
-@dataclass
-class ExtendSlice:
-    q_start: int
-    q_len: int
-    kv_start: int  # into the gathered context (or into the new tokens when nothing is gathered)
-    kv_len: int  # q_len + the request's cached prefix
-    _mask: torch.Tensor | None = field(default=None, repr=False)
-
-    def mask(self, device: torch.device) -> torch.Tensor | None:
-        """bool [q_len, kv_len], causal with the diagonal shifted by the prefix (built once); None: plain causal."""
-        if self.kv_len == self.q_len:
-            return None
-        if self._mask is None:
-            self._mask = cascade.shifted_causal(self.kv_len - self.q_len, self.q_len, device)
-        return self._mask
-
-
-@dataclass
-class ExtendMetadata:
-    slices: list[ExtendSlice]
-    kv_indices: torch.Tensor | None  # flat context slots of all requests; None: attend to new K/V only
-    # for the C extend kernel: int32 context slots of every request (the new tokens' when nothing is
-    # cached) and int64 [bs, 4] rows (q_start, q_len, kv_start, kv_len); None without the kernel
-    kernel_indices: torch.Tensor | None = None
-    kernel_reqs: torch.Tensor | None = None
 
 
 Plan = TypeVar("Plan")
@@ -91,10 +72,6 @@ class TorchAttnBackend(AttentionBackend):
     def __init__(self, use_cascade: bool = True, plan: AttentionPlan | None = None) -> None:
         # NOTE: the plan decides which C kernels run per dtype (registry.plan_attention); torch runs the rest
         self.plan = plan or AttentionPlan("torch", use_cascade)
-        self.decode_meta: DecodeMetadata | None = None
-        self.extend_meta: ExtendMetadata | None = None
-        self.cascade_decode_meta: cascade.CascadeDecodeMetadata | None = None
-        self.cascade_extend_meta: cascade.CascadeExtendMetadata | None = None
         self.decode_kernel = None  # set by CpuAttnBackend
         self.extend_kernel: DecodeKernel | None = None  # set by CpuAttnBackend unless switched off
         self.amx_extend: AmxExtendKernel | None = None  # bf16 extend on AMX tiles (CpuAttnBackend, AMX CPUs)
@@ -102,30 +79,26 @@ class TorchAttnBackend(AttentionBackend):
         self.cascade: cascade.CascadePolicy | None = cascade.CascadePolicy() if self.plan.cascade else None
         self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention (full layers)
         self.window_cascade_forwards = {"decode": 0, "extend": 0}  # forwards whose window layers ran it
-        self.extend_kernel_fits = False  # this extend batch is short enough for the C kernel
-        # per window size of the model (plan.windows), this forward's tables, or its cascade plan cut to the
-        # window; absent: the window hides nothing (a window layer runs what full layers run)
-        self.window_decode_meta: dict[int, window.WindowDecodeMetadata | cascade.CascadeDecodeMetadata] = {}
-        self.window_extend_meta: dict[int, window.WindowExtendMetadata | cascade.CascadeExtendMetadata] = {}
-        self.window_out_loc: torch.Tensor | None = None  # hybrid KV: this forward's new tokens' window slots
+        self.graph_tables: GraphDecodeTables | None = None  # the CUDA graph runner's static tables (init_graph_state)
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+    def build_forward_metadata(self, fb: ForwardBatch) -> TorchAttnMetadata:
         # NOTE: one host sync finds the batch's shared prefix P for every layer kind; the policy decides per kind
         prefix_len = 0 if self.cascade is None else cascade.batch_prefix_len(fb, self.cascade)
+        meta = TorchAttnMetadata()
         if fb.forward_mode.is_decode():
-            self.cascade_decode_meta = self._plan(cascade.plan_decode, fb, "decode", prefix_len)
-            self.decode_meta = None if self.cascade_decode_meta is not None else _decode_metadata(fb)
+            meta.cascade_decode = self._plan(cascade.plan_decode, fb, "decode", prefix_len)
+            meta.decode = None if meta.cascade_decode is not None else decode_metadata(fb)
         else:
-            self.extend_kernel_fits = (self.extend_kernel is not None
+            meta.extend_kernel_fits = (self.extend_kernel is not None
                                        and max(fb.extend_seq_lens_cpu) <= EXTEND_KERNEL_MAX_NEW_TOKENS)
-            self.cascade_extend_meta = self._plan(cascade.plan_extend, fb, "extend", prefix_len)
-            self.extend_meta = None
-            if self.cascade_extend_meta is None:
-                with_kernel = self.extend_kernel_fits or self.amx_extend is not None
-                self.extend_meta = _extend_metadata(fb, with_kernel=with_kernel)
-        self._plan_windows(fb, prefix_len)
+            meta.cascade_extend = self._plan(cascade.plan_extend, fb, "extend", prefix_len)
+            if meta.cascade_extend is None:
+                with_kernel = meta.extend_kernel_fits or self.amx_extend is not None
+                meta.extend = extend_metadata(fb, with_kernel=with_kernel)
+        self._plan_windows(fb, prefix_len, meta)
+        return meta
 
-    def _plan_windows(self, fb: ForwardBatch, prefix_len: int) -> None:
+    def _plan_windows(self, fb: ForwardBatch, prefix_len: int, meta: TorchAttnMetadata) -> None:
         """Per window: its cascade plan where the policy takes the part of P the window sees, else its tables."""
         # NOTE: with a hybrid pool, window layers read their own buffers: always through translated tables
         table = fb.token_to_kv_pool.full_to_window  # NOTE: declared by every pool (None unless hybrid)
@@ -137,16 +110,40 @@ class TorchAttnBackend(AttentionBackend):
         for w in applies:
             cut = plan_cascade(fb, w, prefix_len, self.cascade, table) if prefix_len else None
             metas[w] = cut if cut is not None else plan_tables(fb, w, table)
-        self.window_decode_meta = metas if decode else {}
-        self.window_extend_meta = {} if decode else metas
+        if decode:
+            meta.window_decode = metas
+        else:
+            meta.window_extend = metas
         self.window_cascade_forwards["decode" if decode else "extend"] += any(
             isinstance(m, (cascade.CascadeDecodeMetadata, cascade.CascadeExtendMetadata)) for m in metas.values())
-        self.window_out_loc = table[fb.out_cache_loc.long()] if table is not None else None
+        meta.window_out_loc = table[fb.out_cache_loc.long()] if table is not None else None
+
+    @classmethod
+    def graph_refusal(cls, windows: tuple[int, ...] = (), hybrid: bool = False) -> str | None:
+        """Graphs take plain decode over fixed-width tables: no window tables (they are sized per batch), no hybrid
+        pool; cascade is planned per batch, so a captured step never takes it."""
+        if windows or hybrid:
+            return "the torch backend's graph tables have no sliding-window or hybrid-pool form (use triton)"
+        return None
+
+    def init_graph_state(self, max_bs: int, max_context_len: int, device: torch.device) -> None:
+        self.graph_tables = GraphDecodeTables(max_bs, max_context_len, device)
+
+    def init_forward_metadata_capture(self, fb: ForwardBatch) -> TorchAttnMetadata:
+        # NOTE: every row masked past its length (the tables are max_context_len wide): never the cascade plan
+        meta = TorchAttnMetadata(decode=self.graph_tables.capture(fb.batch_size), graph=True)
+        self.graph_tables.refill(fb, fb.batch_size)
+        fb.attn_metadata = meta
+        return meta
+
+    def init_forward_metadata_replay(self, fb: ForwardBatch, meta: AttentionMetadata) -> None:
+        self.graph_tables.refill(fb, fb.batch_size)
 
     def kv_write_loc(self, layer: RadixAttention, fb: ForwardBatch) -> torch.Tensor:
         """Where this layer writes the new tokens' K/V: window slots for a window layer of a hybrid pool."""
-        if self.window_out_loc is not None and layer.sliding_window is not None:
-            return self.window_out_loc
+        window_loc = metadata_of(fb).window_out_loc
+        if window_loc is not None and layer.sliding_window is not None:
+            return window_loc
         return fb.out_cache_loc
 
     def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy, int], Plan | None], fb: ForwardBatch,
@@ -191,17 +188,18 @@ class TorchAttnBackend(AttentionBackend):
               and kernel.prefix_supports(q, num_kv_heads, kv_dtype))
         return kernel if ok else None
 
-    def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | None:
+    def _extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor, meta: TorchAttnMetadata) -> DecodeKernel | None:
         kernel = self.extend_kernel
-        ok = self.extend_kernel_fits and self.plan.uses("extend", q.dtype) and kernel.extend_supports(q, k_all)
+        ok = meta.extend_kernel_fits and self.plan.uses("extend", q.dtype) and kernel.extend_supports(q, k_all)
         return kernel if ok else None
 
-    def _plain_extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor) -> DecodeKernel | AmxExtendKernel | None:
+    def _plain_extend_kernel_for(self, q: torch.Tensor, k_all: torch.Tensor,
+                                 meta: TorchAttnMetadata) -> DecodeKernel | AmxExtendKernel | None:
         """For extend without cascade: the AMX kernel where the plan uses it and it takes q, else the C kernel."""
         amx = self.amx_extend
         if amx is not None and self.plan.uses("extend_amx", q.dtype) and amx.extend_supports(q, k_all):
             return amx
-        return self._extend_kernel_for(q, k_all)
+        return self._extend_kernel_for(q, k_all, meta)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: RadixAttention,
                        fb: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor:
@@ -212,15 +210,16 @@ class TorchAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, self.kv_write_loc(layer, fb), k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
         kernel = self._kernel_for(q, layer, k_all)
-        windowed = self._window_meta(layer, self.window_decode_meta)
+        fmeta = metadata_of(fb)
+        windowed = self.window_meta(layer, fmeta.window_decode)
         if isinstance(windowed, window.WindowDecodeMetadata):
             return self._decode_window(q, k_all, v_all, layer, windowed, kernel)
-        cascaded = windowed if windowed is not None else self.cascade_decode_meta  # a window's own, or the batch's
+        cascaded = windowed if windowed is not None else fmeta.cascade_decode  # a window's own, or the batch's
         if cascaded is not None:
             out = cascade.cascade_decode(q, k_all, v_all, cascaded, layer.scaling, kernel,
                                          self._prefix_kernel_for(q, layer, k_all, cascaded, decode=True))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
-        meta = self.decode_meta
+        meta = fmeta.decode
         if kernel is not None:
             out = kernel(q, k_all, v_all, meta.kv_indices, fb.seq_lens, meta.max_len, layer.scaling)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
@@ -236,23 +235,24 @@ class TorchAttnBackend(AttentionBackend):
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, self.kv_write_loc(layer, fb), k, v)
         k_all, v_all = pool.get_kv_buffer(layer.layer_id)
-        windowed = self._window_meta(layer, self.window_extend_meta)
+        fmeta = metadata_of(fb)
+        windowed = self.window_meta(layer, fmeta.window_extend)
         if isinstance(windowed, window.WindowExtendMetadata):
-            kernel = self._extend_kernel_for(q, k_all)
+            kernel = self._extend_kernel_for(q, k_all, fmeta)
             if kernel is not None:
                 out, _ = kernel.extend(q, k_all, v_all, windowed.kv_indices, windowed.reqs, layer.scaling,
                                        window=layer.sliding_window)
             else:
                 out = window.extend_attention(q, k_all, v_all, windowed, layer.scaling)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
-        cascaded = windowed if windowed is not None else self.cascade_extend_meta  # a window's own, or the batch's
+        cascaded = windowed if windowed is not None else fmeta.cascade_extend  # a window's own, or the batch's
         if cascaded is not None:
             out = cascade.cascade_extend(q, k_all, v_all, cascaded, layer.scaling,
                                          self._prefix_kernel_for(q, layer, k_all, cascaded),
-                                         self._extend_kernel_for(q, k_all))
+                                         self._extend_kernel_for(q, k_all, fmeta))
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
-        extend_kernel = self._plain_extend_kernel_for(q, k_all)
-        meta = self.extend_meta
+        extend_kernel = self._plain_extend_kernel_for(q, k_all, fmeta)
+        meta = fmeta.extend
         if extend_kernel is not None and meta.kernel_reqs is not None:
             out, _ = extend_kernel.extend(q, k_all, v_all, meta.kernel_indices, meta.kernel_reqs, layer.scaling)
             return out.view(q.shape[0], layer.num_heads * layer.head_dim)
@@ -268,7 +268,7 @@ class TorchAttnBackend(AttentionBackend):
         return out.view(q.shape[0], layer.num_heads * layer.head_dim)
 
 
-    def _window_meta(self, layer: RadixAttention, metas: dict[int, Plan]) -> Plan | None:
+    def window_meta(self, layer: RadixAttention, metas: dict[int, Plan]) -> Plan | None:
         """This forward's plan for the layer's window (its tables, or its cascade cut to the window); None: a full
         layer, or a window that hides nothing."""
         if layer.sliding_window is None:
@@ -368,40 +368,3 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     return out.squeeze(0).transpose(0, 1)
-
-
-def _decode_metadata(fb: ForwardBatch) -> DecodeMetadata:
-    lens = fb.seq_lens_cpu
-    max_len = max(lens)
-    table = fb.req_to_token_pool.req_to_token
-    kv_indices = table[fb.req_pool_indices, :max_len].reshape(-1)
-    mask = None
-    if min(lens) != max_len:
-        positions = torch.arange(max_len, device=table.device)
-        beyond = positions.unsqueeze(0) >= fb.seq_lens.unsqueeze(1)
-        mask = torch.zeros(beyond.shape, dtype=torch.float32, device=table.device).masked_fill_(beyond, float("-inf"))
-    return DecodeMetadata(kv_indices, max_len, mask)
-
-
-def _extend_metadata(fb: ForwardBatch, with_kernel: bool) -> ExtendMetadata:
-    meta = _extend_slices(fb)
-    if with_kernel:
-        # NOTE: with nothing cached, a request's context is its new tokens, stored in the pool before attention
-        meta.kernel_indices = meta.kv_indices if meta.kv_indices is not None else fb.out_cache_loc.to(torch.int32)
-        meta.kernel_reqs = torch.tensor([(s.q_start, s.q_len, s.kv_start, s.kv_len) for s in meta.slices],
-                                        dtype=torch.int64)
-    return meta
-
-
-def _extend_slices(fb: ForwardBatch) -> ExtendMetadata:
-    prefix_lens, extend_lens = fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu
-    if not any(prefix_lens):
-        starts = cascade.offsets(extend_lens)
-        return ExtendMetadata([ExtendSlice(s, n, s, n) for s, n in zip(starts, extend_lens, strict=True)], None)
-    table = fb.req_to_token_pool.req_to_token
-    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
-    rows = table[fb.req_pool_indices, : max(seq_lens)]
-    valid = torch.arange(rows.shape[1], device=fb.input_ids.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
-    starts = zip(cascade.offsets(extend_lens), cascade.offsets(seq_lens), strict=True)
-    slices = [ExtendSlice(qs, n, ks, m) for (qs, ks), n, m in zip(starts, extend_lens, seq_lens, strict=True)]
-    return ExtendMetadata(slices, rows[valid])
