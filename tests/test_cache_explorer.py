@@ -136,6 +136,9 @@ def test_the_page_draws_locks_unlocks_and_evictions_live(server: ServerHandle, t
         page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
         page.goto(server.base_url + "/cache/view?interval=200")
         page.wait_for_selector(".node.root")
+        device = page.wait_for_selector("#tiers tr[data-tier=device]")  # the tiers: device only, no hierarchical cache
+        assert "tokens cached in the tree" in device.inner_text()
+        assert "off" in page.inner_text("#tiers tr[data-tier=host]")
 
         threads = [threading.Thread(target=_complete, args=(server, SHARED + q), kwargs={"max_tokens": 48})
                    for q in questions]

@@ -243,3 +243,32 @@ def test_kv_event_blocks_follow_the_tree_without_a_server():
     assert events() == [["BlockRemoved", other[1], "GPU"]]
     tree.reset()
     assert events() == [["AllBlocksCleared"]]
+
+
+@pytest.mark.long
+def test_the_page_shows_the_tiers(served):
+    """/cache/view in a real headless Chromium draws the storage tier's pages and counters (no console errors)."""
+    import shutil
+
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    if executable is None:
+        pytest.skip("no Chromium on this machine (apt-get install -y chromium; .ci/run installs it)")
+    from playwright.sync_api import sync_playwright
+
+    server, _ = served
+    _usage_of("generate", server, stream=False)
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        page = browser.new_page()
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(server.base_url + "/cache/view?interval=200")
+        storage = page.wait_for_selector("#tiers tr[data-tier=storage]").inner_text()
+        assert "storage (file)" in storage and " pages, " in storage and "of 1.0 GiB" in storage, storage
+        assert "hits " in storage and "loaded " in storage
+        assert "none" in page.inner_text("#tiers tr[data-tier=host]")
+        browser.close()
+    assert not errors, errors
+    check_idle_conservation(server)
