@@ -26,7 +26,14 @@ from pathlib import Path
 
 import torch
 from direct import DirectDriver, DirectRequest
-from forward_profile import StepProfile, linear_flops, machine_limits, profile_step, render_profiles
+from forward_profile import (
+    StepProfile,
+    instrument,
+    linear_flops,
+    machine_limits,
+    profile_step,
+    render_profiles,
+)
 
 from radixserve.bench.docs import cpu_header, write_doc_section
 from radixserve.bench.timing import median_times
@@ -213,8 +220,9 @@ def profile_paths(runners: dict[str, ModelRunner], args: argparse.Namespace) -> 
                     truncate(driver, reqs, args.context)
 
                 flops = linear_flops(runners[path].model, batch, batch)
-                profiles.append(profile_step(f"decode bs={batch} ctx={args.context}", path, step, flops,
-                                             repeats=5, reset=reset))
+                with instrument(runners[path]):
+                    profiles.append(profile_step(f"decode bs={batch} ctx={args.context}", path, step, flops,
+                                                 repeats=5, reset=reset))
                 driver.release(reqs)
     finally:
         torch.set_num_threads(threads)
@@ -233,7 +241,8 @@ def profile_prefill(path: str, runner: ModelRunner, length: int) -> StepProfile:
     def release() -> None:
         driver.release([held.pop()])
 
-    return profile_step(f"prefill {length}", path, prefill, linear_flops(runner.model, length, 1), reset=release)
+    with instrument(runner):
+        return profile_step(f"prefill {length}", path, prefill, linear_flops(runner.model, length, 1), reset=release)
 
 
 Row = tuple[str, int, dict[str, float]]  # workload, threads, tokens/s per engine
@@ -249,8 +258,8 @@ batch's layers run op by op from Python instead of in one C call (models/decode_
 backend's kernels: on this CPU AMX tiles for bf16 prefill, the C decode kernel), so this table does not
 show it; benchmarks/bench_prefill_attention.py does. Decode contexts hold random K/V; prefill computes
 the last token's logits only, as generate does. In the profile, `after`'s decode steps are one call
-(column `C decode step`: its linear products, attention and passes together), so their GEMM column and
-GFLOP/s are the LM head's alone."""
+(column `C decode step`: its linear products, attention and passes together); the LM head has its own column
+(and so does sampling, not run here), so their GEMM column is empty."""
 
 
 def render(rows: list[Row], args: argparse.Namespace, load: tuple[float, float], profile_md: str) -> str:

@@ -18,6 +18,7 @@ this CPU runs natively (bfloat16 with AVX512-BF16 or AMX, float32 otherwise) unl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -30,6 +31,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+import peer_roofline  # noqa: E402
+
+from radixserve.bench import roofline  # noqa: E402
+
 DOCS = ROOT / "docs" / "benchmarks.md"
 PLOT = ROOT / "docs" / "bench_peers.png"
 BEGIN, END = "<!-- bench_peers:begin -->", "<!-- bench_peers:end -->"
@@ -146,7 +151,9 @@ def radixserve_worker(args: argparse.Namespace) -> None:
     spec = json.loads(Path(args.spec).read_text())
     rows = replay(spec, generate, flush, args.reps, "radixserve")
     setup = engine.model_runner.device_setup.describe()
+    formats = roofline.Formats.of_runner(engine.model_runner)
     info = {"engine": "radixserve", "startup_s": startup, "dtype": engine.model_runner.dtype_choice.dtype,
+            "formats": dataclasses.asdict(formats) if formats else None,
             "version": _git_commit(),
             "config": f"radixserve {_git_commit()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
                       f"{setup}" + (f", {args.radixserve_args}" if args.radixserve_args else "")}
@@ -182,14 +189,15 @@ def run_engine(engine: str, args: argparse.Namespace, spec_path: Path, folder: P
     return result
 
 
-def run_rounds(args: argparse.Namespace, folder: Path) -> list[dict]:
-    """Every engine once per round, one at a time, the order alternating; each engine's result per round."""
+def run_rounds(args: argparse.Namespace, folder: Path, spec: dict | None = None) -> list[dict]:
+    """Every engine once per round, one at a time, the order alternating; each engine's result per round (the spec:
+    build_spec's, unless given)."""
     engines = args.engines.split(",")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
         workdir = Path(tmp)
         spec_path = workdir / "spec.json"
-        spec_path.write_text(json.dumps(build_spec(folder, args.scale)))
+        spec_path.write_text(json.dumps(spec if spec is not None else build_spec(folder, args.scale)))
         for round_ in range(args.rounds):
             for engine in engines if round_ % 2 == 0 else engines[::-1]:
                 results.append(run_engine(engine, args, spec_path, folder, workdir, round_))
@@ -319,6 +327,40 @@ def plot(summary: dict) -> None:
     fig.savefig(PLOT, dpi=120)
 
 
+def measure_roofline(args: argparse.Namespace, folder: Path) -> tuple[object, roofline.MachineRates]:
+    """The model's config and this machine's rates, measured before any engine runs (both compute dtypes)."""
+    from radixserve.bench.docs import resolved_dtype
+    from radixserve.models.model_folder import read_config
+
+    cfg = read_config(folder)
+    dtypes = [resolved_dtype(args.radixserve_dtype or args.dtype), args.dtype]
+    rates = roofline.measure_rates(cfg, dtypes)
+    print(f"roofline: {rates.describe()}", flush=True)
+    return cfg, rates
+
+
+def roofline_section(cfg, spec: dict, rates: roofline.MachineRates, results: list[dict], summary: dict,
+                     args: argparse.Namespace) -> str:
+    """The prefill and decode figures against their roofline (peer_roofline.py), each engine with its formats."""
+    formats = {}
+    for result in results:
+        info = result["info"]
+        if info["engine"] == "radixserve" and info.get("formats"):
+            formats["radixserve"] = roofline.Formats(**info["formats"])
+        elif info["engine"] == "vLLM":
+            formats["vLLM"] = roofline.Formats.of(args.dtype)
+    return ("Roofline of the prefill and decode figures (radixserve/bench/roofline.py; measured before the rounds: "
+            f"{rates.describe()}, torch threads {_threads()}; the bound is max(bytes / bandwidth, FLOPs / GEMM rate) of "
+            "the figure's own steps, the fraction the measured speed over it):\n\n"
+            + peer_roofline.table(cfg, spec, rates, formats, summary))
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def main() -> None:
     args = parse_args()
     if args.dtype == "native":
@@ -332,9 +374,12 @@ def main() -> None:
         Path(args.write_spec).write_text(json.dumps(build_spec(folder, args.scale)))
         print(f"wrote {args.write_spec}; the model folder both engines load: {folder}", file=sys.stderr)
         return
-    results = run_rounds(args, folder)
+    spec = build_spec(folder, args.scale)
+    cfg, rates = measure_roofline(args, folder)
+    results = run_rounds(args, folder, spec)
     summary = summarize(results)
     section = render(summary, results, args, (load_start, os.getloadavg()[0]))
+    section += "\n\n" + roofline_section(cfg, spec, rates, results, summary, args)
     print("\n" + section)
     if not args.no_docs and not args.model:  # NOTE: the docs' table is the embedded model's; bench_ladder has the rest
         from radixserve.bench.docs import write_doc_section

@@ -1,4 +1,4 @@
-"""Where a forward's time goes, and what the machine can do: helpers of bench_forward.py.
+"""Where a forward's time goes, and what the machine can do: helpers of bench_forward.py and bench_roofline.py.
 
 `machine_limits` measures the bf16 and float32 GEMM peak (a large square matmul) and the memory read
 bandwidth (summing 1 GiB). `profile_step` runs one forward under torch.profiler and sorts the self
@@ -6,15 +6,17 @@ CPU time of its ops into GEMMs, attention, fused ops, the C decode step (all dec
 step in one call: its GEMMs, attention and passes are not told apart), other ops; whatever of the step's wall time (timed
 without the profiler) no op accounts for is Python and dispatch between ops. It also counts the process's minor
 page faults per step (`getrusage`): a block over malloc's mmap threshold, mapped afresh at every call, shows there
-(cpu_memory.serve_from_heap).
+(cpu_memory.serve_from_heap). `instrument` marks the LM head and sampling (profiler ranges `bench::lm_head`,
+`bench::sampling` around the runner's own calls): every op under such a range counts there instead of by its name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,9 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwis
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax",
                  "aten::index_select"}
 KV_WRITE_OPS = {"aten::_index_put_impl_", "aten::index_put_"}
-CATEGORIES = ("GEMM", "attention", "KV write", "fused ops", "C decode step", "other ops", "Python & dispatch")
+CATEGORIES = ("GEMM", "attention", "KV write", "fused ops", "C decode step", "LM head", "sampling", "other ops",
+              "Python & dispatch")
+MARKS = {"bench::lm_head": "LM head", "bench::sampling": "sampling"}  # profiler ranges set by `instrument`
 
 
 @dataclass(frozen=True)
@@ -106,13 +110,45 @@ def profile_step(title: str, path: str, step: Callable[[], None], linear_flops: 
         for _ in range(repeats):
             run_once()
     ms = dict.fromkeys(CATEGORIES, 0.0)
-    # NOTE: record_function ranges (our fused ops) have no children, so self time is their time.
-    for event in prof.key_averages():
-        ms[categorize(event.key)] += event.self_cpu_time_total / 1e3 / repeats
+    # NOTE: record_function ranges (our fused ops) have no children, so self time is their time; an op under a
+    # `bench::` mark counts as the mark's.
+    for event in prof.events():
+        ms[_marked(event) or categorize(event.name)] += event.self_cpu_time_total / 1e3 / repeats
     ms["Python & dispatch"] = max(0.0, wall - sum(ms.values()))
     gemm_s = ms["GEMM"] / 1e3
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
     return StepProfile(title, path, wall, ms, linear_flops / gemm_s / 1e9 if gemm_s else 0.0, table, step_faults)
+
+
+def _marked(event) -> str | None:
+    while event is not None:
+        if event.name in MARKS:
+            return MARKS[event.name]
+        event = event.cpu_parent
+    return None
+
+
+@contextlib.contextmanager
+def instrument(runner) -> Iterator[None]:
+    """Marks the runner's LM head and sampling calls with profiler ranges (restored on exit)."""
+    from torch.profiler import record_function
+
+    head, sample = runner.model.lm_head, runner.sample
+    head_forward = head.forward
+
+    def marked_head(x: torch.Tensor) -> torch.Tensor:
+        with record_function("bench::lm_head"):
+            return head_forward(x)
+
+    def marked_sample(*args, **kwargs) -> torch.Tensor:
+        with record_function("bench::sampling"):
+            return sample(*args, **kwargs)
+
+    head.forward, runner.sample = marked_head, marked_sample
+    try:
+        yield
+    finally:
+        del head.forward, runner.sample
 
 
 def linear_flops(model: torch.nn.Module, tokens: int, head_rows: int) -> float:

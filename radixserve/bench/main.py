@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from radixserve.bench import report
+from radixserve.bench import report, roofline
 from radixserve.bench.docs import cpu_header
 from radixserve.bench.runner import Backend, EngineBackend, WorkloadResult, run_workload
 from radixserve.bench.workloads import Prompt, build_workloads
@@ -68,7 +68,12 @@ class _FreshEngines:
         runner = first.engine.model_runner
         print(f"[bench] ready in {time.perf_counter() - start:.1f} s: {self.loaded.name}, {runner.dtype}, "
               f"KV pool {runner.max_total_num_tokens} tokens", flush=True)
+        self.config, self.formats = runner.model_config, roofline.Formats.of_runner(runner)
         self.close(first)
+        # NOTE: measured with no engine running, before the workloads: the roofline's bandwidth and GEMM rate.
+        self.rates = roofline.measure_rates(self.config, [self.formats.compute]) if self.formats else None
+        if self.rates:
+            print(f"[bench] roofline: {self.rates.describe()}; {self.formats.describe()}", flush=True)
 
     def open(self, mode: str) -> EngineBackend:
         from radixserve.entrypoints.engine import Engine
@@ -121,8 +126,18 @@ def run_bench(args: argparse.Namespace) -> dict[tuple[str, str], WorkloadResult]
         modes = [args.label or modes[0]]
     workloads = build_workloads(backends.tokenizer, [w.strip() for w in args.workloads.split(",")], args.scale)
     results = _run_all(backends, modes, workloads, max(args.repeats, 1))
-    _report(args, results)
+    _report(args, results, backends)
     return results
+
+
+def _roofline(results: dict[tuple[str, str], WorkloadResult], backends: Any) -> str:
+    """The roofline section (engine backend with float weights only: the config, formats and rates are its)."""
+    rates = getattr(backends, "rates", None)
+    table = rates and report.roofline_table(results, backends.config, backends.formats, rates)
+    if not table:
+        return ""
+    return (f"Roofline (radixserve/bench/roofline.py; measured at the start: {rates.describe()}; "
+            f"{backends.formats.describe()}):\n\n{table}")
 
 
 def _run_all(backends: Any, modes: list[str], workloads: list, repeats: int) -> dict[tuple[str, str], WorkloadResult]:
@@ -153,21 +168,26 @@ def _median_run(runs: list[WorkloadResult]) -> WorkloadResult:
     return next(r for r in runs if r.wall_s == median)
 
 
-def _report(args: argparse.Namespace, results: dict[tuple[str, str], WorkloadResult]) -> None:
+def _report(args: argparse.Namespace, results: dict[tuple[str, str], WorkloadResult], backends: Any) -> None:
     table = report.table(results)
     checks = report.threshold_checks(results)
     print("\n" + table + "\n")
     if checks:
         print(report.format_checks(checks) + "\n")
-    if args.output:
-        report.write_section(args.output, _markdown(args, table, checks, results))
-        print(f"[bench] wrote the bench section of {args.output}")
+    bounds = _roofline(results, backends)
+    if bounds:
+        print(bounds + "\n")
     if args.plot:
-        report.plot(results, args.plot)
-        print(f"[bench] wrote {args.plot}")
+        if report.plot(results, args.plot):
+            print(f"[bench] wrote {args.plot}")
+        else:
+            args.plot = ""  # NOTE: the markdown links the plot only when it was drawn
+    if args.output:
+        report.write_section(args.output, _markdown(args, table, checks, results, bounds))
+        print(f"[bench] wrote the bench section of {args.output}")
 
 
-def _markdown(args: argparse.Namespace, table: str, checks: list, results: dict) -> str:
+def _markdown(args: argparse.Namespace, table: str, checks: list, results: dict, bounds: str = "") -> str:
     command = "radixserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] \
         else "radixserve bench"
     server_args = ServerArgs.from_cli_args(args)
@@ -184,6 +204,8 @@ def _markdown(args: argparse.Namespace, table: str, checks: list, results: dict)
         "Acceptance targets:\n" + (report.format_checks(checks) or "- (needs both modes of W1/W2)"),
         "Against the references measured on this machine (wall seconds):\n" + report.reference_comparison(results),
     ]
+    if bounds:
+        parts.append(bounds)
     breakdown = report.time_breakdown(results)
     if breakdown:
         parts.append("Where the time goes:\n" + breakdown)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+from radixserve.bench import roofline
 from radixserve.bench.docs import cpu_header, write_doc_section
 from radixserve.bench.runner import WorkloadResult
 
@@ -93,6 +94,26 @@ def time_breakdown(results: dict[tuple[str, str], WorkloadResult]) -> str:
     return "\n".join(lines)
 
 
+def roofline_table(results: dict[tuple[str, str], WorkloadResult], cfg, fmt: roofline.Formats,
+                   rates: roofline.MachineRates) -> str:
+    """Each run's wall against its roofline: its prefill and decode work (roofline.workload_costs), each phase at the
+    larger of its memory and compute time; the fraction is that bound over the measured wall."""
+    rows = ["| workload | mode | prefill bound s (limit) | decode bound s (limit) | bound wall s | wall s | "
+            "out tok/s bound | out tok/s | of bound |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (workload, mode), res in results.items():
+        if res.decode_batches is None:
+            continue
+        requests = [(r.prompt_tokens, r.cached_tokens, r.completion_tokens) for r in res.records]
+        pre, dec = roofline.workload_costs(cfg, fmt, requests, res.prefill_batches or 0, res.decode_batches)
+        pre_s, dec_s = rates.seconds(pre, fmt.compute), rates.seconds(dec, fmt.compute)
+        bound = pre_s + dec_s
+        rows.append(f"| {workload} | {mode} | {pre_s:.2f} ({rates.limit(pre, fmt.compute)}) | {dec_s:.2f} "
+                    f"({rates.limit(dec, fmt.compute)}) | {bound:.2f} | {res.wall_s:.2f} | "
+                    f"{res.completion_tokens / bound:.0f} | {res.completion_tokens / res.wall_s:.0f} | "
+                    f"{roofline.fraction(bound, res.wall_s):.0%} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def machine_line(dtype: str | None = None) -> str:
     """The CPU (features, kernel level, torch's view), the dtype `dtype` resolves to, cores, load and versions."""
     import os
@@ -111,8 +132,16 @@ def write_section(path: str | Path, body: str) -> None:
     write_doc_section(path, SECTION_START, SECTION_END, body)
 
 
-def plot(results: dict[tuple[str, str], WorkloadResult], path: str | Path) -> None:
-    import matplotlib
+def plot(results: dict[tuple[str, str], WorkloadResult], path: str | Path) -> bool:
+    """Draw wall time and mean TTFT per workload into `path`; False (and a message) without matplotlib.
+
+    NOTE: matplotlib is the `bench` extra, not a runtime dependency: a server never draws.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"[bench] no plot: matplotlib is not installed (pip install 'radixserve[bench]'); skipped {path}")
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -134,3 +163,4 @@ def plot(results: dict[tuple[str, str], WorkloadResult], path: str | Path) -> No
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True

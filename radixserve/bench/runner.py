@@ -70,6 +70,8 @@ class WorkloadResult:
     prefill_computed: int  # server counter when available, else Σ(prompt - cached)
     forward_s: float | None = None  # time in model forwards, when the backend reports it
     cache_ops_s: float | None = None  # time in radix-cache work (match, lock, insert, release, evict)
+    prefill_batches: int | None = None  # forward batches of each kind, when the backend reports them (roofline.py)
+    decode_batches: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -125,12 +127,16 @@ def run_workload(backend: Backend, workload: Workload) -> WorkloadResult:
     wall = time.perf_counter() - start
     after = backend.counters()
     computed = sum(r.prompt_tokens - r.cached_tokens for r in records)
-    forward_s = cache_ops_s = None
+    forward_s = cache_ops_s = prefill_batches = decode_batches = None
     if before is not None and after is not None and "prefill_tokens_computed" in after:
         computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
         forward_s = after.get("forward_time_s", 0.0) - before.get("forward_time_s", 0.0)
         cache_ops_s = after.get("cache_ops_s", 0.0) - before.get("cache_ops_s", 0.0)
-    return WorkloadResult(workload.name, backend.name, wall, records, computed, forward_s, cache_ops_s)
+        if "num_decode_batches" in after:
+            prefill_batches = after["num_prefill_batches"] - before["num_prefill_batches"]
+            decode_batches = after["num_decode_batches"] - before["num_decode_batches"]
+    return WorkloadResult(workload.name, backend.name, wall, records, computed, forward_s, cache_ops_s,
+                          prefill_batches, decode_batches)
 
 
 def _run_conversation(backend: Backend, conv: Conversation, max_new_tokens: int) -> list[RequestRecord]:
