@@ -272,3 +272,38 @@ def test_the_page_shows_the_tiers(served):
         browser.close()
     assert not errors, errors
     check_idle_conservation(server)
+
+
+def test_a_replay_request_gets_the_kept_batches():
+    """replay_endpoint: a DEALER client sending a batch number gets every kept batch from it on, then seq -1."""
+    from radixserve.mem_cache.kv_events import ZmqEventPublisher
+    from radixserve.mem_cache.radix_cache import RadixCache
+    from radixserve.mem_cache.radix_key import RadixKey
+
+    pub_port, replay_port = free_port(), free_port()
+    publisher = ZmqEventPublisher(KVEventsConfig(publisher="zmq", endpoint=f"tcp://127.0.0.1:{pub_port}",
+                                                 replay_endpoint=f"tcp://127.0.0.1:{replay_port}", buffer_steps=2), 4)
+    tree = RadixCache(page_size=4)
+    tree.kv_events = publisher.sink
+    try:
+        for first in (10, 20, 30):  # NOTE: one batch each (waited for), of which the last 2 are kept
+            tree.insert(RadixKey(list(range(first, first + 8))))
+            deadline = time.monotonic() + 5
+            while publisher.seq < (first - 10) // 10 + 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert publisher.seq == 3
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # NOTE: the empty frame a REQ socket would add
+        replies = []
+        while True:
+            assert dealer.poll(5000)
+            empty, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                assert empty == payload == b""
+                break
+            replies.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1][0][3]))
+        assert replies == [(1, list(range(20, 28))), (2, list(range(30, 38)))]
+        dealer.close(linger=0)
+    finally:
+        publisher.shutdown()
