@@ -230,6 +230,9 @@ def test_end_to_end_the_second_round_is_served_from_host(loaded, tmp_path):
             before = hc.host_loaded_tokens
             # NOTE: ~417 slots are free when it is matched (the other prompt holds the rest): 13 whole pages
             assert loaded_now >= 12 * 32 and again["meta_info"]["cached_tokens"] >= loaded_now
+            split = again["meta_info"]["cached_tokens_details"]
+            assert split["host"] == loaded_now and split["storage"] == 0
+            assert sum(split.values()) == again["meta_info"]["cached_tokens"]
         assert hc.storage_loaded_tokens == 0 and hc.backend.stats.hits == 0  # never read from disk
         state = engine.get_internal_state()  # NOTE: what /metrics exports
         assert state["hicache_host_loaded_tokens"] == hc.host_loaded_tokens

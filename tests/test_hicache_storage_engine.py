@@ -38,6 +38,8 @@ def test_a_restart_reuses_the_stored_prefix_with_identical_tokens(loaded, tmp_pa
     assert prompt == len(PROMPT_IDS)
     # NOTE: every whole 32-token page of the prompt but the last token's: 576 of 600
     assert warm["meta_info"]["cached_tokens"] == warm_stats["loaded_tokens"] == (prompt - 1) // 32 * 32
+    # NOTE: the Engine's meta_info splits them by tier too (a fresh process: all from storage)
+    assert warm["meta_info"]["cached_tokens_details"] == {"device": 0, "host": 0, "storage": (prompt - 1) // 32 * 32}
     assert warm_stats["corrupt"] == 0 and warm_stats["hits"] == (prompt - 1) // 32
 
 
