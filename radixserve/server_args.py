@@ -135,7 +135,7 @@ class ServerArgs:
                                           "triton is installed, else torch), cpu, torch, triton")
     cuda_graph_max_bs: int | None = _opt(None, "largest decode batch replayed from a captured CUDA graph (buckets "
                                                "1, 2, 4, 8, then every 8 up to it); default: min(160, "
-                                               "--max-running-requests) (docs/attention.md#cuda-graphs)")
+                                               "--max-running-requests) (docs/attention.md, CUDA graphs)")
     disable_cuda_graph: bool = _opt(False, "run every decode step eagerly on CUDA (no graph capture at start-up)")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
     linear_method: str = _opt("auto", "how linear layers keep and multiply weights: auto (measured per shape), "

@@ -197,3 +197,29 @@ def test_sweep(page, group, window, cap):
     for dtype in (torch.float32, torch.bfloat16):
         _check_decode(page, 2, group, [1, 16, 17, 70], window, cap, dtype, 4, translate=False)
         _check_extend(page, 2, group, [0, 32, 48], [33, 1, 17], window, cap, dtype, block=32)
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_hybrid_pool_window_layer_matches_the_torch_backend(mode):
+    """A window layer over a hybrid pool: window slots through full_to_window, positions outside every window
+    tombstoned (their window slot is 0, holding junk that a read would show)."""
+    from test_cascade_attention import _decode_batch, _extend_batch
+    from test_window_cascade import W, _hybrid
+
+    from radixserve.layers.attention.base import AttentionPlan
+
+    if mode == "decode":
+        batch = _decode_batch(40, [1, 30, 3], 1, 2, DIM, torch.float32)
+    else:
+        batch = _extend_batch(40, [40, 52], [7, 20], 1, 2, DIM, torch.float32)
+    row = batch[3].req_to_token_pool.req_to_token[batch[3].req_pool_indices[0]]
+    q, k, v, fb = _hybrid(batch, row[:20])  # NOTE: every query's window starts past position 20
+    layer = RadixAttention(0, 2, 1, DIM, DIM**-0.5, sliding_window=W)
+    triton_backend = TritonAttnBackend(num_kv_splits=2)
+    meta = triton_backend.init_forward_metadata(fb)
+    assert torch.equal(meta.window_out_loc, fb.token_to_kv_pool.full_to_window[fb.out_cache_loc.long()])
+    got = triton_backend.forward(q, k, v, layer, fb)
+    torch_backend = TorchAttnBackend(use_cascade=False, plan=AttentionPlan("torch", False, windows=(W,)))
+    torch_backend.init_forward_metadata(fb)
+    want = torch_backend.forward(q, k, v, layer, fb)
+    assert torch.allclose(got, want, atol=2e-5)
