@@ -189,5 +189,42 @@ def test_refusals_and_eager_verify_count():
 def test_backends_declare_their_graph_support():
     assert TorchAttnBackend.graph_refusal() is None
     assert "sliding-window" in TorchAttnBackend.graph_refusal(windows=(8,))
+    assert TorchAttnBackend.graph_refusal(context_len=4096) is None
+    assert "as wide as the context" in TorchAttnBackend.graph_refusal(context_len=32768)
     with pytest.raises(ValueError, match="no batch sizes"):
         GraphDecodeRunner(GraphPlan((), "off"), TorchAttnBackend(), lambda fb: None, None, 8, CPU)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from test_head_shapes import _tiny_llama
+
+    return _tiny_llama(tmp_path_factory.mktemp("graphs"), 64, 4, 1)
+
+
+@pytest.mark.parametrize("normal_loop", [False, pytest.param(True, marks=pytest.mark.long)], ids=["overlap", "normal"])
+def test_engine_decode_replays_through_the_model_runner(tiny_llama, normal_loop):
+    """ModelRunner's graph path under the scheduler on the CPU (the stand-in graph): decode steps of either loop
+    replay buckets (ragged batches: padded rows), greedy ids equal an eager engine's, the KV identity holds."""
+    from test_model_gemma3 import _prompts
+    from test_model_support import assert_engine_conserved
+
+    from radixserve import Engine
+
+    prompts = _prompts([5, 17, 9, 30, 2], seed=11)
+    params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+    outs = {}
+    for graphs in (True, False):
+        with Engine(model_path=str(tiny_llama), dtype="float32", device="cpu", max_total_tokens=1024,
+                    disable_overlap_schedule=normal_loop, log_level="warning") as engine:
+            runner = engine.model_runner
+            assert runner.cuda_graphs is None and runner.execution_plan.choice("cuda graphs") == "off"
+            if graphs:
+                runner.init_cuda_graphs(GraphPlan((2, 4, 8), "test"), EagerGraph)
+            first = engine.generate(input_ids=prompts[0], sampling_params=params)  # one row: bucket 2, padded
+            rest = engine.generate(input_ids=prompts[1:], sampling_params=params)
+            outs[graphs] = [r["output_ids"] for r in [first, *rest]]
+            assert_engine_conserved(engine)
+            if graphs:
+                assert runner.cuda_graphs.replays >= 2 * (params["max_new_tokens"] - 1)
+    assert outs[True] == outs[False]

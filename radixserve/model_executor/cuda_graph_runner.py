@@ -147,7 +147,6 @@ class DecodeBuffers:
 @dataclass
 class _Captured:
     graph: Graph
-    logits: torch.Tensor  # static [bucket, vocab]
     batch: ForwardBatch  # over the static buffers
     meta: AttentionMetadata
 
@@ -169,6 +168,9 @@ class GraphDecodeRunner:
         self.graph_factory = graph_factory or cuda_graph_factory()
         backend.init_graph_state(plan.max_bs, max_context_len, device)
         self.captured: dict[int, _Captured] = {}
+        # NOTE: one static output for every bucket (rows 0 .. bucket - 1), so the buckets' logits are not all held at
+        # once (the sum over buckets of bucket x vocab floats: over 1 GB at a 150k vocabulary); set at capture
+        self.logits: torch.Tensor | None = None
         self.capture_s = 0.0
         self.replays = 0
         self.eager_verify_steps = 0  # speculative verify steps that ran eagerly (logged once)
@@ -180,14 +182,21 @@ class GraphDecodeRunner:
             fb = self.buffers.batch(bs, self.template)
             meta = self.backend.init_forward_metadata_capture(fb)
             for _ in range(2):  # NOTE: warm-up outside the graph: autotuning, lazy allocations, kernel compiles
-                self.run_model(fb)
+                warm = self.run_model(fb)
+            if self.logits is None:
+                self.logits = torch.empty(self.plan.max_bs, warm.shape[1], dtype=warm.dtype, device=warm.device)
             graph = self.graph_factory()
-            logits = graph.capture(lambda fb=fb: self.run_model(fb))
-            self.captured[bs] = _Captured(graph, logits, fb, meta)
+            graph.capture(lambda fb=fb: self._into_static(fb))
+            self.captured[bs] = _Captured(graph, fb, meta)
         self.capture_s = time.perf_counter() - start
         logger.info("CUDA graphs: decode captured at %d batch sizes (%s) in %.2f s", len(self.captured),
                     ", ".join(map(str, self.plan.bs_list)), self.capture_s)
         return self.capture_s
+
+    def _into_static(self, fb: ForwardBatch) -> torch.Tensor:
+        out = self.logits[: fb.batch_size]
+        out.copy_(self.run_model(fb))
+        return out
 
     def refusal(self, fb: ForwardBatch) -> str | None:
         """None: `fb` replays a graph; else why it runs eagerly."""
@@ -214,7 +223,8 @@ class GraphDecodeRunner:
                 logger.info("CUDA graphs: speculative verify steps run eagerly (only plain decode is captured)")
 
     def replay(self, fb: ForwardBatch, read_done: Any = None) -> torch.Tensor:
-        """The logits of `fb` ([bs, vocab], a view of the bucket's static output: read it before the next replay)."""
+        """The logits of `fb` ([bs, vocab], a view of the static output: read it before the next replay, as the
+        pipeline does, sampling on the same stream)."""
         bs = fb.batch_size
         bucket = self.bucket(bs)
         captured = self.captured[bucket]
@@ -225,4 +235,4 @@ class GraphDecodeRunner:
         captured.graph.replay()
         self.replays += 1
         fb.attn_metadata = captured.meta
-        return captured.logits[:bs]
+        return self.logits[:bs]

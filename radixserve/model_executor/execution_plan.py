@@ -102,7 +102,8 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     attention = plan_attention(args.attention_backend, device, cascade=no_cascade is None, windows=windows)
     copies = _prefill_copy_entries(model, methods)
     hybrid = bool(windows) and not args.disable_hybrid_swa_memory
-    graphs = plan_cuda_graphs(args, device, backend_class(attention.backend).graph_refusal(windows, hybrid))
+    context_len = args.context_length or getattr(model.config, "context_len", 0)
+    graphs = plan_cuda_graphs(args, device, backend_class(attention.backend).graph_refusal(windows, hybrid, context_len))
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                PlanEntry("kv cache", str(kv_dtype).removeprefix("torch."), kv_reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),

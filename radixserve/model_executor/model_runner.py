@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,7 @@ from radixserve.mem_cache.kv_manager import WINDOW_SLIDE_TOKENS
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.mem_cache.swa_memory import SWAKVPool, SWATokenToKVPoolAllocator
 from radixserve.model_executor.cpu_memory import keep_freed_memory, serve_from_heap
-from radixserve.model_executor.cuda_graph_runner import GraphDecodeRunner
+from radixserve.model_executor.cuda_graph_runner import Graph, GraphDecodeRunner, GraphPlan
 from radixserve.model_executor.execution_plan import plan_execution
 from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.models.device_setup import setup_model_for_device
@@ -96,7 +97,10 @@ class ModelRunner:
                                                      plan=self.execution_plan.attention)
         self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
         self.lora = self._init_lora() if server_args.lora_enabled else None  # lora/manager.LoraManager
-        self.cuda_graphs = self._init_cuda_graphs()  # GraphDecodeRunner, captured once; None: every step eager
+        self.cuda_graphs: GraphDecodeRunner | None = None  # captured once (init_cuda_graphs); None: every step eager
+        plan = self.execution_plan.cuda_graphs
+        if plan is not None and plan.bs_list:
+            self.init_cuda_graphs(plan)
         self.malloc_tuned = self.malloc_tuned and serve_from_heap()
         self._log_startup()
 
@@ -142,19 +146,17 @@ class ModelRunner:
         finally:
             self.lora.finish()
 
-    def _init_cuda_graphs(self) -> GraphDecodeRunner | None:
-        """Captures decode at the plan's bucket sizes (execution_plan.cuda_graphs); the time is logged."""
-        plan = self.execution_plan.cuda_graphs
-        if plan is None or not plan.bs_list:
-            return None
+    def init_cuda_graphs(self, plan: GraphPlan, graph_factory: Callable[[], Graph] | None = None) -> None:
+        """Captures decode at `plan`'s bucket sizes (at start-up: the execution plan's); the time is logged.
+        `graph_factory`: CUDA graphs by default (the tests hand a stand-in that reruns the captured function)."""
         template = ForwardBatch.for_decode([0], [0], [1], torch.zeros(1, dtype=torch.int32), self.device)
         template.req_to_token_pool, template.token_to_kv_pool = self.req_to_token_pool, self.token_to_kv_pool
         template.attn_backend = self.attn_backend
         runner = GraphDecodeRunner(plan, self.attn_backend, self._run_model, template,
-                                   self.req_to_token_pool.req_to_token.shape[1], self.device)
+                                   self.req_to_token_pool.req_to_token.shape[1], self.device, graph_factory)
         with torch.inference_mode():
             runner.capture()
-        return runner
+        self.cuda_graphs = runner
 
     def _init_lora(self) -> Any:
         from radixserve.lora.manager import LoraLimits, LoraManager, parse_lora_paths

@@ -86,8 +86,9 @@ class AttentionBackend(ABC):
         return meta
 
     @classmethod
-    def graph_refusal(cls, windows: tuple[int, ...] = (), hybrid: bool = False) -> str | None:
-        """None: decode batches of a model with these sliding `windows` (over a `hybrid` pool) can be captured."""
+    def graph_refusal(cls, windows: tuple[int, ...] = (), hybrid: bool = False, context_len: int = 0) -> str | None:
+        """None: decode batches of a model with these sliding `windows` (over a `hybrid` pool) and `context_len`
+        positions can be captured."""
         return f"the {cls.__name__} backend has no CUDA graph hooks"
 
     def init_graph_state(self, max_bs: int, max_context_len: int, device: torch.device) -> None:

@@ -66,6 +66,8 @@ BLOCK_DIAGONAL_MAX_KV_HEADS = 4
 # faster it wins at 1,024 and 2,048 tokens on every SIMD class of a Zen 4 (1.1x-2.6x, 1 thread;
 # benchmarks/bench_extend_attention.py, docs/attention.md).
 EXTEND_KERNEL_MAX_NEW_TOKENS = 2048
+# The longest context whose decode the torch backend captures in CUDA graphs (its static tables are this wide).
+GRAPH_MAX_CONTEXT = 4096
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -119,11 +121,15 @@ class TorchAttnBackend(AttentionBackend):
         meta.window_out_loc = table[fb.out_cache_loc.long()] if table is not None else None
 
     @classmethod
-    def graph_refusal(cls, windows: tuple[int, ...] = (), hybrid: bool = False) -> str | None:
+    def graph_refusal(cls, windows: tuple[int, ...] = (), hybrid: bool = False, context_len: int = 0) -> str | None:
         """Graphs take plain decode over fixed-width tables: no window tables (they are sized per batch), no hybrid
-        pool; cascade is planned per batch, so a captured step never takes it."""
+        pool; cascade is planned per batch, so a captured step never takes it. NOTE: every captured step gathers and
+        attends over the whole table width, so only short contexts are captured."""
         if windows or hybrid:
             return "the torch backend's graph tables have no sliding-window or hybrid-pool form (use triton)"
+        if context_len > GRAPH_MAX_CONTEXT:
+            return (f"the torch backend's graph tables are as wide as the context ({context_len} > {GRAPH_MAX_CONTEXT} "
+                    "positions gathered every step; use triton)")
         return None
 
     def init_graph_state(self, max_bs: int, max_context_len: int, device: torch.device) -> None:

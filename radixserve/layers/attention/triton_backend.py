@@ -108,7 +108,7 @@ class TritonAttnBackend(AttentionBackend):
     # CUDA graph hooks (base.AttentionBackend)
 
     @classmethod
-    def graph_refusal(cls, windows: tuple[int, ...] = (), hybrid: bool = False) -> str | None:
+    def graph_refusal(cls, windows: tuple[int, ...] = (), hybrid: bool = False, context_len: int = 0) -> str | None:
         return None  # NOTE: windows, caps and the hybrid pool are kernel parameters; the grid depends on bs alone
 
     def init_graph_state(self, max_bs: int, max_context_len: int, device: torch.device) -> None:

@@ -23,6 +23,12 @@ import triton
 import triton.language as tl
 
 
+def stages(block_d: int) -> int:
+    """Software-pipelining depth of the K/V loads: 2, or 1 for 256-wide heads (shared memory: a float32 K and V
+    block of 32 x 256 is 64 KiB per stage)."""
+    return 2 if block_d <= 128 else 1
+
+
 def products(dtype: torch.dtype) -> dict[str, bool]:
     """How the kernels multiply: float32 inputs exactly (IEEE, not TF32); bf16 in float32 under Triton's interpreter,
     whose dot reads bf16 operands as raw bits (Triton 3.7), natively on a GPU."""
@@ -146,7 +152,8 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
         table.stride(0), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         scaling, cap or 1.0, window or 0, num_splits,
         GROUP=group, BLOCK_H=block_h, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_N=block_n, HAS_CAP=cap is not None,
-        HAS_WINDOW=window is not None, HAS_TRANSLATE=translate is not None, **products(q.dtype))
+        HAS_WINDOW=window is not None, HAS_TRANSLATE=translate is not None, num_stages=stages(block_d),
+        **products(q.dtype))
     out = torch.empty(bs, heads, dim, dtype=q.dtype, device=q.device)
     _decode_stage2[(bs, heads)](
         mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), out.stride(0), out.stride(1),

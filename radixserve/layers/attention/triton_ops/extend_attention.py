@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.layers.attention.triton_ops.decode_attention import _softcap, products
+from radixserve.layers.attention.triton_ops.decode_attention import _softcap, products, stages
 
 
 @triton.jit
@@ -134,5 +134,5 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         table.stride(0), scaling, cap or 1.0, window or 0,
         GROUP=heads // kv_heads, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_CAP=cap is not None, HAS_WINDOW=window is not None, HAS_TRANSLATE=translate is not None,
-        **products(q.dtype))
+        num_stages=stages(block_d), **products(q.dtype))
     return out
