@@ -237,3 +237,34 @@ def test_end_to_end_the_second_round_is_served_from_host(loaded, tmp_path):
         state = engine.get_internal_state()  # NOTE: what /metrics exports
         assert state["hicache_host_loaded_tokens"] == hc.host_loaded_tokens
         assert state["hicache_host_hits"] == hc.host.stats.hits and state["hicache_load_seconds"] > 0
+
+
+def test_kv_events_follow_pages_into_and_out_of_the_tiers(tmp_path):
+    """With a KV event sink: the device tree's blocks (GPU), write_back's copies into host (CPU) and storage
+    (STORAGE), the host bound dropping the oldest page (its blocks removed, CPU), and a load promoting a storage page
+    into host again; the stored blocks of every medium carry the same hashes."""
+    from radixserve.mem_cache.kv_events import BlockEncoder, KVEventSink
+
+    stack, sink, encoder = HostStack(tmp_path, 2 * PAGE_BYTES), KVEventSink(None), BlockEncoder(1)
+    stack.tree.kv_events = sink
+    stack.hicache = HiCacheController(stack.backend, stack.kv_pool, stack.alloc, stack.tree, FINGERPRINT, T,
+                                      "write_back", stack.stats, stack.host, sink)
+    stack.manager = KVManager(stack.rows, stack.alloc, stack.tree, None, stack.hicache)
+    req, kv = FakeReq(list(range(100, 100 + 3 * T + 1))), random_kv(3 * T + 1)
+    stack.run(req, kv)
+    (stored,) = encoder.encode(sink.take(0.01))
+    device = stored[1]
+    assert stored[0] == "BlockStored" and stored[-1] == "GPU" and len(device) == 3 * T + 1  # blocks of 1 token
+    stack.evict_all()  # write_back: 3 pages to host (bound 2: page 0 dropped again) and to storage
+    events = encoder.encode(sink.take(0.01))
+    cpu = [e for e in events if e[0] == "BlockStored" and e[-1] == "CPU"]
+    disk = [e for e in events if e[0] == "BlockStored" and e[-1] == "STORAGE"]
+    assert [e[1] for e in cpu] == [e[1] for e in disk] == [device[i * T:(i + 1) * T] for i in range(3)]
+    assert ["BlockRemoved", device[:T], "CPU"] in events  # the host bound dropped page 0
+    assert ["BlockRemoved", device, "GPU"] in events
+    assert len(stack.host) == 2 and stack.run(FakeReq(list(req.fill_ids)), kv) == 3 * T
+    events = encoder.encode(sink.take(0.01))
+    # NOTE: page 0 came from storage and was promoted into host (dropping page 1, the least recently used)
+    assert ["BlockStored", device[:T], None, req.fill_ids[:T], 1, None, "CPU"] in events
+    assert ["BlockRemoved", device[T:2 * T], "CPU"] in events
+    stack.conserved()

@@ -151,12 +151,14 @@ def _generate_ids(server, ids: list[int]) -> None:
     _post(server, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
 
 
-def _chained(stored: list[list], prompt: list[int]) -> list[int]:
-    """The hashes of `prompt`'s whole blocks, followed through the stored events from a root block (parent None);
-    checks each hash is blake2b-64 of its parent and its tokens."""
+def _chained(events: list[list], prompt: list[int], medium: str = "GPU") -> list[int]:
+    """The hashes of `prompt`'s whole blocks, followed through the BlockStored events of `medium` from a root block
+    (parent None); checks each hash is blake2b-64 of its parent and its tokens."""
     by_parent = {}
-    for _, hashes, parent, tokens, size, lora, medium in stored:
-        assert size == BLOCK and lora is None and medium == "GPU" and len(tokens) == size * len(hashes)
+    for _, hashes, parent, tokens, size, lora, where in (e for e in events if e[0] == "BlockStored"):
+        if where != medium:
+            continue
+        assert size == BLOCK and lora is None and len(tokens) == size * len(hashes)
         for i, h in enumerate(hashes):
             by_parent.setdefault(parent, []).append((h, tokens[i * size:(i + 1) * size]))
             parent = h
@@ -181,16 +183,18 @@ def test_kv_events_stored_removed_cleared(served):
     assert ["AllBlocksCleared"] in _drain(sub)
     prompts = [[1000 + 7 * p + i for i in range(PROMPT_IDS)] for p in range(3)]  # distinct from the first token
     _generate_ids(server, prompts[0])
-    stored = [e for e in _drain(sub) if e[0] == "BlockStored"]
+    stored = _drain(sub)
     first = _chained(stored, prompts[0])
     assert len(first) == PROMPT_IDS // BLOCK, stored  # every whole block of the prompt
+    # NOTE: write_through copied its whole 32-token storage pages to disk: the same blocks, medium STORAGE
+    assert _chained(stored, prompts[0], "STORAGE") == first[:PROMPT_IDS // STORAGE_PAGE * STORAGE_PAGE // BLOCK]
     _generate_ids(server, prompts[1])
     _generate_ids(server, prompts[2])  # NOTE: 3 x 96 cached tokens in a 256-token pool: the oldest is evicted
     events = _drain(sub)
     removed = {h for e in events if e[0] == "BlockRemoved" for h in e[1]}
-    assert all(e[-1] == "GPU" for e in events if e[0] == "BlockRemoved")
+    assert all(e[-1] == "GPU" for e in events if e[0] == "BlockRemoved")  # NOTE: the disk keeps them (1 GiB)
     assert set(first) <= removed, (first, removed)
-    later = [_chained([e for e in events if e[0] == "BlockStored"], p) for p in prompts[1:]]
+    later = [_chained(events, p) for p in prompts[1:]]
     assert all(len(chain) == PROMPT_IDS // BLOCK for chain in later)
     check_idle_conservation(server)
     _flush(server)
@@ -307,3 +311,30 @@ def test_a_replay_request_gets_the_kept_batches():
         dealer.close(linger=0)
     finally:
         publisher.shutdown()
+
+
+def test_tier_pages_are_announced_and_their_removal_names_their_blocks():
+    """Host and storage pages: BlockStored per run of consecutive pages (medium CPU / STORAGE), and a dropped page's
+    BlockRemoved names the blocks its BlockStored announced; the host tier tells which page its bound drops."""
+    import torch
+
+    from radixserve.mem_cache.host_tier import HostKVTier
+    from radixserve.mem_cache.kv_events import BlockEncoder, KVEventSink, block_hashes
+
+    sink, encoder = KVEventSink(None), BlockEncoder(4)
+    tokens = list(range(100, 124))  # 3 pages of 8 tokens, 2 blocks of 4 each
+    packed = array("q", tokens).tobytes()
+    hashes = block_hashes(packed, "ns", 4, 6)
+    sink.tier_stored("CPU", ["k0", "k2"], packed, "ns", [0, 2], 8)  # NOTE: two runs: page 0, page 2
+    sink.tier_removed("CPU", "k2")
+    sink.tier_removed("CPU", "k1")  # never announced: no event
+    sink.tier_removed("STORAGE", "k0")  # announced in another medium only: no event
+    assert encoder.encode(sink.take(0.01)) == [
+        ["BlockStored", hashes[0:2], None, tokens[0:8], 4, None, "CPU"],
+        ["BlockStored", hashes[4:6], hashes[3], tokens[16:24], 4, None, "CPU"],
+        ["BlockRemoved", hashes[4:6], "CPU"]]
+    host, dropped = HostKVTier(2 * 64 * 4, torch.float32), []
+    host.on_evict = dropped.append
+    for key in ("a", "b", "c"):
+        host.put(key, torch.zeros(64))
+    assert dropped == ["a"] and len(host) == 2

@@ -16,14 +16,16 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from radixserve.mem_cache.host_tier import HostKVTier
+from radixserve.mem_cache.kv_events import HOST_MEDIUM, STORAGE_MEDIUM, KVEventSink
 from radixserve.mem_cache.radix_cache import MatchResult, TreeNode
-from radixserve.mem_cache.radix_key import RadixKey
+from radixserve.mem_cache.radix_key import RadixKey, pack_tokens
 from radixserve.mem_cache.storage.base import WRITE_POLICIES, StorageBackend, parse_size
 from radixserve.mem_cache.storage.keys import page_keys
 
@@ -45,7 +47,7 @@ class HiCacheController:
 
     def __init__(self, backend: StorageBackend, kv_pool: Any, allocator: Any, tree: Any, fingerprint: bytes,
                  page_tokens: int, write_policy: str = "write_through", stats: Any = None,
-                 host: HostKVTier | None = None) -> None:
+                 host: HostKVTier | None = None, kv_events: KVEventSink | None = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy={write_policy!r} is not one of {', '.join(WRITE_POLICIES)}")
         if page_tokens % allocator.page_size:
@@ -66,6 +68,12 @@ class HiCacheController:
         self.before_pool_write: Callable[[], None] | None = None
         self.load_calls = 0
         self._hits: OrderedDict[str, int] = OrderedDict()  # write_through_selective: page key -> hits
+        # KV events (--kv-events-config): pages copied into / dropped from the host tier ("CPU") and storage
+        self.kv_events = kv_events
+        if kv_events is not None:
+            backend.on_evict = partial(kv_events.tier_removed, STORAGE_MEDIUM)
+            if host is not None:
+                host.on_evict = partial(kv_events.tier_removed, HOST_MEDIUM)
         if write_policy == "write_back":
             tree.evict_hook = self.on_evict
 
@@ -138,9 +146,23 @@ class HiCacheController:
         v = torch.stack([pool.v_buffer[layer][idx] for layer in range(pool.layer_num)])
         return torch.stack([k, v]).cpu().contiguous()
 
-    def _store_pages(self, keys: Sequence[str], slots: torch.Tensor) -> int:
+    def _path(self, tokens: Sequence[int] | bytes, extra_key: Any, pages: Sequence[int]) -> tuple | None:
+        """What a KV event needs to name stored pages (their path's packed tokens, namespace, page numbers); None
+        (and nothing computed) without KV events."""
+        if self.kv_events is None:
+            return None
+        return tokens if isinstance(tokens, bytes) else pack_tokens(list(tokens)), extra_key, list(pages)
+
+    def _announce(self, medium: str, keys: Sequence[str], path: tuple | None, done: Sequence[int]) -> None:
+        """KV events: pages `done` (indices into `keys` and `path`'s page numbers) are now in tier `medium`."""
+        if path is not None and done:
+            packed, extra_key, pages = path
+            self.kv_events.tier_stored(medium, [keys[i] for i in done], packed, extra_key, [pages[i] for i in done],
+                                       self.page_tokens)
+
+    def _store_pages(self, keys: Sequence[str], slots: torch.Tensor, path: tuple | None = None) -> int:
         """Store page i of `keys` from `slots[i * page_tokens:(i + 1) * page_tokens]` (pages already stored are
-        skipped); returns the pages written."""
+        skipped); returns the pages written. `path` (`_path`): name the pages in KV events."""
         start_s, host = time.perf_counter(), self.host
         to_disk = {i for i, key in enumerate(keys) if self.backend.enabled and not self.backend.exists(key)}
         to_host = {i for i, key in enumerate(keys) if host is not None and key not in host}
@@ -153,10 +175,13 @@ class HiCacheController:
             kv = self._gather(torch.cat([slots[i * t:(i + 1) * t] for i in group]))
             for n, i in enumerate(group):
                 page = kv[:, :, n * t:(n + 1) * t].contiguous()
-                if host is not None and i in to_host:
-                    host.put(keys[i], page)
-                if i in to_disk:
-                    written += self.backend.set(keys[i], page.view(torch.uint8).numpy().tobytes())
+                # NOTE: each page is announced right after its copy: a later put may drop it again (its removal
+                # event must follow its store event)
+                if host is not None and i in to_host and host.put(keys[i], page):
+                    self._announce(HOST_MEDIUM, keys, path, [i])
+                if i in to_disk and self.backend.set(keys[i], page.view(torch.uint8).numpy().tobytes()):
+                    written += 1
+                    self._announce(STORAGE_MEDIUM, keys, path, [i])
         self.store_s += time.perf_counter() - start_s
         self._sync()
         return written
@@ -190,8 +215,9 @@ class HiCacheController:
         room = (self.allocator.available_size() + m - first * t) // t  # NOTE: whole pages of free slots
         pages: list[torch.Tensor] = []
         from_host: list[bool] = []
-        for key in keys[:max(room, 0)]:
-            page = self._read_page(key)
+        path = self._path(tokens, extra_key, range(first, last))  # NOTE: None without KV events
+        for n, key in enumerate(keys[:max(room, 0)]):
+            page = self._read_page(key, None if path is None else partial(self._announce, HOST_MEDIUM, keys, path, [n]))
             if page is None:
                 break
             pages.append(page[0])
@@ -234,9 +260,10 @@ class HiCacheController:
         # NOTE: the loaded tokens are device KV now; the per-tier lengths say where they came from
         return new._replace(host_hit_length=host_tokens, storage_hit_length=end - m - host_tokens)
 
-    def _read_page(self, key: str) -> tuple[torch.Tensor, bool] | None:
+    def _read_page(self, key: str, promoted: Callable[[], None] | None = None) -> tuple[torch.Tensor, bool] | None:
         """One page in the pool's dtype and whether it came from the host tier: host first, then storage (a page
-        storage gives is promoted to host); None at the first miss or a corrupt page."""
+        storage gives is promoted to host, then `promoted` is called: its KV event); None at the first miss or a
+        corrupt page."""
         if self.host is not None:
             page = self.host.get(key)
             if page is not None:
@@ -246,9 +273,11 @@ class HiCacheController:
         page = self._decode(self.backend.get(key) or b"")
         if page is None:
             self.backend.delete(key)
+            if self.kv_events is not None:
+                self.kv_events.tier_removed(STORAGE_MEDIUM, key)
             return None
-        if self.host is not None:
-            self.host.put(key, page)
+        if self.host is not None and self.host.put(key, page) and promoted is not None:
+            promoted()
         return page, False
 
     # ---- store ----------------------------------------------------------------------------------
@@ -263,7 +292,8 @@ class HiCacheController:
             return
         last = len(key) // self.page_tokens
         if last:
-            self._store_pages(self._keys(key.raw_token_ids, key.extra_key, last), slots[: last * self.page_tokens])
+            self._store_pages(self._keys(key.raw_token_ids, key.extra_key, last), slots[: last * self.page_tokens],
+                              self._path(key.packed, key.extra_key, range(last)))
 
     def on_lock(self, tokens: Sequence[int], extra_key: Any, slots: torch.Tensor) -> None:
         """write_through_selective: a request was admitted with `slots` matched for `tokens`; count a hit on each
@@ -282,7 +312,8 @@ class HiCacheController:
         if due and self._wait_for_forwards():
             # NOTE: a matched node may be a continuing chunk published while its forward runs: wait for it first
             t = self.page_tokens
-            self._store_pages([keys[i] for i in due], torch.cat([slots[i * t:(i + 1) * t] for i in due]))
+            self._store_pages([keys[i] for i in due], torch.cat([slots[i * t:(i + 1) * t] for i in due]),
+                              self._path(tokens, extra_key, due))
 
     def on_evict(self, node: TreeNode) -> None:
         """write_back: `node`, a leaf, is being evicted (its slots and its ancestors' are still valid): store the
@@ -303,7 +334,7 @@ class HiCacheController:
         tokens = [tok for n in path for tok in n.key.raw_token_ids]
         slots = torch.cat([n.value for n in path])
         keys = self._keys(tokens, path[-1].key.extra_key, last)[first:]
-        self._store_pages(keys, slots[first * t:last * t])
+        self._store_pages(keys, slots[first * t:last * t], self._path(tokens, path[-1].key.extra_key, range(first, last)))
 
 
 def default_storage_dir() -> Path:
@@ -354,7 +385,7 @@ def make_hicache(server_args: Any, model_runner: Any, tree: Any, allocator: Any,
                 where, server_args.hicache_write_policy, page_tokens)
     host = make_host_tier(server_args, pool)
     return HiCacheController(backend, pool, allocator, tree, fingerprint, page_tokens, server_args.hicache_write_policy,
-                             stats, host)
+                             stats, host, tree.kv_events)
 
 
 def make_host_tier(server_args: Any, pool: Any) -> HostKVTier | None:

@@ -12,6 +12,7 @@ loaded KV is close to, not equal to, the computed KV (docs/hicache.md).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -47,6 +48,7 @@ class HostKVTier:
         self._pages: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._used = 0
         self.stats = HostTierStats()
+        self.on_evict: Callable[[str], None] | None = None  # told each key the byte bound drops (KV events)
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -76,9 +78,11 @@ class HostKVTier:
         self.delete(key)
         # NOTE: the byte bound holds before the new page is counted: evict first, then add
         while self._used + size > self.capacity_bytes and self._pages:
-            _, old = self._pages.popitem(last=False)
+            gone, old = self._pages.popitem(last=False)
             self._used -= old.numel() * old.element_size()
             self.stats.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(gone)
         copy = page.detach().to("cpu", self.dtype, copy=True).contiguous()
         self._pages[key] = copy
         self._used += size

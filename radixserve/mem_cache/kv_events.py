@@ -20,6 +20,11 @@ b"N"), so equal tokens in different namespaces (tenants, LoRA adapters) never sh
 is h_{i-1} of the first block (None for block 0), `lora_id` is None (the namespace is in the hash), `medium`
 is "GPU" for the device pool (the name routers expect for the pool attention reads). A block is stored when
 the tree first holds all its tokens and removed when it stops holding them; a split moves no block.
+
+With `--enable-hierarchical-cache` the controller (hicache.py) also announces the pages it copies into its tiers:
+the same blocks (same hashes) with medium "CPU" (the host tier) or "STORAGE" (the backend), and their removal when
+the host bound or the file store's size cap drops a page (a page this process did not announce, such as one written
+before a restart or evicted by Redis itself, is not reported).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEVICE_MEDIUM = "GPU"  # NOTE: vLLM's and SGLang's name for the pool attention reads (here: the device KV pool)
+HOST_MEDIUM = "CPU"  # the hierarchical cache's host tier (vLLM's name for CPU offload)
+STORAGE_MEDIUM = "STORAGE"  # its storage backend (file or redis)
 PUBLISHERS = ("null", "zmq")
 _MASK = (1 << 63) - 1  # NOTE: hashes fit both int64 and uint64 consumers
 
@@ -133,26 +140,79 @@ def _tokens(packed: bytes) -> list[int]:
     return values.tolist()
 
 
-def encode_ops(ops: list[tuple], block_size: int) -> list[list[Any]]:
-    """The events of queued tree operations: ("stored", packed, extra_key, pos, end), ("removed", packed,
-    extra_key, start, end) (tokens [start, end) of a path left the tree), ("cleared",)."""
-    events: list[list[Any]] = []
-    for op in ops:
-        if op[0] == "cleared":
-            events.append(["AllBlocksCleared"])
-            continue
-        kind, packed, extra_key, start, end = op
-        first, stop = start // block_size, end // block_size
+class BlockEncoder:
+    """Turns queued operations into events, on the publisher thread. Keeps, per (medium, page key) of the host and
+    storage tiers, the hashes of the blocks a stored page announced, so its removal can name them.
+
+    Operations: ("stored", packed, extra_key, pos, end) and ("removed", packed, extra_key, start, end) of the device
+    tree (tokens [pos, end) of a path were added / left); ("tier_stored", medium, keys, packed, extra_key, pages,
+    page_tokens) (pages `pages` of the path, under `keys`, were copied to a tier); ("tier_removed", medium, key);
+    ("cleared",)."""
+
+    def __init__(self, block_size: int, max_pages: int = 1 << 20) -> None:
+        self.block_size, self.max_pages = block_size, max_pages
+        self._pages: dict[tuple[str, str], list[int]] = {}
+        self._memo: tuple[bytes, Any, list[int]] = (b"", None, [])  # the last path's chain (pages come in runs)
+
+    def _hashes(self, packed: bytes, extra_key: Any, stop: int) -> list[int]:
+        """block_hashes of the path, reusing the last path's chain (a long prompt's pages each ask for it)."""
+        last, key, chain = self._memo
+        if len(chain) >= stop and key == extra_key and packed[:stop * self.block_size * 8] == last[:stop *
+                                                                                                   self.block_size * 8]:
+            return chain[:stop]
+        chain = block_hashes(packed, extra_key, self.block_size, len(packed) // (8 * self.block_size))
+        self._memo = (packed, extra_key, chain)
+        return chain[:stop]
+
+    def encode(self, ops: list[tuple]) -> list[list[Any]]:
+        events: list[list[Any]] = []
+        for op in ops:
+            kind = op[0]
+            if kind == "cleared":
+                events.append(["AllBlocksCleared"])
+            elif kind == "tier_stored":
+                events += self._tier_stored(*op[1:])
+            elif kind == "tier_removed":
+                hashes = self._pages.pop((op[1], op[2]), None)
+                if hashes:
+                    events.append(["BlockRemoved", hashes, op[1]])
+            else:
+                events += self._device(*op)
+        return events
+
+    def _device(self, kind: str, packed: bytes, extra_key: Any, start: int, end: int) -> list[list[Any]]:
+        size = self.block_size
+        first, stop = start // size, end // size
         if first >= stop:
-            continue
-        hashes = block_hashes(packed, extra_key, block_size, stop)
-        if kind == "stored":
-            events.append(["BlockStored", hashes[first:], hashes[first - 1] if first else None,
-                           _tokens(packed[first * block_size * 8:stop * block_size * 8]), block_size, None,
-                           DEVICE_MEDIUM])
-        else:
-            events.append(["BlockRemoved", hashes[first:], DEVICE_MEDIUM])
-    return events
+            return []
+        hashes = self._hashes(packed, extra_key, stop)
+        if kind == "removed":
+            return [["BlockRemoved", hashes[first:], DEVICE_MEDIUM]]
+        return [["BlockStored", hashes[first:], hashes[first - 1] if first else None,
+                 _tokens(packed[first * size * 8:stop * size * 8]), size, None, DEVICE_MEDIUM]]
+
+    def _tier_stored(self, medium: str, keys: list[str], packed: bytes, extra_key: Any, pages: list[int],
+                     page_tokens: int) -> list[list[Any]]:
+        """One BlockStored per run of consecutive pages (a page is page_tokens // block_size blocks)."""
+        size, per = self.block_size, page_tokens // self.block_size
+        hashes = self._hashes(packed, extra_key, (max(pages) + 1) * per)
+        events, run = [], []
+        for n, (key, page) in enumerate(zip(keys, pages, strict=True)):
+            if len(self._pages) < self.max_pages:
+                self._pages[(medium, key)] = hashes[page * per:(page + 1) * per]
+            run.append(page)
+            if n + 1 < len(pages) and pages[n + 1] == page + 1:
+                continue
+            first, stop = run[0] * per, (run[-1] + 1) * per
+            events.append(["BlockStored", hashes[first:stop], hashes[first - 1] if first else None,
+                           _tokens(packed[first * size * 8:stop * size * 8]), size, None, medium])
+            run = []
+        return events
+
+
+def encode_ops(ops: list[tuple], block_size: int) -> list[list[Any]]:
+    """The events of `ops` with no remembered tier pages (BlockEncoder, stateless use)."""
+    return BlockEncoder(block_size).encode(ops)
 
 
 # ---- the tree's sink --------------------------------------------------------------------------------------------
@@ -188,6 +248,15 @@ class KVEventSink:
 
     def cleared(self) -> None:
         self._put(("cleared",))
+
+    def tier_stored(self, medium: str, keys: list[str], packed: bytes, extra_key: Any, pages: list[int],
+                    page_tokens: int) -> None:
+        """Pages `pages` (ascending) of the path `packed`, under page keys `keys`, were copied into tier `medium`."""
+        self._put(("tier_stored", medium, list(keys), packed, extra_key, list(pages), page_tokens))
+
+    def tier_removed(self, medium: str, key: str) -> None:
+        """Tier `medium` dropped the page under `key` (its blocks are removed if this process announced them)."""
+        self._put(("tier_removed", medium, key))
 
     def take(self, timeout: float) -> list[tuple]:
         """Queued operations: waits up to `timeout` for the first, then takes what is there."""
@@ -227,6 +296,7 @@ class ZmqEventPublisher:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.bind(config.replay_endpoint)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._encoder = BlockEncoder(block_size)  # NOTE: used by the publisher thread only
         self.seq = 0  # batches sent
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
@@ -242,7 +312,7 @@ class ZmqEventPublisher:
             if not ops:
                 continue
             try:
-                events = encode_ops(ops, self.block_size)
+                events = self._encoder.encode(ops)
                 if not events:
                     continue
                 payload = self._pack([time.time(), events])

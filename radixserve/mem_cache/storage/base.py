@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -54,6 +55,7 @@ class StorageBackend(Protocol):
 
     stats: StorageStats
     kind: str  # "file" or "redis" (--hicache-storage-backend)
+    on_evict: Callable[[str], None] | None  # told each key the store deletes to stay under its cap
     capacity_bytes: int  # the size cap (file) or the server's maxmemory (redis; 0: none)
 
     @property

@@ -21,6 +21,7 @@ import os
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from radixserve.mem_cache.storage.base import StorageStats
@@ -52,6 +53,7 @@ class FileStorageBackend:
         self.directory = Path(directory)
         self.capacity_bytes = capacity_bytes
         self.stats = StorageStats()
+        self.on_evict: Callable[[str], None] | None = None  # told each key the size cap deletes (KV events)
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> file bytes, least recently used first
         self._usage = 0
         self._scanned_at = 0.0  # time.monotonic() of the last rebuild of the index from the directory
@@ -225,6 +227,8 @@ class FileStorageBackend:
             key, _ = next(iter(self._index.items()))
             self.delete(key)
             self.stats.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(key)
 
     def _try_rescan(self) -> None:
         try:

@@ -90,6 +90,7 @@ class RedisStorageBackend:
                                "pip install 'radixserve[hicache]'") from exc
         self.location, self.prefix = redacted(url), prefix
         self.stats = StorageStats()
+        self.on_evict: Callable[[str], None] | None = None  # NOTE: never called: the server evicts by itself
         self.capacity_bytes = 0  # the server's maxmemory, read at open (0: none set, or not readable)
         self.eviction_policy = ""  # the server's maxmemory-policy, read at open
         self.refused = 0  # commands the server refused (each skipped one page)
