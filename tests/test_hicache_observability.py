@@ -111,7 +111,9 @@ def test_usage_splits_cached_tokens_by_tier(served, kind):
     check_idle_conservation(server)
 
 
-def test_cache_tree_shows_the_tiers(served):
+def test_cache_tree_shows_the_tiers(served, capsys):
+    from radixserve.entrypoints.cli import main as cli_main
+
     server, _ = served
     _usage_of("generate", server, stream=False)
     _flush(server)
@@ -130,6 +132,9 @@ def test_cache_tree_shows_the_tiers(served):
     assert tiers["page_tokens"] == STORAGE_PAGE and tiers["loaded_tokens"] == storage["loaded_tokens"]
     metrics = server.metrics()
     assert metrics["radixserve:hicache_storage_loaded_tokens_total"] == storage["loaded_tokens"]
+    cli_main(["cache", "--base-url", server.base_url, "--events", "0"])  # `radixserve cache` prints the tiers
+    out = capsys.readouterr().out
+    assert "host tier: none" in out and f"storage tier (file): {storage['pages']} pages" in out
 
 
 # ---------------------------------------------------------------------------------------------- KV events

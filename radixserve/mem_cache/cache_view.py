@@ -205,10 +205,31 @@ def depth_first(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_pool(snapshot: dict[str, Any]) -> str:
+    """The KV pool in one line, then (with the hierarchical cache) one line per tier behind it."""
     pool = snapshot["pool"]
-    return (f"KV pool {pool['size']} tokens: free {pool['available']}, evictable {pool['evictable']}, "
+    text = (f"KV pool {pool['size']} tokens: free {pool['available']}, evictable {pool['evictable']}, "
             f"protected {pool['protected']}, in requests {pool['in_requests']}; "
             f"{len(snapshot['requests'])} running, {snapshot['waiting_requests']} waiting")
+    tiers = snapshot.get("tiers") or {}
+    if tiers.get("hierarchical"):
+        text += "\n" + format_tiers(tiers)
+    return text
+
+
+def format_tiers(tiers: dict[str, Any]) -> str:
+    """The host and storage tiers of a snapshot's `tiers` (cache_observer.tiers_of), one line each."""
+    host, store = tiers["host"], tiers["storage"]
+    lines = ["host tier: none" if host is None else
+             f"host tier: {host['pages']} pages, {host['bytes']} of {host['capacity_bytes']} bytes ({host['dtype']}); "
+             f"hits {host['hits']}, misses {host['misses']}, evicted {host['evicted']}, "
+             f"loaded {host['loaded_tokens']} tokens"]
+    pages = "?" if store["pages"] is None else store["pages"]
+    lines.append(f"storage tier ({store['backend']}{'' if store['enabled'] else ', turned off'}): {pages} pages, "
+                 f"{store['bytes']} of {store['capacity_bytes'] or 'uncapped'} bytes; hits {store['hits']}, "
+                 f"misses {store['misses']}, corrupt {store['corrupt']}, written {store['pages_written']}, "
+                 f"evicted {store['evicted']}, loaded {store['loaded_tokens']} tokens "
+                 f"({tiers['page_tokens']}-token pages, {tiers['write_policy']})")
+    return "\n".join(lines)
 
 
 def format_events(snapshot: dict[str, Any], limit: int = 20) -> str:
