@@ -107,6 +107,7 @@ class PrefillPlanner:
         `matched`: the policy has just matched every waiting request against the tree (one match a step)."""
         adder = PrefillAdder(self.kv_manager, running, self.new_token_ratio.value,
                              self.limits.max_prefill_tokens, self.limits.chunked_prefill_size)
+        reload = self.kv_manager.hicache is not None
         adapters = {r.lora.name for r in [*running, *([self.chunked_req] if self.chunked_req else [])] if r.lora}
         if self.chunked_req is not None:
             self.chunked_req.init_next_round_input()
@@ -121,9 +122,12 @@ class PrefillPlanner:
                 # NOTE: stop here rather than skip: later requests of the running adapters would keep them
                 # busy forever; the batch drains and this adapter comes in next (no adapter starves)
                 break
-            if not matched:
+            if not matched or reload:
+                # NOTE: with the hierarchical cache every request is matched again right before its admission, and
+                # that match may evict to load its stored pages: the requests admitted before it are locked, and
+                # each later one is matched again before its own admission, so no unlocked match in use goes stale
                 req.init_next_round_input()
-                self.kv_manager.match_prefix(req)
+                self.kv_manager.match_prefix(req, evict_for_load=reload)
             result = adder.add_one_req(req)
             if req.lora is not None and req in adder.can_run_list:
                 adapters.add(req.lora.name)

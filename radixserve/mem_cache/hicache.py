@@ -200,19 +200,24 @@ class HiCacheController:
         return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_pool.dtype).view(shape)
 
     # ---- load -----------------------------------------------------------------------------------
-    def extend_match(self, tokens: Sequence[int], extra_key: Any, match: MatchResult, priority: int = 0) -> MatchResult:
+    def extend_match(self, tokens: Sequence[int], extra_key: Any, match: MatchResult, priority: int = 0,
+                     make_room: Callable[[int], int] | None = None) -> MatchResult:
         """After the tree's hit `match` on `tokens` (the cacheable head only: never the last token), load the
         stored pages that follow into free slots, insert them into the tree and return the longer match.
 
-        NOTE: only free slots are used, never eviction: other waiting requests' unlocked matches may point at
-        evictable tree slots between their match and their lock."""
+        `make_room(n)`, where given, may evict from the tree (never this match) until `n` slots are free, and
+        returns the slots free then: the load may then take evictable slots too, not only free ones.
+        NOTE: without it only free slots are used: other waiting requests' unlocked matches may point at evictable
+        tree slots between their match and their lock. The KVManager passes it only at admission, right before the
+        request's lock, when no other unlocked match is in use (PrefillPlanner._admit matches each request again)."""
         t, m = self.page_tokens, len(match.device_indices)
         first, last = m // t, len(tokens) // t  # storage pages [first, last) could extend the match
         if first >= last or not (self.backend.enabled or self.host is not None):
             return match
         start_s = time.perf_counter()
         keys = self._keys(tokens, extra_key, last)[first:]
-        room = (self.allocator.available_size() + m - first * t) // t  # NOTE: whole pages of free slots
+        reachable = self.allocator.available_size() + (self.tree.evictable_size() if make_room else 0)
+        room = (reachable + m - first * t) // t  # NOTE: whole pages of free (or, with make_room, evictable) slots
         pages: list[torch.Tensor] = []
         from_host: list[bool] = []
         path = self._path(tokens, extra_key, range(first, last))  # NOTE: None without KV events
@@ -229,6 +234,12 @@ class HiCacheController:
             return match
         if not self._wait_for_forwards():
             return match
+        if make_room is not None:
+            fit = (make_room(end - m) + m - first * t) // t  # NOTE: the match's own evictable slots stay
+            pages, from_host = pages[:fit], from_host[:fit]
+            end = (first + len(pages)) * t
+            if end <= m:
+                return match
         slots = self.allocator.alloc(end - m)
         if slots is None:
             return match

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
@@ -135,22 +136,37 @@ class KVManager:
         return self.stats.timing("cache_ops_s") if self.stats is not None else nullcontext()
 
     # ---- before a row: match and lock -----------------------------------------------------------
-    def match_prefix(self, req: KVRequest) -> int:
+    def match_prefix(self, req: KVRequest, evict_for_load: bool = False) -> int:
         """Match the cacheable head of `req.fill_ids` (see Req.prefix_match_limit); locks nothing.
 
-        The match is remembered on the handle and replaced by the next one; returns its length."""
+        With the hierarchical cache, stored pages past the tree's hit are loaded: into free slots, or with
+        `evict_for_load` also into slots evicted from the tree for them (never this match's own). NOTE: evicting
+        may invalidate other requests' unlocked matches: pass it only right before this request is locked, when
+        every other match in use is locked (PrefillPlanner._admit). The match is remembered on the handle and
+        replaced by the next one; returns its length."""
         kv = req.kv
         assert kv.req_pool_idx is None and not kv.locked, f"{req!r} already holds KV"  # NOTE: waiting only
         tokens = req.fill_ids[: req.prefix_match_limit]
         match = self.tree_cache.match_prefix(RadixKey(tokens, req.extra_key))
         if self.hicache is not None:
-            # NOTE: stored pages past the tree's hit are loaded into free slots and inserted: the tree owns them
-            match = self.hicache.extend_match(tokens, req.extra_key, match, req.priority)
+            # NOTE: stored pages past the tree's hit are loaded and inserted: the tree owns them
+            make_room = partial(self._room_for_load, match.last_node) if evict_for_load else None
+            match = self.hicache.extend_match(tokens, req.extra_key, match, req.priority, make_room)
             kv.host_hit_len += match.host_hit_length
             kv.storage_hit_len += match.storage_hit_length
         kv.prefix_indices, kv.last_node = match.device_indices, match.last_node
         kv.cache_protected_len = len(match.device_indices)
         return kv.cache_protected_len
+
+    def _room_for_load(self, node: TreeNode, num_tokens: int) -> int:
+        """Evict the shortfall of `num_tokens` free slots for a load past the match ending at `node` (locked
+        meanwhile, so the load's own prefix stays); returns the free slots."""
+        mark = self._inc_lock(node)
+        try:
+            self.evict(num_tokens)
+        finally:
+            self._dec_lock(node, mark)
+        return self.allocator.available_size()
 
     def cached_by_tier(self, kv: ReqKV, cached: int) -> dict[str, int] | None:
         """`cached` prefix tokens split by the tier that held them when matched ({"device", "host", "storage"},
