@@ -41,6 +41,8 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any
 
+from radixserve.mem_cache.radix_key import common_prefix_len
+
 logger = logging.getLogger(__name__)
 
 DEVICE_MEDIUM = "GPU"  # NOTE: vLLM's and SGLang's name for the pool attention reads (here: the device KV pool)
@@ -121,13 +123,15 @@ def _offset(endpoint: str | None, rank: int) -> str | None:
 
 
 # ---- block hashes ---------------------------------------------------------------------------------------------
-def block_hashes(packed: bytes, extra_key: Any, block_size: int, stop: int) -> list[int]:
-    """h_0 .. h_{stop-1} of the path whose tokens are `packed` (int64 little-endian, RadixKey.packed)."""
+def block_hashes(packed: bytes, extra_key: Any, block_size: int, stop: int, known: list[int] = ()) -> list[int]:
+    """h_0 .. h_{stop-1} of the path whose tokens are `packed` (int64 little-endian, RadixKey.packed); `known`: the
+    first hashes, already computed (the chain continues from them)."""
     from radixserve.mem_cache.storage.keys import namespace_bytes
 
-    h = int.from_bytes(hashlib.blake2b(namespace_bytes(extra_key), digest_size=8).digest(), "big") & _MASK
-    out, width = [], block_size * 8
-    for i in range(stop):
+    out, width = list(known[:stop]), block_size * 8
+    h = out[-1] if out else int.from_bytes(hashlib.blake2b(namespace_bytes(extra_key), digest_size=8).digest(),
+                                           "big") & _MASK
+    for i in range(len(out), stop):
         digest = hashlib.blake2b(h.to_bytes(8, "big") + packed[i * width:(i + 1) * width], digest_size=8).digest()
         h = int.from_bytes(digest, "big") & _MASK
         out.append(h)
@@ -155,12 +159,12 @@ class BlockEncoder:
         self._memo: tuple[bytes, Any, list[int]] = (b"", None, [])  # the last path's chain (pages come in runs)
 
     def _hashes(self, packed: bytes, extra_key: Any, stop: int) -> list[int]:
-        """block_hashes of the path, reusing the last path's chain (a long prompt's pages each ask for it)."""
+        """block_hashes of the path, continuing the last path's chain over the blocks the two share (a long prompt's
+        pages each ask for it; prompts that share a system prompt share its blocks)."""
         last, key, chain = self._memo
-        if len(chain) >= stop and key == extra_key and packed[:stop * self.block_size * 8] == last[:stop *
-                                                                                                   self.block_size * 8]:
-            return chain[:stop]
-        chain = block_hashes(packed, extra_key, self.block_size, len(packed) // (8 * self.block_size))
+        shared = common_prefix_len(last, packed, 0) // self.block_size if key == extra_key else 0
+        chain = block_hashes(packed, extra_key, self.block_size, len(packed) // (8 * self.block_size),
+                             chain[:shared])
         self._memo = (packed, extra_key, chain)
         return chain[:stop]
 
