@@ -232,6 +232,10 @@ class KVEventSink:
         try:
             self._ops.put_nowait(op)
         except queue.Full:
+            if not self.dropped:
+                logger.warning("kv events: the publisher is %d operations behind; dropping events (a router's view "
+                               "of this server's cache is now stale until the next AllBlocksCleared)",
+                               self._ops.maxsize)
             self.dropped += 1
 
     def stored(self, packed: bytes, extra_key: Any, pos: int, end: int) -> None:
@@ -347,6 +351,7 @@ class ZmqEventPublisher:
         self._pub.close(linger=int(timeout * 1000))
         if self._replay is not None:
             self._replay.close(linger=0)
+        self._ctx.term()  # NOTE: ours alone (every socket of it is closed): returns once the linger is spent
 
 
 def make_kv_events(server_args: Any, tree: Any) -> KVEventSink | None:
