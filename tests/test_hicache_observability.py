@@ -342,3 +342,18 @@ def test_tier_pages_are_announced_and_their_removal_names_their_blocks():
     for key in ("a", "b", "c"):
         host.put(key, torch.zeros(64))
     assert dropped == ["a"] and len(host) == 2
+
+
+def test_an_endpoint_in_use_is_an_error_naming_the_field():
+    from radixserve.mem_cache.kv_events import ZmqEventPublisher
+
+    busy = zmq.Context.instance().socket(zmq.PUB)
+    port = busy.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(ValueError, match=rf"kv_events_config\.endpoint='tcp://\*:{port}'"):
+            ZmqEventPublisher(KVEventsConfig(publisher="zmq", endpoint=f"tcp://*:{port}"), 16)
+        with pytest.raises(ValueError, match=r"kv_events_config\.replay_endpoint"):
+            ZmqEventPublisher(KVEventsConfig(publisher="zmq", endpoint=f"tcp://127.0.0.1:{free_port()}",
+                                             replay_endpoint=f"tcp://127.0.0.1:{port}"), 16)
+    finally:
+        busy.close(linger=0)

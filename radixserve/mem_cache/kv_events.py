@@ -294,15 +294,23 @@ class ZmqEventPublisher:
         self._ctx = zmq.Context()  # NOTE: its own: a context made before a fork (the parent's instance) is unusable
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
-        endpoint = config.endpoint
-        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-            self._pub.bind(endpoint)
-        else:
-            self._pub.connect(endpoint)
-        self._replay = None
+        endpoint, self._replay = config.endpoint, None
+        try:
+            if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+        except zmq.ZMQError as exc:  # NOTE: a start-up error naming the field, not a traceback
+            self._pub.close(linger=0)
+            raise ValueError(f"kv_events_config.endpoint={endpoint!r}: {exc}") from None
         if config.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
-            self._replay.bind(config.replay_endpoint)
+            try:
+                self._replay.bind(config.replay_endpoint)
+            except zmq.ZMQError as exc:
+                self._pub.close(linger=0)
+                self._replay.close(linger=0)
+                raise ValueError(f"kv_events_config.replay_endpoint={config.replay_endpoint!r}: {exc}") from None
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._encoder = BlockEncoder(block_size)  # NOTE: used by the publisher thread only
         self.seq = 0  # batches sent
