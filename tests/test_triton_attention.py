@@ -26,6 +26,7 @@ from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  #
 from radixserve.model_executor.forward_batch import ForwardBatch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CPU_DEVICE = torch.device("cpu")
 DIM = 16
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
@@ -224,3 +225,23 @@ def test_hybrid_pool_window_layer_matches_the_torch_backend(mode):
     torch_backend.init_forward_metadata(fb)
     want = torch_backend.forward(q, k, v, layer, fb)
     assert torch.allclose(got, want, atol=2e-5)
+
+
+def test_auto_picks_triton_on_cuda_and_the_plan_says_why():
+    from radixserve.layers.attention.registry import plan_attention, resolve_with_reason
+    from radixserve.model_executor.execution_plan import _attention_entries, _cascade_refusal
+    from radixserve.server_args import ServerArgs
+
+    cuda = torch.device("cuda")  # NOTE: only its type is read
+    name, reason = resolve_with_reason("auto", cuda)
+    assert name == "triton" and "auto on CUDA" in reason
+    assert resolve_with_reason("auto", CPU_DEVICE)[0] == "cpu"
+    plan = plan_attention("auto", cuda, cascade=True, windows=(8,))
+    assert plan.backend == "triton" and not plan.cascade and plan.windows == (8,)
+    args = ServerArgs()
+    no_cascade = _cascade_refusal(args, cuda, torch.bfloat16, None)
+    assert "no cascade path" in no_cascade
+    entries = {e.part: e for e in _attention_entries(plan, torch.bfloat16, args, no_cascade)}
+    assert entries["attention backend"].choice == "triton" and entries["attention backend"].reason == reason
+    assert entries["attention decode"].choice.startswith("triton split-K")
+    assert entries["attention shared prefix"].choice == "off"
