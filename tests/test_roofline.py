@@ -116,3 +116,41 @@ def test_workload_costs_split_prefill_and_decode() -> None:
     assert dec.kv_bytes == 30 * (101 + 102 + 2) * 1536
     assert dec.weight_bytes == 2 * 268_959_744
     assert roofline.Formats.of("bfloat16").kv_bytes == 2
+
+
+def test_peer_figures_count_their_own_steps() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import peer_roofline
+
+    fmt = roofline.Formats.of("float32", "bfloat16")
+    decode = {"name": "decode bs=2", "kind": "decode", "new_tokens": 4, "prompts": [[1] * 100, [1] * 50]}
+    cost, tokens = peer_roofline.workload_cost(SMOLLM2, decode, fmt)
+    assert tokens == 3 * 2  # the first token comes from the prefill, not a decode step
+    assert cost == roofline.decode_run(SMOLLM2, [100, 50], 3, 2, 4)
+    cold = {"name": "cold prefill", "kind": "cold", "new_tokens": 1, "prompts": [[1] * 64]}
+    assert peer_roofline.workload_cost(SMOLLM2, cold, fmt) == (roofline.prefill(SMOLLM2, [64], 2, 4), 64)
+    assert peer_roofline.workload_cost(SMOLLM2, {"name": "W1", "kind": "batch", "prompts": []}, fmt) is None
+    rates = roofline.MachineRates(31.9, {"float32": 130.0})
+    table = peer_roofline.table(SMOLLM2, {"workloads": [decode, cold]}, rates, {"radixserve": fmt},
+                                {"decode bs=2": {"radixserve": 100.0}, "cold prefill": {"radixserve": 300.0}})
+    bound, limit = peer_roofline.bounds(SMOLLM2, {"workloads": [decode]}, fmt, rates)["decode bs=2"]
+    assert limit == "memory" and "| decode bs=2 | radixserve |" in table and f"{100 / bound:.0%}" in table
+
+
+def test_bench_roofline_table_sums_prefill_and_decode_bounds() -> None:
+    from radixserve.bench.report import roofline_table
+    from radixserve.bench.runner import RequestRecord, WorkloadResult
+
+    fmt = roofline.Formats.of("float32", "bfloat16")
+    rates = roofline.MachineRates(31.9, {"float32": 130.0})
+    records = [RequestRecord(ttft=0.1, e2e=1.0, prompt_tokens=100, completion_tokens=3, cached_tokens=40)]
+    result = WorkloadResult("W9", "on", 2.0, records, 60, prefill_batches=1, decode_batches=2)
+    pre, dec = roofline.workload_costs(SMOLLM2, fmt, [(100, 40, 3)], 1, 2)
+    bound = rates.seconds(pre, "float32") + rates.seconds(dec, "float32")
+    table = roofline_table({("W9", "on"): result}, SMOLLM2, fmt, rates)
+    assert f"| {bound:.2f} | 2.00 |" in table and f"{bound / 2.0:.0%}" in table
+    no_counters = WorkloadResult("W9", "on", 2.0, records, 60)
+    assert roofline_table({("W9", "on"): no_counters}, SMOLLM2, fmt, rates) == ""
