@@ -7,7 +7,7 @@ the load evicts other prefixes for its pages, never its own match's slots. Conse
 from __future__ import annotations
 
 import torch
-from test_hicache_host_tier import PAGE_BYTES, T, HostStack
+from test_hicache_host_tier import PAGE_BYTES, HostStack, T
 from test_hicache_storage_tier import FakeReq, expected, random_kv
 
 from radixserve.mem_cache.radix_key import RadixKey

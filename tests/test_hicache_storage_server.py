@@ -3,6 +3,7 @@ usage's cached tokens and the /metrics counters."""
 
 from __future__ import annotations
 
+import pytest
 from server_harness import check_idle_conservation, start_server
 
 PROMPT = " ".join(f"item{i}" for i in range(300))  # ~900 tokens
@@ -15,6 +16,7 @@ def complete(server) -> dict:
     return r.json()
 
 
+@pytest.mark.long  # NOTE: minutes on 2 loaded cores; the long run (CI) keeps it
 def test_a_server_restart_serves_the_prompt_from_disk(tmp_path):
     args = ("--dtype", "float32", "--max-total-tokens", "2048", "--enable-hierarchical-cache",
             "--hicache-storage-dir", str(tmp_path), "--hicache-storage-size", "1GiB")
@@ -43,7 +45,7 @@ def test_a_server_restart_serves_the_prompt_from_disk(tmp_path):
 
 
 def test_a_bad_storage_flag_fails_at_start_naming_it(tmp_path):
-    import pytest
+
 
     with pytest.raises(RuntimeError, match="hicache_storage_size"):
         start_server("--dtype", "float32", "--max-total-tokens", "1024", "--enable-hierarchical-cache",

@@ -67,6 +67,7 @@ def test_stop_sequence_is_reported(client: anthropic.Anthropic, model: str) -> N
     assert stop not in m.content[0].text and free.content[0].text.startswith(m.content[0].text)
 
 
+@pytest.mark.long  # NOTE: minutes on 2 loaded cores; the long run (CI) keeps it
 def test_forced_tool_gives_a_valid_tool_use(client: anthropic.Anthropic, model: str) -> None:
     m = client.messages.create(model=model, max_tokens=64, messages=ASK, tools=[WEATHER, ADD],
                                tool_choice=FORCE_WEATHER, extra_body=GREEDY)

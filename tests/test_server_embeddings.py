@@ -151,6 +151,7 @@ def test_shared_prefix_is_a_radix_cache_hit(api_server: ServerHandle, reference)
     assert torch.allclose(torch.tensor(hit), expected, atol=1e-4)
 
 
+@pytest.mark.long  # NOTE: minutes on 2 loaded cores; the long run (CI) keeps it
 def test_embeddings_beside_streaming_generation_leave_its_tokens_alone(api_server: ServerHandle) -> None:
     body = {"model": MODEL, "prompt": "Write a short story about a lighthouse keeper:", "max_tokens": 24,
             "temperature": 0, "ignore_eos": True, "cache_salt": uuid.uuid4().hex}

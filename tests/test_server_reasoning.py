@@ -74,6 +74,7 @@ def test_a_forced_think_block_is_split_and_the_stream_matches(server: ServerHand
     assert all("reasoning_content" not in d for d in raw_deltas)
 
 
+@pytest.mark.long  # NOTE: minutes on 2 loaded cores; the long run (CI) keeps it
 def test_a_thinking_budget_closes_the_block_after_that_many_tokens(server: ServerHandle) -> None:
     close = server.post("/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["count"]
     body = {"max_tokens": 24, "ignore_eos": True, "thinking_budget": 5}

@@ -127,6 +127,7 @@ def test_a_json_schema_text_format_gives_valid_json(api_client: OpenAI, model: s
     assert r.text.format.type == "json_schema"
 
 
+@pytest.mark.long  # NOTE: minutes on 2 loaded cores; the long run (CI) keeps it
 def test_forced_function_tools_give_valid_calls(api_client: OpenAI, model: str) -> None:
     for choice, name in (({"type": "function", "name": "add"}, "add"), ("required", None)):
         r = api_client.responses.create(model=model, input="What is 2 + 3, and the weather in Paris?",
@@ -296,6 +297,7 @@ def _stored(client: OpenAI, ids: list[str]) -> list[bool]:
     return out
 
 
+@pytest.mark.long  # NOTE: minutes on 2 loaded cores; the long run (CI) keeps it
 def test_the_store_bounds_hold_under_a_flood(keyed: ServerHandle) -> None:
     a = _client(keyed, KEYS[0])
     small = [a.responses.create(input=f"Hi {i}", max_output_tokens=1, temperature=0).id for i in range(10)]

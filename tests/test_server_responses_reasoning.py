@@ -116,6 +116,7 @@ def test_the_streamed_events_reassemble_to_the_whole_answer(client: OpenAI, clos
     assert final.output[0].content[0].text == thought and final.output_text == text
 
 
+@pytest.mark.long  # NOTE: minutes on 2 loaded cores; the long run (CI) keeps it
 @pytest.mark.slow
 def test_reasoning_effort_is_chats_budget(client: OpenAI, close_tokens: int) -> None:
     # low: 256 tokens; the model's 256, the forced closing tag, then the answer
