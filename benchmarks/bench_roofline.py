@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--trace", action="store_true", help="also profile a decode step per batch size")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the rates, the Engine (--torch-threads) and the trace (default: torch's); 1 "
+                        "while the machine is shared (docs/benchmarks.md, the roofline section)")
     p.add_argument("--server-args", default="", help="extra radixserve server args for the Engine")
     p.add_argument("--no-docs", action="store_true")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # JSON: {"dtype", "out"}
@@ -161,6 +164,8 @@ def bound(cfg, fmt, rates, row: dict, new_tokens: int) -> dict:
 def worker(args: argparse.Namespace) -> None:
     import shlex
 
+    import torch
+
     from radixserve import Engine
     from radixserve.bench import roofline
     from radixserve.bench.docs import cpu_header
@@ -168,10 +173,14 @@ def worker(args: argparse.Namespace) -> None:
 
     job = json.loads(args.worker)
     dtype = job["dtype"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     extra = ServerArgs.from_cli_args(parser.parse_args(shlex.split(args.server_args)))
     kwargs = {k: v for k, v in vars(extra).items() if v != getattr(ServerArgs(), k)}
+    if args.threads:
+        kwargs["torch_threads"] = args.threads
     pool = max(int(b) for b in args.batches.split(",")) * (PROMPT_LEN + args.new_tokens + 8) + 4096
     header = cpu_header(dtype)
     engine = Engine(**{"max_total_tokens": pool, "log_level": "warning", **kwargs, "dtype": dtype})
@@ -200,7 +209,8 @@ def run_worker(cpu_class: str, dtype: str, args: argparse.Namespace, workdir: Pa
     env = {**os.environ, **({} if cpu_class == "native" else class_env(cpu_class))}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps({"dtype": dtype, "out": str(out)}),
            "--batches", args.batches, "--prefills", args.prefills, "--new-tokens", str(args.new_tokens),
-           "--reps", str(args.reps), "--server-args", args.server_args, *(["--trace"] if args.trace else [])]
+           "--reps", str(args.reps), "--server-args", args.server_args, *(["--trace"] if args.trace else []),
+           *(["--threads", str(args.threads)] if args.threads else [])]
     print(f"=== {cpu_class}, --dtype {dtype} (load {os.getloadavg()[0]:.1f})", flush=True)
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:

@@ -13,10 +13,11 @@ def render(results: list[dict], args: argparse.Namespace, load: tuple[float, flo
 
     command = (f"python benchmarks/bench_roofline.py --classes {args.classes} --dtypes {args.dtypes} --batches "
                f"{args.batches} --prefills {args.prefills} --new-tokens {args.new_tokens} --reps {args.reps}"
-               + (" --trace" if args.trace else "") + (f" --server-args '{args.server_args}'" if args.server_args else ""))
+               + (" --trace" if args.trace else "") + (f" --threads {args.threads}" if getattr(args, "threads", None) else "")
+               + (f" --server-args '{args.server_args}'" if args.server_args else ""))
     lines = ["## Decode and prefill against the roofline (`benchmarks/bench_roofline.py`)", "",
              f"Model: embedded SmolLM2-135M-Instruct. Python {platform.python_version()}, torch {torch.__version__}, "
-             f"{torch.get_num_threads()} threads; load average {load[0]:.1f} at start, {load[1]:.1f} at end (the machine "
+             f"{getattr(args, 'threads', None) or torch.get_num_threads()} threads; load average {load[0]:.1f} at start, {load[1]:.1f} at end (the machine "
              "is shared). Each class and dtype in its own process: the roofline's rates measured first (read bandwidth "
              "of torch.mv over 1 GiB; torch's GEMM rate in the compute dtype on one decoder layer's shapes at 512 rows), "
              "then the offline Engine (default loop): decode of 100-token prompts, prefill of one cold prompt, medians "
