@@ -95,8 +95,8 @@ def _usage_of(kind: str, server, stream: bool) -> tuple[int, dict | None]:
     return usage["cache_read_input_tokens"], usage.get("cached_tokens_details")
 
 
-@pytest.mark.parametrize("kind", ["generate", "chat", *(pytest.param(k, marks=pytest.mark.long)
-                                                         for k in ("completions", "responses", "messages"))])
+@pytest.mark.parametrize("kind", ["generate", *(pytest.param(k, marks=pytest.mark.long)
+                                             for k in ("chat", "completions", "responses", "messages"))])
 def test_usage_splits_cached_tokens_by_tier(served, kind):
     server, _ = served
     cached, details = _usage_of(kind, server, stream=False)  # computed (or already on disk from another API)

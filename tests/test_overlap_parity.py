@@ -194,7 +194,9 @@ def test_grammar_rows_on_a_forward_stream_that_runs_on_the_caller(loaded):
     done = threading.Event()
 
     def drive() -> None:
-        sched.run_until_idle_overlap(2_000)
+        # NOTE: steps spin while the grammars compile on their own thread: on a loaded machine that took more than
+        # 2,000 steps; the 120 s wait below is the hang check
+        sched.run_until_idle_overlap(100_000)
         done.set()
 
     threading.Thread(target=drive, daemon=True).start()

@@ -402,9 +402,9 @@ def test_a_waiting_request_is_matched_once_per_step(policy):
     matches: list[tuple[int, str]] = []
     real_match, step = sched.kv_manager.match_prefix, 0
 
-    def counted(req):
+    def counted(req, **kwargs):
         matches.append((step, req.rid))
-        return real_match(req)
+        return real_match(req, **kwargs)
 
     sched.kv_manager.match_prefix = counted
     while not (sched.is_idle() and sched.input_queue.empty()):
