@@ -45,8 +45,8 @@ POOL_TOKENS = 768  # small enough that the load below retracts, large enough for
 # mark of the load's working set (Gemma 3's 262k-token logits, masks and penalty rows: ~770 MiB measured), not a
 # leak; the bound catches growth that scales with requests (a grammar cache without a byte budget adds ~9 MiB a
 # schema), and `repeat_growth_mb` (a second identical round) shows the high-water mark is reached. Rows per step
-# depend on timing, so a second round can set a new mark once: Gemma 3 + n-gram + overlap + chunked grew 126 MiB
-# in one of three runs (2026-12-07, a loaded 2-core Zen 3), 0 beyond the bound in the others; one float32 logits row
+# depend on timing, so a second round can set a new mark once: Gemma 3 + n-gram + overlap + chunked grew past 96 MiB
+# in two of three runs (126 MiB in the one printed; 2026-12-07, a loaded 2-core Zen 3); one float32 logits row
 # of Gemma 3 is 1 MiB, so the bound is ~190 rows, far below what a grammar cache without a budget adds in a round
 RSS_GROWTH_MB = 1024
 REPEAT_GROWTH_MB = 192
