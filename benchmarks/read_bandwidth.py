@@ -10,23 +10,16 @@ torch.mv over a bf16 matrix (how a framework reads weights).
 from __future__ import annotations
 
 import ctypes
-import time
 from pathlib import Path
 
 import torch
+
+from radixserve.bench.roofline import best_seconds
 
 SOURCE = Path(__file__).resolve().parent / "read_bandwidth.c"
 GIB = 2**30
 
 
-def _best_seconds(fn, passes: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def c_reader_gb_s(data: torch.Tensor, threads: int) -> float | None:
@@ -41,13 +34,13 @@ def c_reader_gb_s(data: torch.Tensor, threads: int) -> float | None:
     lib.read_sum.restype = ctypes.c_double
     lib.read_sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     words = data.numel() * data.element_size() // 8
-    return GIB / _best_seconds(lambda: lib.read_sum(data.data_ptr(), words, threads)) / 1e9
+    return GIB / best_seconds(lambda: lib.read_sum(data.data_ptr(), words, threads)) / 1e9
 
 
 def torch_reader_gb_s(data: torch.Tensor) -> float:
     matrix = data.view(torch.bfloat16).view(2**16, -1)
     vector = torch.ones(matrix.shape[1], dtype=torch.bfloat16)
-    return GIB / _best_seconds(lambda: torch.mv(matrix, vector)) / 1e9
+    return GIB / best_seconds(lambda: torch.mv(matrix, vector)) / 1e9
 
 
 def read_bandwidth_gb_s(threads: int) -> dict[str, float]:

@@ -220,7 +220,8 @@ def figure(rates: MachineRates, cost: StepCost, dtype: str, tokens: float, measu
 
 # ---- measuring the machine -----------------------------------------------------------------------------------------
 
-def _best_seconds(fn: Callable[[], object], passes: int) -> float:
+def best_seconds(fn: Callable[[], object], passes: int = 5) -> float:
+    """The fastest of `passes` timed calls of `fn`, after one untimed warm-up call."""
     fn()
     best = float("inf")
     for _ in range(passes):
@@ -236,7 +237,7 @@ def torch_read_gb_s(gib: float = 1.0, passes: int = 10) -> float:
 
     data = torch.ones(int(gib * GIB) // 2, dtype=torch.bfloat16).view(2**16, -1)
     vector = torch.ones(data.shape[1], dtype=torch.bfloat16)
-    seconds = _best_seconds(lambda: torch.mv(data, vector), passes)
+    seconds = best_seconds(lambda: torch.mv(data, vector), passes)
     return data.numel() * 2 / seconds / 1e9
 
 
@@ -262,7 +263,7 @@ def gemm_gflops(cfg, dtype: str, rows: int = GEMM_ROWS, passes: int = 10) -> flo
             for x, w in pairs:
                 torch.nn.functional.linear(x, w)
 
-    return flops / _best_seconds(run, passes) / 1e9
+    return flops / best_seconds(run, passes) / 1e9
 
 
 def measure_rates(cfg, dtypes: Iterable[str]) -> MachineRates:
