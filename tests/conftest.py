@@ -90,3 +90,38 @@ def _api_server_conserved(request):
         from server_harness import check_idle_conservation
 
         check_idle_conservation(request.getfixturevalue("api_server"))
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """At the end of each test module: give the heap back to the system, and (RADIXSERVE_TEST_RSS_LOG=path)
+    record the process's resident size, so a suite that grows past the machine's memory says where."""
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    import gc
+    import os
+
+    gc.collect()
+    _malloc_trim()
+    log = os.environ.get("RADIXSERVE_TEST_RSS_LOG")
+    if log:
+        with open(log, "a") as out:
+            out.write(f"{item.module.__name__} {_rss_mib():.0f}\n")
+
+
+def _malloc_trim() -> None:
+    # NOTE: torch's CPU tensors below glibc's mmap threshold (which grows to 32 MiB) come from malloc's
+    # arenas; freed, they stay in the process until trimmed. Without this the default run's RSS only grows.
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
