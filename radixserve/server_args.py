@@ -138,6 +138,9 @@ class ServerArgs:
                                                "--max-running-requests) (docs/attention.md, CUDA graphs)")
     disable_cuda_graph: bool = _opt(False, "run every decode step eagerly on CUDA (no graph capture at start-up)")
     disable_cascade_attention: bool = _opt(False, "never split attention over a prefix shared by the whole batch")
+    enable_deterministic_inference: bool = _opt(False, "batch-invariant inference: a request's logprobs are the same "
+                                                       "bits whatever else runs, however its prompt is chunked or "
+                                                       "cached (CPU, float32 compute; docs/deterministic.md)")
     linear_method: str = _opt("auto", "how linear layers keep and multiply weights: auto (measured per shape), "
                                       "dense (F.linear), onednn (prepacked, CPU)")
     disable_fused_ops: bool = _opt(False, "run RMSNorm+add, rotary+KV write and SiLU-and-mul as eager torch "

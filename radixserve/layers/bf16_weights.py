@@ -192,6 +192,12 @@ class Bf16WeightLinearMethod(LinearMethod):
     def __init__(self) -> None:
         self.packed: torch.Tensor | None = None
         self.prefill_copy: torch.Tensor | None = None  # oneDNN's blocked float32 weight (keep_prefill_copy)
+        self.every_row = False  # deterministic inference: bf16w_gemv at every row count
+
+    def use_row_kernel_everywhere(self, on: bool = True) -> bool:
+        # NOTE: bf16w_gemv.c adds each output's products pair by pair in input order, for one row or a group of rows
+        self.every_row = on
+        return True
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         self.packed = pack_gemv_weight(layer.weight.detach().to(torch.bfloat16), BF16W_TILE)
@@ -200,7 +206,7 @@ class Bf16WeightLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous().to(torch.float32)
         n = layer.out_features
-        if flat.shape[0] >= WIDEN_ROWS and self.packed.numel() <= WIDEN_MAX_ELEMENTS:
+        if not self.every_row and flat.shape[0] >= WIDEN_ROWS and self.packed.numel() <= WIDEN_MAX_ELEMENTS:
             # NOTE: the widened weight lives in this thread's scratch until its next layer's product
             y = prefill_product(self.kernel, self.packed, flat, layer.bias, n, self.prefill_copy)
         else:
@@ -216,7 +222,7 @@ class Bf16WeightLinearMethod(LinearMethod):
         self.prefill_copy = copy
 
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
-        usable = 0 < rows < WIDEN_ROWS and dtype == torch.float32 and self.packed is not None
+        usable = 0 < rows and (self.every_row or rows < WIDEN_ROWS) and dtype == torch.float32 and self.packed is not None
         return self.kernel.address if usable else None
 
     @property
@@ -242,6 +248,8 @@ class Bf16WeightLinearMethod(LinearMethod):
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
         kernel = load_bf16w_kernel()
+        if self.every_row:
+            return f"bf16w_gemv ({kernel.level}) at every row count (deterministic inference)"
         return (f"bf16w_gemv ({kernel.level}, prefetch {kernel.prefetch}) below {WIDEN_ROWS} rows, a float32 copy (in oneDNN's blocked "
                 f"order where it holds) and oneDNN from {WIDEN_ROWS}")
 

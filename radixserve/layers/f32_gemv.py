@@ -30,6 +30,15 @@ class F32GemvLinearMethod(OneDNNLinearMethod):
     def __init__(self) -> None:
         super().__init__()
         self.weight: torch.Tensor | None = None  # the loaded weight, kept for the GEMV
+        self.every_row = False  # deterministic inference: the GEMV at every row count
+
+    def use_row_kernel_everywhere(self, on: bool = True) -> bool:
+        # NOTE: f32_gemv.c sums each output over K in one lane order and reduces it once, whatever rows share a pass
+        self.every_row = on
+        return True
+
+    def _gemv_rows(self, rows: int) -> bool:
+        return 0 < rows and (self.every_row or rows < F32_GEMV_ROWS)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         super().process_weights_after_loading(layer)
@@ -38,13 +47,16 @@ class F32GemvLinearMethod(OneDNNLinearMethod):
         self.kernel = load_f32_kernel()
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if self.every_row and x.dtype == torch.float32 and x.numel():
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return self.kernel(self.weight, flat, layer.bias).view(*x.shape[:-1], layer.out_features)
         rows = x.shape[0] if x.dim() == 2 and x.is_contiguous() else 0
-        if 0 < rows < F32_GEMV_ROWS and x.dtype == torch.float32:
+        if self._gemv_rows(rows) and x.dtype == torch.float32:
             return self.kernel(self.weight, x, layer.bias)
         return super().apply(layer, x)
 
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
-        usable = 0 < rows < F32_GEMV_ROWS and dtype == torch.float32 and self.weight is not None
+        usable = self._gemv_rows(rows) and dtype == torch.float32 and self.weight is not None
         return self.kernel.address if usable else None
 
     @property
@@ -62,6 +74,8 @@ class F32GemvLinearMethod(OneDNNLinearMethod):
         return f"{self.name} ({self.kernel.level})" if self.weight is not None else self.name
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
+        if self.every_row:
+            return f"f32_gemv ({load_f32_kernel().level}) at every row count (deterministic inference)"
         return f"1-{F32_GEMV_ROWS - 1} rows f32_gemv ({load_f32_kernel().level}), oneDNN above"
 
 

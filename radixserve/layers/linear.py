@@ -75,6 +75,13 @@ class LinearMethod(ABC):
         the execution plan."""
         return f"{self.name} at every row count"
 
+    def use_row_kernel_everywhere(self, on: bool = True) -> bool:
+        """Deterministic inference (`on`): from now on multiply every row count with the method's row kernel, whose
+        sums for one row run in one order whatever the other rows (how many, which, where that row sits); off: the
+        kernels per row count again. False where the method has no such kernel (its products at different row
+        counts round differently)."""
+        return not on
+
 
 class DenseLinearMethod(LinearMethod):
     """The weight as loaded, multiplied by `F.linear` (the path on CUDA, and the fallback everywhere)."""

@@ -102,8 +102,11 @@ def compute_input_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, top_k
 class Sampler:
     """`seed` seeds the stream of unseeded rows when a batch names no `generator_seed`."""
 
-    def __init__(self, seed: int | None = None, num_rows: int = 1) -> None:
+    def __init__(self, seed: int | None = None, num_rows: int = 1, exact_match_verify: bool = False) -> None:
         self.seed = seed
+        # NOTE: deterministic inference: a verify row samples as a decode row would (the same uniform, the same
+        # inversion) and keeps its draft only when that sample is the draft, so speculation changes no token
+        self.exact_match_verify = exact_match_verify
         self._generators: dict[tuple[torch.device, int | None], torch.Generator] = {}
         self.penalties = PenaltyState(num_rows)  # one history row per ReqToTokenPool row
 
@@ -136,7 +139,8 @@ class Sampler:
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = _filter_probs(probs, info)
         u = self._uniforms(probs.shape[0], info)
-        sampled = _invert_cdf(probs, u) if info.draft_ids is None else self._verify_drafts(probs, u, info)
+        plain = info.draft_ids is None or self.exact_match_verify
+        sampled = _invert_cdf(probs, u) if plain else self._verify_drafts(probs, u, info)
         return torch.where(info.greedy, greedy_ids, sampled)
 
     def _verify_drafts(self, probs: torch.Tensor, u: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

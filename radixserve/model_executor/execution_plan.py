@@ -63,6 +63,7 @@ class ExecutionPlan:
     prefill_copy_bytes: int  # bf16-weight decoder layers' resident float32 copies for prefill (0: none)
     entries: tuple[PlanEntry, ...]
     cuda_graphs: GraphPlan | None = None  # decode buckets captured at start-up (cuda_graph_runner.py); None: off
+    deterministic: bool = False  # --enable-deterministic-inference (deterministic.py): every forward as C step rows
 
     def choice(self, part: str) -> str:
         return next(e.choice for e in self.entries if e.part == part)
@@ -81,10 +82,18 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     from radixserve.layers.fused_ops import load_fused_ops
     from radixserve.layers.linear_tuning import plan_large_rows, plan_linear_methods
     from radixserve.model_executor.cuda_graph_runner import plan_cuda_graphs
+    from radixserve.model_executor.deterministic import (
+        check_deterministic,
+        deterministic_entry,
+        deterministic_linear_method,
+    )
 
     dtype = getattr(torch, dtype_choice.dtype)
     kv_dtype, kv_reason = resolve_kv_dtype(args.kv_cache_dtype, dtype, dtype_choice.weights)
     requested = _requested_linear_method(args.linear_method, dtype_choice, device)
+    deterministic = args.enable_deterministic_inference
+    if deterministic:
+        requested = deterministic_linear_method(requested, device, dtype, dtype_choice.weights)
     methods = plan_linear_methods(model, device, dtype, requested)
     large = plan_large_rows(model, methods, dtype)
     if resolve_backend(args.attention_backend, device) == "cpu":
@@ -98,15 +107,20 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     refusal = _decoder_refusal(model, device, dtype, ops, methods, kv_dtype)
     windows = getattr(model.config, "windows", ())
     cap = getattr(model.config, "attn_logit_softcapping", None)
+    if deterministic:
+        check_deterministic(refusal, windows)
     no_cascade = _cascade_refusal(args, device, dtype, cap)
     attention = plan_attention(args.attention_backend, device, cascade=no_cascade is None, windows=windows)
     copies = _prefill_copy_entries(model, methods)
+    if deterministic and copies[0]:
+        copies = 0, [PlanEntry("bf16 prefill copies", "off", "deterministic inference: prompts multiply with bf16w_gemv")]
     hybrid = bool(windows) and not args.disable_hybrid_swa_memory
     context_len = args.context_length or getattr(model.config, "context_len", 0)
     graphs = plan_cuda_graphs(args, device, backend_class(attention.backend).graph_refusal(windows, hybrid, context_len))
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                PlanEntry("kv cache", str(kv_dtype).removeprefix("torch."), kv_reason),
-               *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method),
+               *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method,
+                                deterministic=deterministic),
                *copies[1],
                *_attention_entries(attention, dtype, args, no_cascade),
                *_window_entries(windows, not args.disable_hybrid_swa_memory, no_cascade),
@@ -114,9 +128,10 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
                PlanEntry("cuda graphs", _graph_choice(graphs), graphs.reason),
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
-                         refusal or _c_decoder_reason(dtype, methods))]
+                         refusal or _c_decoder_reason(dtype, methods)),
+               deterministic_entry(deterministic)]
     return ExecutionPlan(dtype, kv_dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
-                         copies[0], tuple(entries), graphs)
+                         copies[0], tuple(entries), graphs, deterministic)
 
 
 def _graph_choice(graphs: GraphPlan) -> str:
@@ -173,14 +188,14 @@ def _op_names(ops: FusedOps | None) -> tuple[str, ...]:
 
 
 def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Shape, frozenset[int]],
-                    requested: str, by_dtype: bool = False) -> list[PlanEntry]:
+                    requested: str, by_dtype: bool = False, deterministic: bool = False) -> list[PlanEntry]:
     """One entry per (weight shape, method), counting the layers."""
     from radixserve.layers.linear import LINEAR_METHODS, DenseLinearMethod, linear_layers
     from radixserve.layers.linear_tuning import lm_head_only_shapes
 
     tuned = ("the fastest of the candidates timed here at {rows} (cached per machine)"
-             if requested == "auto" else "--dtype auto: bf16 weights, float32 compute" if by_dtype
-             else f"--linear-method {requested}")
+             if requested == "auto" else "deterministic inference: a method with a row kernel" if deterministic
+             else "--dtype auto: bf16 weights, float32 compute" if by_dtype else f"--linear-method {requested}")
     counts: Counter[tuple[str, str, str]] = Counter()
     head_only = lm_head_only_shapes(model)
     for _, layer in linear_layers(model):
@@ -191,6 +206,8 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
                         else "1, 32 and 512 rows")
             method = LINEAR_METHODS[methods.get(layer.shape, DenseLinearMethod.name)]()
             reason = tuned.format(rows=timed_at)
+        if deterministic:  # NOTE: the plan's copy of the method, told what device_setup tells the layer's
+            method.use_row_kernel_everywhere()
         rows = method.row_kernels(layer.in_features, large.get(layer.shape, frozenset()))
         counts[(f"{layer.out_features}x{layer.in_features}", method.describe(), f"{reason}; {rows}")] += 1
     return [PlanEntry(f"linear {shape}", f"{method} x{n}", reason)
@@ -213,6 +230,8 @@ def _cascade_refusal(args: ServerArgs, device: torch.device, dtype: torch.dtype,
 
     if args.disable_cascade_attention:
         return "--disable-cascade-attention"
+    if args.enable_deterministic_inference:
+        return "deterministic inference: every row attends over its own slots in one order"
     if resolve_backend(args.attention_backend, device) == "triton":
         return "the triton backend has no cascade path: each request attends over its whole context"
     if cap is not None:  # NOTE: no cascade path caps scores (layers/attention/softcap.py)

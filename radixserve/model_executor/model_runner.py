@@ -95,7 +95,8 @@ class ModelRunner:
         self._init_pools()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self.device,
                                                      plan=self.execution_plan.attention)
-        self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1)
+        self.sampler = Sampler(server_args.random_seed, self.req_to_token_pool.size + 1,
+                               exact_match_verify=server_args.enable_deterministic_inference)
         self.lora = self._init_lora() if server_args.lora_enabled else None  # lora/manager.LoraManager
         self.cuda_graphs: GraphDecodeRunner | None = None  # captured once (init_cuda_graphs); None: every step eager
         plan = self.execution_plan.cuda_graphs

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from radixserve.models.llama import DecoderWeights
 
 logger = logging.getLogger(__name__)
+ROWS_UNBOUNDED = 1 << 30  # deterministic inference: the step takes a forward of any number of rows
 
 class StepFunctions(NamedTuple):
     attention: int | None  # the decode attention kernel's C function
@@ -67,7 +68,7 @@ class DecodeStep:
     It reads the model through its exported weight view (`LlamaForCausalLM.decoder_weights`) and the KV pool
     through `get_kv_buffer`: the layer table of pointers it hands to C is built from those two, nothing else."""
 
-    def __init__(self, weights: DecoderWeights, kernel: DecodeStepKernel) -> None:
+    def __init__(self, weights: DecoderWeights, kernel: DecodeStepKernel, every_forward: bool = False) -> None:
         config, self._weights, self._kernel = weights.config, weights, kernel
         self._config, self.dtype = config, kernel.dtype
         linears = [linear for layer in weights.layers for linear in layer.linears]
@@ -78,6 +79,12 @@ class DecodeStep:
         self.max_rows = max((rows for rows in (1, gemv_max_rows(), AMX_MAX_ROWS, TILED_MAX_M, F32_GEMV_ROWS - 1, WIDEN_ROWS - 1)
                              if all(fn is not None and linear.method.c_linear(rows, self.dtype) == fn
                                     for linear, fn in zip(linears, self._fns, strict=True))), default=0)
+        # NOTE: deterministic inference: every forward's tokens run here as rows (a prompt's token i attends over
+        # its request's first i + 1 slots), on linear methods that take every row count with their row kernel
+        self.every_forward = every_forward and self.max_rows > 0 and all(
+            linear.method.c_linear(ROWS_UNBOUNDED, self.dtype) == fn for linear, fn in zip(linears, self._fns, strict=True))
+        if self.every_forward:
+            self.max_rows = ROWS_UNBOUNDED
         if self.max_rows == 0:
             logger.warning("the C decode step finds a linear layer without a C kernel here; decode runs the Python layers")
         # NOTE: each layer's row names its rotary tables: the window layers' own where the model has a local rotary
@@ -101,6 +108,8 @@ class DecodeStep:
         self._lora = StepLora(weights, self.dtype)  # the forward's LoRA rows (the manager's segments)
 
     def takes(self, fb) -> bool:
+        if fb.forward_mode.is_extend():
+            return self._takes_rows(fb)
         backend = fb.attn_backend
         kv_dtype = fb.token_to_kv_pool.dtype
         # NOTE: the full layers' plain table, or their cascade plan where part (a) runs in a C function (the one the
@@ -122,8 +131,9 @@ class DecodeStep:
         layers add their last output into the stream themselves (the first is then scratch)."""
         bs, backend = hidden.shape[0], fb.attn_backend
         fns = self._functions_for(backend, fb.token_to_kv_pool.dtype)
-        plain = metadata_of(fb).decode is not None
-        if fns.attention is None or bs > self.max_rows or not (plain or fns.prefix is not None):
+        rows = fb.forward_mode.is_extend()
+        plain = rows or metadata_of(fb).decode is not None
+        if fns.attention is None or bs > self.max_rows or not (plain or fns.prefix is not None) or (rows and not self.every_forward):
             raise ValueError("the C decode step does not take this forward (check `takes` first)")
         if fb.token_to_kv_pool is not self._pool:
             self._bind_pool(fb.token_to_kv_pool)
@@ -131,7 +141,7 @@ class DecodeStep:
         residual = torch.empty_like(hidden)
         work = torch.empty(bs * self._work_per_row, dtype=self.dtype)
         positions = fb.positions.to(torch.int64).contiguous()
-        groups, keep = self._groups(fb, fns.prefix)
+        groups, keep = self._row_groups(fb) if rows else self._groups(fb, fns.prefix)
         lora, keep_lora = self._lora.descriptor()
         status = self._kernel.run(self._struct, fns.attention, hidden, residual, positions, groups, work, lora)
         del keep, keep_lora  # NOTE: the group and LoRA tables' tensors live until the C call returns
@@ -141,6 +151,24 @@ class DecodeStep:
         if status != 0:
             raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
         return hidden, residual
+
+    def _takes_rows(self, fb) -> bool:
+        """An extend forward as rows (deterministic inference): a model without windows, the C decode kernel, no
+        LoRA rows."""
+        return (self.every_forward and not self._windows and fb.req_to_token_pool is not None
+                and fb.lora_adapters is None and isinstance(fb.attn_metadata, TorchAttnMetadata)
+                and self._functions_for(fb.attn_backend, fb.token_to_kv_pool.dtype).attention is not None)
+
+    def _row_groups(self, fb) -> tuple[ctypes_array, list[torch.Tensor]]:
+        """An extend forward's one attention group, a row per token: the token at position p attends over its
+        request's slots 0 .. p, read through the request's row of req_to_token (the decode tables' slots, in their
+        order), so each row's attention is the one a decode step at that position computes."""
+        lens = fb.extend_seq_lens.to(fb.req_pool_indices.device)
+        owners = torch.repeat_interleave(fb.req_pool_indices, lens)
+        max_len = max(fb.seq_lens_cpu)
+        kv_indices = fb.req_to_token_pool.req_to_token[owners, :max_len]
+        full = GroupTable(fb.out_cache_loc, kv_indices, fb.positions + 1, max_len, self._group_slots[0])
+        return attention_groups([full])
 
     def _groups(self, fb, prefix: int | None) -> tuple[ctypes_array, list[torch.Tensor]]:
         """This step's attention groups: the full layers' (the backend's decode table, or its cascade plan: the
@@ -206,9 +234,10 @@ class DecodeStep:
         self._pool = pool
 
 
-def load_decode_step(weights: DecoderWeights, dtype: torch.dtype) -> DecodeStep:
-    """The C decode step over a model's weight view; only where `decode_step_refusal` found no reason against it."""
-    return DecodeStep(weights, load_decode_step_kernel(dtype))
+def load_decode_step(weights: DecoderWeights, dtype: torch.dtype, every_forward: bool = False) -> DecodeStep:
+    """The C decode step over a model's weight view; only where `decode_step_refusal` found no reason against it.
+    `every_forward` (deterministic inference): extend forwards run in it too, a row per token."""
+    return DecodeStep(weights, load_decode_step_kernel(dtype), every_forward)
 
 
 def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops: Any,

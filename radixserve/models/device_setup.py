@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.layers.bf16_weights import keep_prefill_copies
+from radixserve.layers.linear import linear_layers
 from radixserve.layers.linear_tuning import apply_linear_plan
 from radixserve.layers.quantization.model_quant import tile_packed_weights
+from radixserve.model_executor.deterministic import FLAG, DeterminismUnavailable
 from radixserve.models.decode_step import load_decode_step
 from radixserve.models.prefill_passes import c_prefill_passes
 
@@ -47,8 +49,14 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, plan: E
     c_decoder = plan.decoder_refusal is None
     ops = plan.fused_ops
     # NOTE: where the C decoder runs, prefill's row passes are its loops (they replace fused ops: none, none here)
-    passes = c_prefill_passes(ops, model.config.rms_norm_eps) if c_decoder and ops is not None else None
+    every = plan.deterministic
+    # NOTE: set either way: a loaded model reused by another runner keeps its methods (one mode per loaded model
+    # at a time). The plan chose methods with row kernels; packed layers have theirs once tiled (above).
+    for name, layer in linear_layers(model):
+        if not layer.method.use_row_kernel_everywhere(every):
+            raise DeterminismUnavailable(f"{FLAG}: layer {name} ({layer.method.describe()}) has no row kernel")
+    passes = c_prefill_passes(ops, model.config.rms_norm_eps, every) if c_decoder and ops is not None else None
     model.set_fused_ops(ops, passes)
     if hasattr(model, "set_decoder"):
-        model.set_decoder(load_decode_step(model.decoder_weights(), plan.dtype) if c_decoder else None)
+        model.set_decoder(load_decode_step(model.decoder_weights(), plan.dtype, every) if c_decoder else None)
     return DeviceSetup(counts, ops is not None, c_decoder, time.perf_counter() - start)

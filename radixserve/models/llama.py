@@ -216,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         # NOTE: LoRA rows run in the C decoder too (the SGMV kernel after each linear layer), unless it declines them
-        if self.decode_step is not None and fb.forward_mode.is_decode() and self.decode_step.takes(fb):
+        # NOTE: deterministic inference runs extend forwards in the C decoder too, a row per token (`takes`)
+        if self.decode_step is not None and self.decode_step.takes(fb):
             hidden, residual = self.decode_step(hidden, fb)
         else:
             residual = None

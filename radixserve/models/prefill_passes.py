@@ -24,19 +24,19 @@ from radixserve.kernels.decode_step import DecodeStepKernel, load_decode_step_ke
 MIN_ROWS = 64  # from this many rows a pass is the C loop
 
 
-def _takes(kernel: DecodeStepKernel, x: torch.Tensor) -> bool:
-    return x.shape[0] >= MIN_ROWS and x.dtype == kernel.dtype and x.is_contiguous()
+def _takes(kernel: DecodeStepKernel, x: torch.Tensor, min_rows: int) -> bool:
+    return x.shape[0] >= min_rows and x.dtype == kernel.dtype and x.is_contiguous()
 
 
 class RowSiluAndMul:
-    """SiLU-and-mul of a fused [gate | up] batch: the C loop from MIN_ROWS rows (in bf16 the compiled op's
+    """SiLU-and-mul of a fused [gate | up] batch: the C loop from `min_rows` rows (in bf16 the compiled op's
     rounding steps: a result differs, if at all, by one bf16 unit in a few places), the compiled op below."""
 
-    def __init__(self, kernel: DecodeStepKernel, compiled: Any) -> None:
-        self._kernel, self._compiled = kernel, compiled
+    def __init__(self, kernel: DecodeStepKernel, compiled: Any, min_rows: int = MIN_ROWS) -> None:
+        self._kernel, self._compiled, self._min_rows = kernel, compiled, min_rows
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not _takes(self._kernel, gate_up):
+        if not _takes(self._kernel, gate_up, self._min_rows):
             return self._compiled(gate_up)
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
@@ -50,12 +50,12 @@ class RowAddRMSNorm:
     compiled op; in float32 the sum is, the norm to float32 rounding), the compiled op below. `eps`: the model's, the
     one the compiled op was built with."""
 
-    def __init__(self, kernel: DecodeStepKernel, compiled: Any, eps: float) -> None:
-        self._kernel, self._compiled, self.eps = kernel, compiled, eps
+    def __init__(self, kernel: DecodeStepKernel, compiled: Any, eps: float, min_rows: int = MIN_ROWS) -> None:
+        self._kernel, self._compiled, self.eps, self._min_rows = kernel, compiled, eps, min_rows
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor,
                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not (_takes(self._kernel, x) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+        if not (_takes(self._kernel, x, self._min_rows) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
                 and weight.dtype == x.dtype):
             return self._compiled(x, residual, weight)
         normed, total = torch.empty_like(x), torch.empty_like(x)
@@ -72,10 +72,12 @@ class PrefillPasses:
     add_rmsnorm: RowAddRMSNorm
 
 
-def c_prefill_passes(ops: Any, eps: float) -> PrefillPasses | None:
+def c_prefill_passes(ops: Any, eps: float, every_row: bool = False) -> PrefillPasses | None:
     """The C decode step's passes in the dtype of the compiled ops `ops` (FusedOps), over them, for a model with
-    RMSNorm `eps`; None where that build cannot run."""
+    RMSNorm `eps`; None where that build cannot run. `every_row` (deterministic inference): the C loops at every
+    row count (the final norm of a decode batch and of a prompt's last rows then round alike)."""
     kernel = load_decode_step_kernel(ops.dtype)
     if kernel is None:
         return None
-    return PrefillPasses(RowSiluAndMul(kernel, ops.silu_and_mul), RowAddRMSNorm(kernel, ops.add_rmsnorm, eps))
+    rows = 1 if every_row else MIN_ROWS
+    return PrefillPasses(RowSiluAndMul(kernel, ops.silu_and_mul, rows), RowAddRMSNorm(kernel, ops.add_rmsnorm, eps, rows))

@@ -40,6 +40,15 @@ class PackedLinearMethod(LinearMethod):
         self.kernel: QuantKernel | None = None
         self._bound: BoundMatmul | None = None  # the kernel bound to `packed` (decode's fast path)
         self._descriptor: tuple[TiledWeight, torch.Tensor] | None = None  # c_weight, for the packed weight it describes
+        self.every_row = False  # deterministic inference: the tiled integer kernel at every row count
+
+    def use_row_kernel_everywhere(self, on: bool = True) -> bool:
+        # NOTE: the tiled kernel rounds each row's activations per block of 32 on their own and adds the blocks'
+        # products in order, whether the row shares its pass with others or not; the row layout has no such kernel
+        if on and (not isinstance(self.packed, TiledWeight) or load_tiled_kernel() is None):
+            return False
+        self.every_row = on
+        return True
 
     def load_rows(self, tensor: torch.Tensor | PackedWeight, start: int, length: int) -> None:
         """Quantizes float rows [start, start + length) of the weight (a fused layer's shard); -1: all rows."""
@@ -48,6 +57,9 @@ class PackedLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         bias = layer.bias
+        if self.every_row and bias is None and x.dtype in _KERNEL_DTYPES and x.numel():
+            flat = x.reshape(-1, layer.in_features).contiguous()
+            return load_tiled_kernel().matmul(self.packed, flat, x.dtype).view(*x.shape[:-1], layer.out_features)
         if isinstance(self.packed, TiledWeight) and x.dim() == 2 and bias is None and x.dtype in _KERNEL_DTYPES:
             return tiled_linear(self.packed, x.contiguous())
         if x.dim() == 2 and x.shape[0] <= SMALL_M and bias is None and x.dtype in _KERNEL_DTYPES:
@@ -65,7 +77,8 @@ class PackedLinearMethod(LinearMethod):
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
         """The tiled kernel for up to TILED_MAX_M rows in float32 or bfloat16 (the row layout has no C entry)."""
         kernel = load_tiled_kernel()
-        if not isinstance(self.packed, TiledWeight) or not 0 < rows <= TILED_MAX_M or kernel is None:
+        fits = 0 < rows and (self.every_row or rows <= TILED_MAX_M)
+        if not isinstance(self.packed, TiledWeight) or not fits or kernel is None:
             return None
         return kernel.linear_address(dtype)
 
@@ -87,6 +100,8 @@ class PackedLinearMethod(LinearMethod):
         return f"packed {self.packed.format_name}"
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
+        if self.every_row:
+            return "the tiled integer kernel at every row count (deterministic inference)"
         if isinstance(self.packed, TiledWeight) or load_tiled_kernel() is not None:
             return f"1-{TILED_MAX_M} rows the tiled integer kernel, expansion + dense GEMM above"
         return f"1-{SMALL_M} rows the integer kernel, expansion + dense GEMM above"
