@@ -3,8 +3,8 @@ position, after a cache hit of any length, chunked any way, in either event loop
 off; greedy and seeded; float32, bf16 weights and int4 on the embedded model, and a tiny random Llama.
 
 Each configuration runs a reference Engine (the overlap loop, whole prompts) and a variant Engine (the normal loop,
-small prompt chunks, page size 4, n-gram speculation); every comparison is bit for bit (float32 logprobs as
-Python floats, and token ids)."""
+prompt chunks of 5-32 tokens, page size 4, n-gram speculation); every comparison is bit for bit (float32 logprobs
+as Python floats, and token ids)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from test_model_support import assert_engine_conserved
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 11, "max_new_tokens": 8, "ignore_eos": True}
-VARIANT = {"disable_overlap_schedule": True, "chunked_prefill_size": 16, "page_size": 4,
-           "speculative_algorithm": "ngram"}
+VARIANT = {"disable_overlap_schedule": True, "page_size": 4, "speculative_algorithm": "ngram"}
+CHUNKS = {"float32": 16, "bf16 weights": 7, "int4": 32, "tiny llama": 5}  # the variant's prompt chunk per config
 
 
 def mixed_prompts(num: int, vocab: int, seed: int = 7) -> list[list[int]]:
@@ -80,7 +80,7 @@ def pair(request, tmp_path_factory):
     else:
         (model_path, dtype, quantization), vocab = CONFIGS[request.param], 40000
     reference = make_engine(model_path, dtype, quantization)
-    variant = make_engine(model_path, dtype, quantization, **VARIANT)
+    variant = make_engine(model_path, dtype, quantization, chunked_prefill_size=CHUNKS[request.param], **VARIANT)
     yield reference, variant, mixed_prompts(16, vocab), request.param
     for engine in (reference, variant):
         engine.shutdown()
@@ -104,7 +104,7 @@ def test_a_batch_at_any_position_gives_the_bits_of_the_request_alone(pair, param
     for i, want in solo.items():
         assert batched[i] == want, (name, i)
     # NOTE: the same prompts reversed: every request at another position among other neighbours, in the variant
-    # engine (normal loop, 16-token chunks, page size 4, n-gram drafts)
+    # engine (normal loop, small chunks, page size 4, n-gram drafts)
     variant.flush_cache()
     reversed_out = logprobs(variant, prompts[::-1], params)[::-1]
     assert reversed_out == batched, name

@@ -20,12 +20,7 @@ Sampling needs nothing: a seeded request draws from (seed, output index) (layers
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from radixserve.model_executor.execution_plan import PlanEntry
 
 FLAG = "--enable-deterministic-inference"
 
@@ -62,12 +57,11 @@ def check_deterministic(decoder_refusal: str | None, windows: tuple[int, ...]) -
                                      f"{decoder_refusal}")
 
 
-def deterministic_entry(on: bool) -> PlanEntry:
-    from radixserve.model_executor.execution_plan import PlanEntry
-
+def deterministic_entry(on: bool) -> tuple[str, str]:
+    """The plan's entry for the mode: (choice, reason)."""
     if not on:
-        return PlanEntry("deterministic", "off", f"{FLAG} not given: kernels chosen per row count for speed")
-    return PlanEntry("deterministic", "on", "every forward's tokens as rows of the C decode step (prompt chunks "
-                     "too: the decode attention kernel per token), each linear layer's row kernel at every row "
-                     "count, no cascade, the final norm's C loop at every row count: a request's logprobs are the "
-                     "same bits in any batch, chunking, cache state, loop or speculation")
+        return "off", f"{FLAG} not given: kernels chosen per row count for speed"
+    return "on", ("every forward's tokens as rows of the C decode step (prompt chunks too: the decode attention "
+                  "kernel per token), each linear layer's row kernel at every row count, no cascade, the final "
+                  "norm's C loop at every row count: a request's logprobs are the same bits in any batch, "
+                  "chunking, cache state, loop or speculation")

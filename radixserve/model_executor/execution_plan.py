@@ -129,7 +129,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
                          refusal or _c_decoder_reason(dtype, methods)),
-               deterministic_entry(deterministic)]
+               PlanEntry("deterministic", *deterministic_entry(deterministic))]
     return ExecutionPlan(dtype, kv_dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
                          copies[0], tuple(entries), graphs, deterministic)
 
