@@ -206,9 +206,12 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
                         else "1, 32 and 512 rows")
             method = LINEAR_METHODS[methods.get(layer.shape, DenseLinearMethod.name)]()
             reason = tuned.format(rows=timed_at)
-        if deterministic:  # NOTE: the plan's copy of the method, told what device_setup tells the layer's
-            method.use_row_kernel_everywhere()
-        rows = method.row_kernels(layer.in_features, large.get(layer.shape, frozenset()))
+        if deterministic and layer.method.chosen_by_format:  # NOTE: tiled by device_setup, then told as below
+            rows = "the tiled integer kernel at every row count (deterministic inference)"
+        else:
+            if deterministic:  # NOTE: the plan's copy of the method, told what device_setup tells the layer's
+                method.use_row_kernel_everywhere()
+            rows = method.row_kernels(layer.in_features, large.get(layer.shape, frozenset()))
         counts[(f"{layer.out_features}x{layer.in_features}", method.describe(), f"{reason}; {rows}")] += 1
     return [PlanEntry(f"linear {shape}", f"{method} x{n}", reason)
             for (shape, method, reason), n in sorted(counts.items())]
