@@ -87,6 +87,7 @@ def server() -> ServerHandle:
     handle.stop()
 
 
+@pytest.mark.long  # NOTE: ~90 s; the Engine and the server are each tested in the default run
 def test_one_script_through_the_engine_and_the_server_gives_identical_results(server: ServerHandle) -> None:
     import torch
 

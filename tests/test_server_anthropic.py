@@ -109,7 +109,7 @@ def test_tool_round_trip(client: anthropic.Anthropic, model: str) -> None:
     assert errored.content[0].type == "text"
 
 
-@pytest.mark.parametrize("tools", [None, [WEATHER, ADD]], ids=["text", "forced_tool"])
+@pytest.mark.parametrize("tools", [None, pytest.param([WEATHER, ADD], marks=pytest.mark.long)], ids=["text", "forced_tool"])
 def test_stream_reassembles_to_the_create_message(client: anthropic.Anthropic, model: str, tools) -> None:
     kwargs = {"model": model, "max_tokens": 40, "messages": ASK, "extra_body": GREEDY}
     if tools is not None:

@@ -59,6 +59,7 @@ def _drop_the_call_cut_short(message) -> None:
         message.tool_calls.pop()
 
 
+@pytest.mark.long  # NOTE: ~30 s; the default tool tests force a named call
 def test_required_and_named_choices_always_give_valid_calls(api_client: OpenAI, model: str) -> None:
     for i, tools in enumerate(TOOLSETS):
         for sampling in SAMPLINGS:

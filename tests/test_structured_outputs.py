@@ -174,6 +174,7 @@ def test_logprobs_under_a_grammar_are_finite_json_numbers(engines):
         assert all(math.isfinite(v) for v in tops) and -9999.0 in tops  # a few tokens only are allowed there
 
 
+@pytest.mark.long  # NOTE: ~35 s; the default feature soak runs grammars with retraction
 def test_grammars_follow_their_requests_through_retraction_and_abort(engines, monkeypatch):
     """One request retracted every 2 decode steps (re-prefilled with the outputs it made, in chunks of 16): the
     matcher has accepted exactly the tokens the request keeps, so greedy outputs equal an undisturbed run's and
@@ -367,6 +368,7 @@ def test_sampling_first_and_masking_every_row_give_the_same_greedy_tokens(engine
         assert stats.grammar_rows_masked > masked
 
 
+@pytest.mark.long  # NOTE: ~20 s; jump-forward's default test checks the forced text
 def test_forced_tokens_fed_through_decode_steps_equal_one_extend(engines, monkeypatch):
     """Jump-forward's forced tokens are computed by one extend (small batches) or fed one per decode step
     (jump_forward.extends: large batches): the same tokens and logprobs (greedy, seeded, and a frequency
