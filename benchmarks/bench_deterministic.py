@@ -99,11 +99,16 @@ def main() -> None:
                    "--scale", str(args.scale), "--decode-tokens", str(args.decode_tokens),
                    "--repeats", str(args.repeats)]
             env = os.environ | class_env(cpu_class)
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            sys.stdout.write(proc.stdout)
-            result = next((line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+            result = None
+            # NOTE: the worker's lines pass through as they come: each workload's time is the progress
+            with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) as proc:
+                for line in proc.stdout:
+                    if line.startswith("RESULT "):
+                        result = line[7:]
+                    else:
+                        sys.stdout.write(line)
+                        sys.stdout.flush()
             if proc.returncode or result is None:
-                sys.stderr.write(proc.stderr[-4000:])
                 raise SystemExit(f"{cpu_class} {dtype}: the worker failed ({proc.returncode})")
             sections.append(table(cpu_class, dtype, json.loads(result)))
             print(sections[-1], flush=True)
