@@ -101,14 +101,15 @@ def pytest_runtest_teardown(item, nextitem):
     if nextitem is not None and nextitem.module is item.module:
         return
     import gc
-    import os
 
     gc.collect()
     _malloc_trim()
     log = os.environ.get("RADIXSERVE_TEST_RSS_LOG")
     if log:
+        from feature_soak import rss_mb
+
         with open(log, "a") as out:
-            out.write(f"{item.module.__name__} {_rss_mib():.0f}\n")
+            out.write(f"{item.module.__name__} {rss_mb():.0f}\n")
 
 
 def _malloc_trim() -> None:
@@ -120,14 +121,6 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 @pytest.hookimpl(tryfirst=True)

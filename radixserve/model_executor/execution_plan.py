@@ -220,6 +220,7 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
     """One entry per (weight shape, method), counting the layers."""
     from radixserve.layers.linear import LINEAR_METHODS, DenseLinearMethod, linear_layers
     from radixserve.layers.linear_tuning import lm_head_only_shapes
+    from radixserve.layers.quantization.linear import EVERY_ROW_KERNELS
 
     tuned = ("the fastest of the candidates timed here at {rows} (cached per machine)"
              if requested == "auto" else "deterministic inference: a method with a row kernel" if deterministic
@@ -234,8 +235,8 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
                         else "1, 32 and 512 rows")
             method = LINEAR_METHODS[methods.get(layer.shape, DenseLinearMethod.name)]()
             reason = tuned.format(rows=timed_at)
-        if deterministic and layer.method.chosen_by_format:  # NOTE: tiled by device_setup, then told as below
-            rows = "the tiled integer kernel at every row count (deterministic inference)"
+        if deterministic and layer.method.chosen_by_format:  # NOTE: tiled and told by device_setup, after the plan
+            rows = EVERY_ROW_KERNELS
         else:
             if deterministic:  # NOTE: the plan's copy of the method, told what device_setup tells the layer's
                 method.use_row_kernel_everywhere()

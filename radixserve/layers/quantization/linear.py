@@ -21,6 +21,7 @@ from radixserve.layers.quantization.tiled import TILE, TiledWeight
 
 SMALL_M = 4
 TILED_MAX_M = 32  # the tiled kernel up to here, then expansion + dense GEMM (docs/quantization.md)
+EVERY_ROW_KERNELS = "the tiled integer kernel at every row count (deterministic inference)"  # row_kernels' text then
 DEQUANT_CHUNK = 1 << 21  # values per expanded piece (4 MiB in bfloat16)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -101,7 +102,7 @@ class PackedLinearMethod(LinearMethod):
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
         if self.every_row:
-            return "the tiled integer kernel at every row count (deterministic inference)"
+            return EVERY_ROW_KERNELS
         if isinstance(self.packed, TiledWeight) or load_tiled_kernel() is not None:
             return f"1-{TILED_MAX_M} rows the tiled integer kernel, expansion + dense GEMM above"
         return f"1-{SMALL_M} rows the integer kernel, expansion + dense GEMM above"
