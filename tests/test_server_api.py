@@ -193,8 +193,9 @@ def test_health_health_generate_and_server_info(api_server: ServerHandle) -> Non
     decoder_layers = {e["choice"].rsplit(" x", 1)[0] for part, e in plan.items()
                       if part.startswith("linear ") and not part.startswith(f"linear {model['vocab_size']}x")}
     if decoder_layers == {"f32_gemv"}:
-        assert plan["decoder"] == {"choice": "C decode step",
-                                   "reason": "float32 on the float32 GEMV: every decoder layer in one C call"}
+        # where timing alone chose another method for a shape, the plan gives it f32_gemv and says so after this
+        assert plan["decoder"]["choice"] == "C decode step"
+        assert plan["decoder"]["reason"].startswith("float32 on the float32 GEMV: every decoder layer in one C call")
     else:
         assert (plan["decoder"]["choice"] == "python layers"
                 and "not bf16_weights or f32_gemv or packed" in plan["decoder"]["reason"])
