@@ -100,7 +100,7 @@ def test_invalid_requests_are_refused_with_reasons(engine):
         engine.generate("x", {"temperature": -1})
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         engine.generate("x", {"max_tokens": 3})
-    with pytest.raises(ValueError, match="KV pool holds 4096"):
+    with pytest.raises(ValueError, match="KV cache pool holds 4096"):
         engine.generate(input_ids=[5] * 5000, sampling_params=GREEDY)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate(input_ids=[1, 10**7], sampling_params=GREEDY)

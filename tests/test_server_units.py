@@ -14,7 +14,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.client.requests import per_choice_params
+from radixserve.client.requests import check_request, per_choice_params
 from radixserve.entrypoints.http_errors import ApiError, parse_json
 from radixserve.entrypoints.logprobs import (
     LOGPROB_FLOOR,
@@ -34,7 +34,7 @@ from radixserve.frontend.tokenizer_manager import (
     api_key_id,
     cache_namespace,
 )
-from radixserve.managers.io_struct import GetInternalStateOut, GetInternalStateReq
+from radixserve.managers.io_struct import NO_LOGPROBS, GetInternalStateOut, GetInternalStateReq
 from radixserve.managers.scheduler_process import PortArgs, SchedulerInfo
 from radixserve.mem_cache.radix_key import check_namespace
 from radixserve.sampling_params import SamplingParams
@@ -110,6 +110,28 @@ def test_max_tokens_unset_is_the_rest_of_the_effective_context() -> None:
     with pytest.raises(ApiError) as e:
         resolve_max_tokens(_tm(2048, 1000, page=16), 992, None, "messages")  # pool rounds down to 992
     assert e.value.code == "kv_pool_exceeded" and e.value.param == "messages"
+
+
+@settings(max_examples=300, deadline=None)
+@given(context=st.integers(2, 80), pool=st.integers(1, 80), page=st.sampled_from([1, 4, 16]),
+       prompt=st.integers(1, 90), new=st.integers(1, 90))
+def test_the_front_end_and_the_scheduler_check_one_length_rule(context, pool, page, prompt, new) -> None:
+    """A prompt the HTTP side sends (with one new token) is one the scheduler takes, and the reverse; and a
+    completion the HTTP side accepts fits the pool in whole pages, as the scheduler cuts it on admission."""
+    tm = _tm(context, pool, page)
+    scheduler_refuses = check_request([1] * prompt, NO_LOGPROBS, None, tm.info.limits) is not None
+    try:
+        resolve_max_tokens(tm, prompt, 1, "prompt")
+        http_refuses = False
+    except ApiError as e:
+        http_refuses = True
+        assert e.code in ("context_length_exceeded", "kv_pool_exceeded") and e.param in ("prompt", "max_tokens")
+    assert http_refuses == scheduler_refuses
+    try:
+        asked = resolve_max_tokens(tm, prompt, new, "prompt")
+    except ApiError:
+        return
+    assert asked == new and -(-(prompt + new) // page) * page <= pool and prompt + new <= context
 
 
 def _out(completion: int, cached: int) -> GenerateOutput:

@@ -85,7 +85,7 @@ def test_the_lifecycle_methods_move_the_phase() -> None:
     req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=50), logprob=LogprobSpec(return_logprob=True,
                                                                                        top_logprobs_num=1))
     assert req.phase is ReqPhase.WAITING
-    req.admit(context_len=10)
+    req.admit(longest_request=10)
     assert req.max_new_tokens == 7  # clamped to the context
     req.kv.req_pool_idx = 0  # what KVManager does when it admits the request into a prefill
     assert req.phase is ReqPhase.RUNNING

@@ -22,24 +22,53 @@ class RequestLimits:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def longest_request(self) -> int:
+        """The most tokens (prompt + completion) one request may hold: the context, and the pool in whole pages."""
+        # NOTE: a request alone must fit the pool, in whole pages, or it would be aborted mid-decode
+        return min(self.context_len, self.pool_tokens // self.page_size * self.page_size)
+
     @staticmethod
     def of_runner(runner: Any) -> RequestLimits:
         return RequestLimits(runner.context_len, runner.max_total_num_tokens, runner.page_size,
                              runner.model_config.vocab_size, tuple(runner.model_config.eos_token_ids))
 
 
+@dataclass(frozen=True)
+class LengthRefusal:
+    """Why prompt + completion cannot fit: `code` is OpenAI's ("context_length_exceeded") or ours
+    ("kv_pool_exceeded"); `prompt_too_long`: the prompt alone leaves no room for one new token."""
+
+    message: str
+    code: str
+    prompt_too_long: bool
+
+
+def check_length(prompt_len: int, new_tokens: int, limits: RequestLimits, where: str = "prompt") -> LengthRefusal | None:
+    """The one length rule (the HTTP front ends before they send, the scheduler on arrival): prompt + completion
+    within the context and within the KV pool in whole pages (`RequestLimits.longest_request`)."""
+    total = prompt_len + new_tokens
+    asked = f"{total} tokens ({prompt_len} in the {where}, {new_tokens} in the completion)"
+    longest = limits.longest_request
+    if total > limits.context_len:
+        return LengthRefusal(f"This model's maximum context length is {limits.context_len} tokens. However, you "
+                             f"requested {asked}. Please reduce the length of the {where} or completion.",
+                             "context_length_exceeded", prompt_len >= limits.context_len)
+    if total > longest:
+        return LengthRefusal(f"The KV cache pool holds {limits.pool_tokens} tokens, so the longest request this "
+                             f"server can finish is {longest} tokens. However, you requested {asked}. Please reduce "
+                             f"the length of the {where} or completion.", "kv_pool_exceeded", prompt_len >= longest)
+    return None
+
+
 def check_request(input_ids: list[int], logprob: LogprobSpec, extra_key: Any, limits: RequestLimits) -> str | None:
     """Why a request can never run (with the numbers), or None."""
     n = len(input_ids)
-    ps = limits.page_size
     if n == 0:
         return "the prompt is empty"
-    if n >= limits.context_len:
-        return f"the prompt has {n} tokens, the context length is {limits.context_len}: it must be shorter"
-    pool_need = -(-n // ps) * ps + ps
-    if pool_need > limits.pool_tokens:
-        return (f"the prompt has {n} tokens and needs {pool_need} KV slots, but the KV pool holds "
-                f"{limits.pool_tokens} tokens")
+    too_long = check_length(n, 1, limits)  # NOTE: the completion is cut to fit on admission (Req.admit)
+    if too_long is not None:
+        return too_long.message
     bad = [t for t in input_ids if not 0 <= t < limits.vocab_size]
     if bad:
         return f"token id {bad[0]} is outside the vocabulary (size {limits.vocab_size})"

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from radixserve.client.requests import check_length
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, overloaded, unavailable
 from radixserve.entrypoints.logprobs import share_prompt_logprobs
 from radixserve.frontend.frontend_io import FinishView
@@ -325,23 +326,11 @@ def resolve_max_tokens(tm: TokenizerManager, prompt_len: int, max_tokens: int | 
     if max_tokens is not None and max_tokens < least:
         raise bad_request(f"'{max_param}' must be at least {least}, got {max_tokens}", param=max_param,
                           code="invalid_value")
-    info = tm.info
-    limit = info.effective_max_context
-    asked = max_tokens if max_tokens is not None else max(limit - prompt_len, 1)
-    total = prompt_len + asked
-    where = "messages" if param == "messages" else "prompt"
-    culprit = param if prompt_len >= limit else max_param
-    if total > info.context_len:
-        raise bad_request(
-            f"This model's maximum context length is {info.context_len} tokens. However, you requested "
-            f"{total} tokens ({prompt_len} in the {where}, {asked} in the completion). Please reduce the "
-            f"length of the {where} or completion.", param=culprit, code="context_length_exceeded")
-    if total > limit:
-        raise bad_request(
-            f"The KV cache pool holds {info.max_total_num_tokens} tokens, so the longest request this server "
-            f"can finish is {limit} tokens. However, you requested {total} tokens ({prompt_len} in the "
-            f"{where}, {asked} in the completion). Please reduce the length of the {where} or completion.",
-            param=culprit, code="kv_pool_exceeded")
+    limits = tm.info.limits
+    asked = max_tokens if max_tokens is not None else max(limits.longest_request - prompt_len, 1)
+    too_long = check_length(prompt_len, asked, limits, "messages" if param == "messages" else "prompt")
+    if too_long is not None:
+        raise bad_request(too_long.message, param=param if too_long.prompt_too_long else max_param, code=too_long.code)
     return asked
 
 

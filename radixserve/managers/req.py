@@ -158,9 +158,10 @@ class Req:
         return ReqPhase.RUNNING if self.to_abort is None else ReqPhase.ABORTING
 
     # ---- lifecycle transitions (the only writers of the lifecycle fields) -------------------------
-    def admit(self, context_len: int) -> None:
-        """Accepted into the waiting queue: its output may not run past the context."""
-        self.max_new_tokens = min(self.max_new_tokens, context_len - len(self.origin_input_ids))
+    def admit(self, longest_request: int) -> None:
+        """Accepted into the waiting queue: its output may not run past the context or the KV pool
+        (`RequestLimits.longest_request`), so a request alone always finishes."""
+        self.max_new_tokens = min(self.max_new_tokens, longest_request - len(self.origin_input_ids))
 
     def mark_abort(self, reason: FinishReason) -> None:
         """Abort a request that is running (or in a batch being run): it ends at its next step."""

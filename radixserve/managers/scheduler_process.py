@@ -68,10 +68,8 @@ class SchedulerInfo:
 
     @property
     def effective_max_context(self) -> int:
-        """Longest prompt + completion that can always finish: bounded by the context and the pool."""
-        # NOTE: a request alone must fit the pool, in whole pages, or it would be aborted mid-decode.
-        pool = self.max_total_num_tokens // self.page_size * self.page_size
-        return min(self.context_len, pool)
+        """Longest prompt + completion that can always finish (`RequestLimits.longest_request`)."""
+        return self.limits.longest_request
 
     @property
     def limits(self) -> RequestLimits:
