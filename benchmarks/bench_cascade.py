@@ -33,9 +33,9 @@ from bench_forward import time_rounds
 from direct import DirectDriver, DirectRequest
 
 from radixserve.bench.docs import cpu_header, write_doc_section
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.attention import cascade, create_attention_backend
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 

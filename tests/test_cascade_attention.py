@@ -16,12 +16,12 @@ import torch
 from kernel_levels import force_level, select_everything
 from test_model_support import one_torch_thread
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.kernels.attention import load_decode_kernel
 from radixserve.layers.attention import cascade, create_attention_backend
 from radixserve.layers.attention.torch_backend import TorchAttnBackend
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.platform import KERNEL_ISAS
 from radixserve.server_args import ServerArgs
 

@@ -132,7 +132,7 @@ def test_embedded_model_bit_equal(monkeypatch):
 
 
 def test_position_beyond_the_table_is_refused_before_any_write(folder, monkeypatch):
-    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.forward_batch import ForwardBatch
 
     runner = _runner(folder, monkeypatch, True)
     driver = DirectDriver(runner)

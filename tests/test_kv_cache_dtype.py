@@ -120,8 +120,8 @@ def test_extend_over_a_bf16_pool_attends_the_cached_values(backend_isa, kv_heads
     rounding: far closer than the bf16 rounding it would show if a path used the unrounded new K/V."""
     from test_model_attention import _reference, _setup
 
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
     backend = _backend(backend_isa, monkeypatch)
     extend_lens = [6, 3, 9]

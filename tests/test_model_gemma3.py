@@ -164,7 +164,7 @@ def test_cascade_batches_keep_windows(setup, driver):
 def test_gemma_chat_template_renders_turns():
     from transformers import PreTrainedTokenizerFast
 
-    from radixserve.models.model_folder import GEMMA_CHAT_TEMPLATE
+    from radixserve.model_loader.model_folder import GEMMA_CHAT_TEMPLATE
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(), bos_token="<bos>")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -182,7 +182,7 @@ def _word_tokenizer():
 
 
 def test_unsupported_gemma_variants_are_refused():
-    from radixserve.models.config import ModelConfig, ModelLoadError
+    from radixserve.configs.model_config import ModelConfig, ModelLoadError
 
     hf = tiny_gemma3_config().to_dict()
     hf["architectures"] = ["Gemma3ForCausalLM"]

@@ -10,11 +10,11 @@ import torch
 from test_gguf_support import Q, write_gguf
 from test_model_support import make_tiny_model, one_torch_thread, rel_err
 
+from radixserve.configs.model_config import ModelLoadError
 from radixserve.kernels.quant import load_quant_kernel, runnable_isas
 from radixserve.layers.quantization.formats import QK, quantize_int4, quantize_int8
 from radixserve.layers.quantization.linear import SMALL_M, packed_linear
-from radixserve.models.config import ModelLoadError
-from radixserve.models.gguf_loader import open_gguf
+from radixserve.model_loader.gguf_loader import open_gguf
 from radixserve.models.gguf_packed import nearest_spec, to_packed
 from radixserve.models.loader import load_model
 

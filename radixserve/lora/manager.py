@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.configs.model_config import ModelConfig
+from radixserve.forward_batch import ForwardBatch
 from radixserve.lora.adapter import LoraAdapter, LoraLoadError, load_peft_adapter
 from radixserve.lora.gguf_adapter import is_gguf_file, load_gguf_adapter
 from radixserve.lora.layers import LoraSegments, PackedLora, attach_lora, group_rows, pack_adapter
-from radixserve.model_executor.forward_batch import ForwardBatch
-from radixserve.models.config import ModelConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 

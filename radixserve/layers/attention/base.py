@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 def gather_kv(buffer: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -34,8 +34,8 @@ import torch
 from radixserve.layers.attention.base import gather_kv
 
 if TYPE_CHECKING:
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.kernels.attention import DecodeKernel
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 MAX_SCORE_ELEMENTS = 1 << 26  # float32 scores the plain-torch path (off the CPU) holds at once: 256 MiB

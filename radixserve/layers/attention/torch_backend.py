@@ -51,10 +51,10 @@ from radixserve.layers.attention.torch_metadata import (  # noqa: F401 (DecodeMe
 )
 
 if TYPE_CHECKING:
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.kernels.attention import DecodeKernel
     from radixserve.kernels.attention_amx import AmxExtendKernel
     from radixserve.layers.radix_attention import RadixAttention
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 Plan = TypeVar("Plan")

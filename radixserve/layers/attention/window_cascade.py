@@ -36,7 +36,7 @@ import torch
 from radixserve.layers.attention import cascade, window
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.forward_batch import ForwardBatch
 
 
 def first_visible(fb: ForwardBatch, window_size: int) -> list[int]:
