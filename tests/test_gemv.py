@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixserve import platform as rs_platform
+from radixserve.configs.row_table import DEFAULT_ROWS, GEMV_LIMIT
 from radixserve.kernels import gemv as gemv_kernels
 from radixserve.layers import gemv
 from radixserve.layers.linear import LinearBase, process_weights_after_loading
@@ -81,7 +82,7 @@ def test_one_row_in_lockstep_equals_the_tiles_sums(threads, n, k, bias):
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
 def test_kernel_refuses_more_rows_than_it_holds():
     layer = _layer(32, 64, bias=False)
-    x = torch.randn(gemv.GEMV_LIMIT + 1, 32).bfloat16()
+    x = torch.randn(GEMV_LIMIT + 1, 32).bfloat16()
     with pytest.raises(ValueError, match="rejected"):
         gemv_kernels.load_gemv_kernel()(gemv_kernels.pack_gemv_weight(layer.weight), x, None, 64)
 
@@ -128,9 +129,9 @@ def test_large_rows_route_to_the_large_product(monkeypatch):
 
 
 def _expected_kernel(tokens: int, in_features: int) -> str:
-    if HAS_AMX and in_features % 32 == 0 and tokens <= gemv.AMX_MAX_ROWS:
+    if HAS_AMX and in_features % 32 == 0 and tokens <= DEFAULT_ROWS.amx_rows:
         return "amx"
-    return "gemv" if tokens <= gemv.gemv_max_rows() else "onednn"
+    return "gemv" if tokens <= DEFAULT_ROWS.bf16_gemv_rows else "onednn"
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")

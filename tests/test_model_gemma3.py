@@ -12,7 +12,7 @@ import torch
 from direct_driver import DirectDriver
 from test_model_support import TINY_VOCAB, hf_last_logits, one_torch_thread, rel_err, save_tiny_tokenizer
 
-from radixserve.layers.attention.cascade import CascadePolicy
+from radixserve.configs.row_table import CascadePolicy
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import inspect
 import pathlib
+import re
 
 from radixserve.managers.req import FinishReason, Req, ReqPhase
 from radixserve.managers.scheduler import Scheduler
@@ -224,6 +225,35 @@ def test_packages_import_only_from_lower_tiers() -> None:
     assert _upward_imports({"radixserve.layers.x": {"radixserve.models.y", "radixserve.client.z"}},
                            PACKAGE_TIERS) == [("radixserve.layers.x", "radixserve.client.z"),
                                               ("radixserve.layers.x", "radixserve.models.y")]
+
+
+_THRESHOLD_NAME = re.compile(r"(_ROWS|_M|_NEW_TOKENS|_LIMIT)$")
+# NOTE: names that match but are no kernel switch: the roofline probe's size, the environment switch RowTable reads,
+# the scheduler's token budget, and the dtype choice's slowdown bound
+_NOT_ROW_SWITCHES = {("bench/roofline.py", "GEMM_ROWS"), ("envs.py", "GEMV_MAX_ROWS"),
+                     ("managers/schedule_policy.py", "CLIP_MAX_NEW_TOKENS"), ("platform.py", "NATIVE_SLOWDOWN_LIMIT")}
+
+
+def _row_constants(source: str) -> list[str]:
+    """Module-level constants of `source` named like a row or token threshold."""
+    names = []
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        names += [t.id for t in targets if isinstance(t, ast.Name) and _THRESHOLD_NAME.search(t.id)]
+    return names
+
+
+def test_the_row_table_is_the_only_place_a_row_threshold_is_defined() -> None:
+    """Every row count where a kernel changes is a field of configs/row_table.RowTable, which the execution plan
+    builds once and hands out; no other module defines one (and the GEMV switch is read there alone)."""
+    found = {(path.relative_to(PACKAGE).as_posix(), name) for path in PACKAGE.rglob("*.py")
+             for name in _row_constants(path.read_text())}
+    assert {(p, n) for p, n in found if p != "configs/row_table.py"} == _NOT_ROW_SWITCHES
+    readers = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+               if "GEMV_MAX_ROWS.get(" in path.read_text()}
+    assert readers == {"configs/row_table.py"}
+    # NOTE: the checker finds one where there is one
+    assert _row_constants("F32_GEMV_ROWS = 8\nTILED_MAX_M: int = 32\nOTHER = 1\n") == ["F32_GEMV_ROWS", "TILED_MAX_M"]
 
 
 def test_the_scheduler_process_and_the_http_process_live_in_separate_folders() -> None:

@@ -165,7 +165,7 @@ class ModelRunner:
         args = self.server_args
         limits = LoraLimits(args.max_lora_rank, args.max_loaded_loras or args.max_loras_per_batch,
                             args.max_loras_per_batch)
-        manager = LoraManager(self.model, self.model_config, self.dtype, self.device, limits)
+        manager = LoraManager(self.model, self.model_config, self.dtype, self.device, limits, self.execution_plan.rows)
         for name, path in parse_lora_paths(args.lora_paths):
             manager.register(name, path)
         return manager
