@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from radixserve import platform as rs_platform
-from radixserve.configs.row_table import DEFAULT_ROWS, GEMV_LIMIT
+from radixserve.configs.row_table import DEFAULT_ROWS, GEMV_LIMIT, RowTable
 from radixserve.kernels import gemv as gemv_kernels
 from radixserve.layers import gemv
 from radixserve.layers.linear import LinearBase, process_weights_after_loading
@@ -205,12 +205,13 @@ def test_offered_only_for_bf16_on_avx512_bf16(monkeypatch):
 @pytest.mark.parametrize(("limit", "rows", "kernel"), [(None, 32, "gemv"), (None, 33, "onednn"), ("4", 4, "gemv"),
                                                        ("4", 5, "onednn"), ("100", 64, "gemv"),
                                                        ("100", 65, "onednn")])
-def test_gemv_row_limit_is_read_when_the_weight_is_packed(monkeypatch, limit, rows, kernel):
+def test_gemv_row_limit_comes_from_the_plans_row_table(monkeypatch, limit, rows, kernel):
     if limit is None:
         monkeypatch.delenv("RADIXSERVE_GEMV_MAX_ROWS", raising=False)
     else:
         monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", limit)
     layer = _layer(96, 160, bias=False)
     process_weights_after_loading(layer, {(160, 96): "onednn_gemv"})
-    monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", "1")  # read once, at packing: a later change does not apply
+    layer.method.rows = RowTable.from_env()  # NOTE: what the plan builds and device_setup gives every method
+    monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", "1")  # read once, by the plan: a later change does not apply
     assert (layer.method.decode_kernel(rows) is not None) == (kernel == "gemv")

@@ -3,6 +3,7 @@
 A linear layer, the C decoder, prefill's row passes, LoRA's segments and attention each switch kernels at some
 number of rows (or new tokens, or shared tokens). Those counts are this table's fields and nowhere else: the
 execution plan builds the process's one `RowTable` (`RowTable.from_env`, with `RADIXSERVE_GEMV_MAX_ROWS`
+and RADIXSERVE_F32_GEMV_MAX_ROWS
 applied), shows it (`/get_server_info`, the plan's "rows" entry) and hands each part its table at set-up
 (`model_executor/device_setup.py`, the attention backend through its `AttentionPlan`, the LoRA manager). A
 part built outside a plan (a unit test, a kernel benchmark) reads `DEFAULT_ROWS`.
@@ -13,7 +14,7 @@ Each value was measured on the machines named beside it (docs/cpu_fast_path.md, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -67,8 +68,10 @@ class RowTable:
 
     @classmethod
     def from_env(cls) -> RowTable:
-        """The defaults with the environment's overrides (RADIXSERVE_GEMV_MAX_ROWS)."""
-        return cls(bf16_gemv_rows=min(GEMV_LIMIT, max(1, envs.GEMV_MAX_ROWS.get())))
+        """The defaults with the environment's overrides (RADIXSERVE_GEMV_MAX_ROWS, RADIXSERVE_F32_GEMV_MAX_ROWS)."""
+        table, bf16, f32 = cls(), envs.GEMV_MAX_ROWS.get(), envs.F32_GEMV_MAX_ROWS.get()
+        return replace(table, bf16_gemv_rows=table.bf16_gemv_rows if bf16 is None else min(GEMV_LIMIT, max(1, bf16)),
+                       f32_gemv_rows=table.f32_gemv_rows if f32 is None else max(1, f32))
 
     def lora_segment_rows(self, dtype: torch.dtype) -> int | None:
         """The largest segment the LoRA C kernel takes in `dtype`; None: no C kernel in that dtype."""
