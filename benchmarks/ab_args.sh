@@ -10,7 +10,7 @@ for round in $(seq 1 "$rounds"); do
     if [ $((round % 2)) = 1 ]; then order=("$a" "$b"); else order=("$b" "$a"); fi
     for args in "${order[@]}"; do
       # shellcheck disable=SC2086  # NOTE: the argument sets are split on purpose
-      wall=$(python3 -m radixserve.entrypoints.cli bench --workloads "$w" --modes on $args --output '' --plot '' 2>&1 \
+      wall=$(python3 -m radixserve.cli bench --workloads "$w" --modes on $args --output '' --plot '' 2>&1 \
              | grep -oE "wall [0-9.]+" | head -1 | cut -d' ' -f2)
       printf '%s\t%s\t%s\t%s\n' "$round" "$w" "$args" "$wall"
     done

@@ -10,7 +10,7 @@ for round in $(seq 1 "$rounds"); do
       if [ $((round % 2)) = 1 ]; then trees="$old $new"; else trees="$new $old"; fi
       for tree in $trees; do
         extra=(); [ "$loop" = normal ] && extra=(--disable-overlap-schedule)
-        wall=$(cd "$tree" && PYTHONPATH="$tree" python3 -m radixserve.entrypoints.cli bench --workloads "$w" \
+        wall=$(cd "$tree" && PYTHONPATH="$tree" python3 -m radixserve.cli bench --workloads "$w" \
                --modes on --torch-threads 1 "${extra[@]}" --output '' --plot '' 2>&1 \
                | grep -oE "wall [0-9.]+" | head -1 | cut -d' ' -f2)
         printf '%s\t%s\t%s\t%s\t%s\n' "$round" "$w" "$loop" "$tree" "$wall"

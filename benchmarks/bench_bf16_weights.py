@@ -1,6 +1,6 @@
 """bf16 weights with float32 compute (layers/bf16_weights.py) against float32 weights, per weight shape and row count.
 
-For each shape: the `bf16_weights` method (its kernel below WIDEN_ROWS rows, the widened copy and oneDNN's float32
+For each shape: the `bf16_weights` method (its kernel up to `RowTable.bf16_weights_rows` rows, the widened copy and oneDNN's float32
 product from there, the copy written in oneDNN's blocked order; also the copy in plain order, which oneDNN reorders
 itself, and F.linear as that product), float32 weights through `F.linear` (MKL) and through oneDNN's prepacked
 weight, fastest of --calls calls, interleaved. Run it under a CPU class's environment to measure that class, e.g. AVX2:

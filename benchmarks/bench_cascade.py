@@ -33,9 +33,10 @@ from bench_forward import time_rounds
 from direct import DirectDriver, DirectRequest
 
 from radixserve.bench.docs import cpu_header, write_doc_section
-from radixserve.layers.attention import cascade, create_attention_backend
+from radixserve.configs.row_table import CascadePolicy
+from radixserve.forward_batch import ForwardBatch
+from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 
@@ -56,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=8, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--min-prefix", type=int, default=cascade.CascadePolicy().min_prefix)
+    p.add_argument("--min-prefix", type=int, default=CascadePolicy().min_prefix)
     p.add_argument("--threads", default="", help="torch thread counts to run, e.g. 1,2 (default: torch's)")
     p.add_argument("--w1-repeats", type=int, default=3, help="end-to-end W1 runs per mode (0: skip)")
     p.add_argument("--w1-torch-threads", type=int, default=1,
@@ -105,7 +106,7 @@ def drop_after(driver: DirectDriver, reqs: list[DirectRequest], keep_owned: int,
 def on_off(runner: ModelRunner, args: argparse.Namespace, fn) -> dict[str, float]:
     """Median seconds of fn with cascade on and off, alternating."""
     backends = {mode: create_attention_backend(args.backend, runner) for mode in ("on", "off")}
-    backends["on"].cascade = cascade.CascadePolicy(min_prefix=args.min_prefix)
+    backends["on"].cascade = CascadePolicy(min_prefix=args.min_prefix)
     backends["off"].cascade = None
 
     def runner_with(mode: str):
@@ -177,7 +178,7 @@ def sweep(runner: ModelRunner, args: argparse.Namespace) -> None:
 def time_attention(runner: ModelRunner, args: argparse.Namespace, call: tuple, repeat: int = 20) -> tuple[float, float]:
     """Microseconds of one backend.forward(*call), cascade on (any shared prefix) and off."""
     backends = {mode: create_attention_backend(args.backend, runner) for mode in ("on", "off")}
-    backends["on"].cascade = cascade.CascadePolicy(min_prefix=1, min_decode_batch=1, min_decode_saved=0)
+    backends["on"].cascade = CascadePolicy(min_prefix=1, min_decode_batch=1, min_decode_saved=0)
     backends["off"].cascade = None
     # NOTE: a forward's metadata travels on the batch: each backend's own goes back on before it runs
     metas = {mode: backend.init_forward_metadata(call[-1]) for mode, backend in backends.items()}

@@ -5,7 +5,7 @@ One ModelRunner (default path, --dtype) prefills a fresh prompt of each --length
 settings of its attention backend round by round: `before` runs the C extend kernel built from the --baseline
 sources (same level and flags) under that revision's new-token cap (--before-cap: longer prompts go to torch's
 SDPA; 2,048 since the kernel's float32 and AVX2 paths got faster, 512 before), `after` this tree's kernel and cap
-(torch_backend.EXTEND_KERNEL_MAX_NEW_TOKENS). Force a lower CPU class as elsewhere (RADIXSERVE_CPU_ISA and
+(`RowTable.extend_kernel_new_tokens`, configs/row_table.py). Force a lower CPU class as elsewhere (RADIXSERVE_CPU_ISA and
 ONEDNN_MAX_CPU_ISA).
 Everything else (weights, GEMMs, pool) is shared. Medians of --rounds.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -28,7 +29,6 @@ from direct import DirectDriver
 from radixserve.bench.docs import cpu_header
 from radixserve.kernels.attention import DecodeKernel
 from radixserve.kernels.build import build_level_library
-from radixserve.layers.attention import torch_backend
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 
@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--baseline", default="main", help="git revision of the `before` kernel")
-    p.add_argument("--before-cap", type=int, default=2048, help="the baseline's EXTEND_KERNEL_MAX_NEW_TOKENS")
+    p.add_argument("--before-cap", type=int, default=2048, help="the baseline's extend_kernel_new_tokens")
     return p.parse_args()
 
 
@@ -68,7 +68,8 @@ def main() -> None:
     lengths = [int(n) for n in args.lengths.split(",")]
     runner = ModelRunner(ServerArgs(dtype=args.dtype, max_total_tokens=max(lengths) + 64))
     backend = runner.attn_backend
-    current, cap = backend.extend_kernel, torch_backend.EXTEND_KERNEL_MAX_NEW_TOKENS
+    current, plan = backend.extend_kernel, backend.plan
+    cap = plan.rows.extend_kernel_new_tokens
     assert current is not None, "the C extend kernel is not in use here"
     with tempfile.TemporaryDirectory() as tmp:
         sources, headers = baseline_sources(args.baseline, Path(tmp))
@@ -77,7 +78,8 @@ def main() -> None:
     driver = DirectDriver(runner)
 
     def run(prompt: list[int], kernel: object, max_new: int) -> None:
-        backend.extend_kernel, torch_backend.EXTEND_KERNEL_MAX_NEW_TOKENS = kernel, max_new
+        backend.extend_kernel = kernel
+        backend.plan = dataclasses.replace(plan, rows=dataclasses.replace(plan.rows, extend_kernel_new_tokens=max_new))
         req = driver.new_request()
         driver.extend([req], [prompt])
         driver.release([req])
@@ -92,7 +94,7 @@ def main() -> None:
             rows.append((threads, n, n / secs["before"], n / secs["after"]))
             print(f"{threads} thread(s), {n} tokens: before {rows[-1][2]:.0f} tok/s, after {rows[-1][3]:.0f} tok/s, "
                   f"{secs['before'] / secs['after']:.2f}x", flush=True)
-    backend.extend_kernel, torch_backend.EXTEND_KERNEL_MAX_NEW_TOKENS = current, cap
+    backend.extend_kernel, backend.plan = current, plan
     print(f"\n{cpu_header()}; torch {torch.__version__}; {args.dtype}; kernels at {current.isa}; "
           f"before = {args.baseline} (cap {args.before_cap}), after = this tree (cap {cap}); median of {args.rounds}\n")
     print("| threads | prompt tokens | before tok/s | after tok/s | after / before |\n|---:|---:|---:|---:|---:|")

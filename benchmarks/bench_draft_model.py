@@ -113,7 +113,7 @@ def inflated_targets(args: argparse.Namespace) -> dict[str, str]:
     import torch
 
     from radixserve.bench.inflate import INFLATED, inflate
-    from radixserve.models.gguf_loader import cache_root, gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import cache_root, gguf_to_hf_folder
     from radixserve.models.loader import embedded_model_path
 
     source = gguf_to_hf_folder(embedded_model_path(), torch.float32)

@@ -71,7 +71,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def build_engines(args: argparse.Namespace) -> tuple[dict[str, ModelRunner], object | None, list[int]]:
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
 
     batches = [int(b) for b in args.batches.split(",")]
     pool = max(batches) * (args.context + args.steps + 2) + args.prefill_len + 64

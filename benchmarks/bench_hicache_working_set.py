@@ -211,7 +211,7 @@ def main() -> None:
     from bench_peers import model_folder
 
     from radixserve.bench.docs import cpu_header, peer_version, resolved_dtype
-    from radixserve.models.model_folder import load_tokenizer
+    from radixserve.model_loader.model_folder import load_tokenizer
 
     dtype = resolved_dtype("auto")  # NOTE: radixserve runs --dtype auto; vLLM gets the dtype it resolves to
     folder = model_folder(dtype)

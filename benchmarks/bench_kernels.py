@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from radixserve.bench.docs import class_env, cpu_header, runnable_classes, write_doc_section
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.kernels.attention import SELECTED
-from radixserve.layers.attention.torch_backend import EXTEND_KERNEL_MAX_NEW_TOKENS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -174,7 +174,7 @@ def render(rows: list[dict], args: argparse.Namespace, load: tuple[float, float]
         lines.append(f"| {r['class']} | {r['torch_capability']} | {r['dtype']} | {r['kernel']} | {r['shape']} | "
                      f"{r['torch_ms']:.3f} | {r['c_ms']:.3f} | {r['torch_ms'] / r['c_ms']:.2f}x |")
     lines += ["", "Classes where the C kernel was faster at every shape it would run (extend: requests of at most "
-              f"{EXTEND_KERNEL_MAX_NEW_TOKENS} new tokens), and where the backend uses it (`SELECTED`):", ""]
+              f"{DEFAULT_ROWS.extend_kernel_new_tokens} new tokens), and where the backend uses it (`SELECTED`):", ""]
     for dtype in args.dtypes.split(","):
         for kernel in ("decode", "extend", "prefix"):
             mine = [r for r in rows if r["dtype"] == dtype and r["kernel"] == kernel and _in_use(r)]
@@ -188,7 +188,7 @@ def render(rows: list[dict], args: argparse.Namespace, load: tuple[float, float]
 
 def _in_use(row: dict) -> bool:
     """Whether the backend would run this shape in the kernel at all (extend has a length cap)."""
-    return row["kernel"] != "extend" or int(row["shape"].split(" x ")[1]) <= EXTEND_KERNEL_MAX_NEW_TOKENS
+    return row["kernel"] != "extend" or int(row["shape"].split(" x ")[1]) <= DEFAULT_ROWS.extend_kernel_new_tokens
 
 
 def main() -> None:

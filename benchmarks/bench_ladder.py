@@ -253,7 +253,7 @@ def _weights_dtype(dtype: str) -> str:
 def main() -> None:
     import torch
 
-    from radixserve.models.gguf_loader import cache_root
+    from radixserve.model_loader.gguf_loader import cache_root
 
     args = parse_args()
     if args.dtype == "native":

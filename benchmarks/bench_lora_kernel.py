@@ -1,7 +1,7 @@
 """The LoRA products of one layer, C kernel (csrc/lora_sgmv.c) against the torch path (lora/layers.py), side by
 side in one process on the same inputs: `LoraLinear.add_to` both ways, so each side pays its own Python
 overhead. The C side runs the kernel for every segment (--as-served: as the layer chooses, torch matmuls for
-segments of C_SEGMENT_ROWS rows or more). Shapes are SmolLM2-135M's fused layers (--model small) or a
+segments over `RowTable.lora_segment_rows` rows). Shapes are SmolLM2-135M's fused layers (--model small) or a
 1B-class Llama's (--model 1b); batches are decode steps whose rows alternate over several adapters (index
 segments) and prefills of contiguous runs (slices). Prints a markdown table: median microseconds per call
 (the best of 3 alternated medians) and torch / C.
@@ -18,8 +18,8 @@ import time
 
 import torch
 
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.kernels.lora import load_lora_kernel
-from radixserve.lora import layers as lora_layers
 from radixserve.lora.layers import LoraLinear, LoraSegments, PackedLora, group_rows
 
 # name -> (hidden, q size, kv size, intermediate)
@@ -39,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--batches", default=",".join(BATCHES), help="which batches, comma-separated")
     p.add_argument("--as-served", action="store_true",
-                   help="the C side as the layer serves it: segments of C_SEGMENT_ROWS rows or more run torch "
+                   help="the C side as the layer serves it: segments over `RowTable.lora_segment_rows` rows run torch "
                         "(default: the kernel takes every segment)")
     return p.parse_args(argv)
 
@@ -61,7 +61,7 @@ def median_us(layer: LoraLinear, x: torch.Tensor, y: torch.Tensor, repeats: int)
 
 
 def one_case(kernel, fused: str, k: int, n: int, modules: int, batch: tuple[int, int, int], rank: int,
-             dtype: torch.dtype, repeats: int) -> tuple[float, float]:
+             dtype: torch.dtype, repeats: int, rows_table: RowTable = DEFAULT_ROWS) -> tuple[float, float]:
     """(torch us, C us) for one layer shape, batch, rank and dtype."""
     rows, requests, adapters = batch
     g = torch.Generator().manual_seed(rank)
@@ -76,7 +76,7 @@ def one_case(kernel, fused: str, k: int, n: int, modules: int, batch: tuple[int,
                           torch.device("cpu"))
     x = torch.randn(rows * requests, k, generator=g).to(dtype)
     y = torch.randn(rows * requests, n, generator=g).to(dtype)
-    by_c = LoraLinear(*key, LoraSegments(segments, kernel=kernel))
+    by_c = LoraLinear(*key, LoraSegments(segments, kernel=kernel, rows=rows_table))
     by_torch = LoraLinear(*key, LoraSegments(segments))
     t_torch, t_c = [], []
     for _ in range(3):  # NOTE: alternated, so that a busy moment of a shared machine hits both
@@ -89,8 +89,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not args.as_served:
-        lora_layers.C_SEGMENT_ROWS = dict.fromkeys(lora_layers.C_SEGMENT_ROWS, 1 << 62)
+    # NOTE: without --as-served, every segment on the kernel (the served table sends large ones to torch)
+    table = DEFAULT_ROWS if args.as_served else RowTable(lora_segment_rows_f32=1 << 62, lora_segment_rows_bf16=1 << 62)
     kernel = load_lora_kernel()
     if kernel is None:
         raise SystemExit("the LoRA kernel does not build here (no C compiler)")
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
             for fused, (k, n, modules) in layers(args.model).items():
                 for batch in args.batches.split(","):
                     torch_us, c_us = one_case(kernel, fused, k, n, modules, BATCHES[batch], rank, dtype,
-                                              args.repeats)
+                                              args.repeats, table)
                     ratios.append(torch_us / c_us)
                     print(f"| {fused} ({k} -> {n}) | {batch} | {dtype_name} | {rank} | {torch_us:.0f} | {c_us:.0f} | "
                           f"{torch_us / c_us:.2f} |", flush=True)

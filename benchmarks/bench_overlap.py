@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from radixserve.bench.docs import cpu_header, write_doc_section  # noqa: E402
-from radixserve.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from radixserve.managers.scheduler import Scheduler  # noqa: E402
 from radixserve.model_executor.model_runner import ModelRunner  # noqa: E402
+from radixserve.protocol.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from radixserve.sampling_params import SamplingParams  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 

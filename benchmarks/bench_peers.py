@@ -85,7 +85,7 @@ def model_folder(dtype: str) -> Path:
     """The embedded model as a Hugging Face folder (radixserve's own GGUF conversion, cached)."""
     import torch
 
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
     from radixserve.models.loader import embedded_model_path
 
     return gguf_to_hf_folder(embedded_model_path(), getattr(torch, dtype))
@@ -95,7 +95,7 @@ def build_spec(folder: Path, scale: float = 1.0) -> dict:
     """The workloads as token ids. `scale` < 1 (bigger models on 2 cores) shrinks the request counts and the new
     tokens, never below 2 requests, 16 new tokens (32 for the decode probes) or 32 decode rows."""
     from radixserve.bench.workloads import build_probes, build_w1, build_w2, build_w3
-    from radixserve.models.model_folder import load_tokenizer
+    from radixserve.model_loader.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(folder)
     ids = lambda prompt: list(prompt.input_ids)  # noqa: E731
@@ -330,7 +330,7 @@ def plot(summary: dict) -> None:
 def measure_roofline(args: argparse.Namespace, folder: Path) -> tuple[object, roofline.MachineRates]:
     """The model's config and this machine's rates, measured before any engine runs (both compute dtypes)."""
     from radixserve.bench.docs import resolved_dtype
-    from radixserve.models.model_folder import read_config
+    from radixserve.model_loader.model_folder import read_config
 
     cfg = read_config(folder)
     dtypes = [resolved_dtype(args.radixserve_dtype or args.dtype), args.dtype]

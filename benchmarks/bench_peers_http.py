@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
 def server_command(engine: str, args: argparse.Namespace, folder: Path) -> tuple[list[str], dict[str, str]]:
     port = str(args.port)
     if engine == "radixserve serve":
-        cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "serve", "--port", port, "--dtype", args.dtype,
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", port, "--dtype", args.dtype,
                "--served-model-name", SERVED_NAME, "--max-total-tokens", "40960", "--log-level", "warning"]
         return cmd, {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     # NOTE: the api_server module is what `vllm serve` runs; the `vllm` script itself looks up package

@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def variant_args(name: str) -> dict:
     import torch
 
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
     from radixserve.models.loader import embedded_model_path
 
     # NOTE: the quantized rows compute in the dtype `auto` picks (bfloat16 with native bf16 products, float32 else)

@@ -112,7 +112,7 @@ def step_seconds(max_rows: int, context: int, rounds: int) -> dict[int, float]:
     import torch
     from direct import DirectDriver
 
-    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
 

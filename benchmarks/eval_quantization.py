@@ -21,7 +21,7 @@ from direct import DirectDriver
 
 from radixserve.bench.docs import write_doc_section
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.models.gguf_loader import gguf_to_hf_folder
+from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
 from radixserve.models.loader import embedded_model_path
 from radixserve.server_args import ServerArgs
 

@@ -51,7 +51,7 @@ def server_command(side: str, args: argparse.Namespace, shape, folder: Path, dty
                "--num-gpu-blocks-override", str(pool // VLLM_BLOCK_SIZE), "--enable-prompt-tokens-details"]
         env = {**vllm_cpu_env(), "VLLM_CPU_KVCACHE_SPACE": str(space), "VLLM_SERVER_DEV_MODE": "1"}
         return cmd, env
-    cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "serve", "--port", str(args.port),
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", str(args.port),
            "--served-model-name", SERVED_NAME, "--max-total-tokens", str(pool), "--context-length", str(context),
            "--log-level", "warning", *shlex.split(args.radixserve_args)]
     if side == "tiers on":

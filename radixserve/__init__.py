@@ -2,9 +2,9 @@
 
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
+from radixserve.version import __version__
 
-__version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "ServerArgs"]
+__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__"]
 
 
 def __getattr__(name: str):

@@ -7,20 +7,20 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.configs.speculative import ALGORITHMS as SPECULATIVE_ALGORITHMS
+from radixserve.configs.speculative import SpecConfig
 from radixserve.function_call.formats import TOOL_CALL_PARSERS
 from radixserve.function_call.reasoning import REASONING_PARSERS
 from radixserve.mem_cache.storage.base import STORAGE_BACKENDS as HICACHE_STORAGE_BACKENDS
 from radixserve.mem_cache.storage.base import WRITE_POLICIES as HICACHE_WRITE_POLICIES
 from radixserve.mem_cache.storage.base import parse_size
-from radixserve.speculative.config import ALGORITHMS as SPECULATIVE_ALGORITHMS
-from radixserve.speculative.config import SpecConfig
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float32")
 SCHEDULE_POLICIES = ("lpm", "dfs-weight", "fcfs")
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority", "slru")
 QUANTIZATIONS = ("none", "int8", "int4")
-EMBEDDING_POOLINGS = ("last", "mean")  # NOTE: model_executor/pooling.py computes each
+EMBEDDING_POOLINGS = ("last", "mean")  # NOTE: layers/pooler.py computes each
 # NOTE: the per-request size bounds the HTTP front end checks before any work (FrontendConfig carries them).
 REQUEST_BOUNDS = ("max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries", "max_chat_messages",
                   "max_id_chars", "max_request_items")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.forward_batch import ForwardBatch
 from radixserve.model_executor.model_runner import ModelRunner
 
 

@@ -11,6 +11,7 @@ from kernel_levels import LEVELS, skip_unless_runnable
 from test_model_support import hf_last_logits, make_tiny_model, one_torch_thread, rel_err
 
 from radixserve import envs, platform
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.kernels.gemv import BF16W_TILE, load_bf16w_kernel, pack_gemv_weight, unpack_gemv_weight
 from radixserve.layers import bf16_weights
 from radixserve.layers.bf16_weights import Bf16WeightLinearMethod
@@ -19,6 +20,8 @@ from radixserve.layers.linear_tuning import candidates
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
+
+WIDEN_FROM = DEFAULT_ROWS.bf16_weights_rows + 1  # the first row count the widened weight and oneDNN take
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
@@ -130,7 +133,7 @@ def _layer(n: int, k: int, bias: bool = True) -> tuple[LinearBase, torch.Tensor]
     return layer, dense
 
 
-@pytest.mark.parametrize("rows", [1, 7, bf16_weights.WIDEN_ROWS - 1, bf16_weights.WIDEN_ROWS, 300])
+@pytest.mark.parametrize("rows", [1, 7, WIDEN_FROM - 1, WIDEN_FROM, 300])
 def test_method_on_both_sides_of_the_widening(rows):
     big, big_dense = _layer(200, 96)
     small, small_dense = _layer(40, 64)
@@ -159,7 +162,7 @@ def test_prefill_product_on_each_path(onednn, blocked, monkeypatch):
         for n, k in ((120, 64), (40, 30)):
             for bias in (True, False):
                 layer, dense = _layer(n, k, bias=bias)
-                x = torch.randn(bf16_weights.WIDEN_ROWS + 5, k)
+                x = torch.randn(WIDEN_FROM + 5, k)
                 want = _reference(x, dense.bfloat16(), layer.bias.detach() if bias else None)
                 torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=2e-5)
     finally:
@@ -172,7 +175,7 @@ def test_blocked_scratch_serves_layers_of_one_shape_in_turn():
     the plain widening's, and the scratch stays one buffer per shape."""
     assert bf16_weights.blocked_order_holds(128, 64) and not bf16_weights.blocked_order_holds(128, 30)
     layers = [_layer(128, 64) for _ in range(3)]
-    x = torch.randn(bf16_weights.WIDEN_ROWS + 1, 64)
+    x = torch.randn(WIDEN_FROM + 1, 64)
     for layer, dense in layers + layers[::-1]:
         want = _reference(x, dense.bfloat16(), layer.bias.detach())
         got = layer(x)
@@ -224,9 +227,9 @@ def test_model_on_bf16_weights_matches_transformers_with_rounded_weights(tmp_pat
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's packed weights need mkldnn")
 def test_resident_prefill_copy_is_the_widened_product_bit_for_bit():
     """A layer's resident blocked copy gives a prefill chunk the very numbers of the per-chunk widening, and is
-    counted among the layer's weight bytes; below WIDEN_ROWS the bf16 kernel still runs."""
+    counted among the layer's weight bytes; below WIDEN_FROM the bf16 kernel still runs."""
     layer, _ = _layer(120, 64)
-    x, small = torch.randn(bf16_weights.WIDEN_ROWS + 5, 64), torch.randn(3, 64)
+    x, small = torch.randn(WIDEN_FROM + 5, 64), torch.randn(3, 64)
     widened, kernel = layer(x), layer(small)
     layer.method.keep_prefill_copy(layer)
     assert layer.method.prefill_copy is not None
@@ -241,7 +244,7 @@ def test_plan_keeps_prefill_copies_within_the_budget(tmp_path, monkeypatch):
     """The plan gives the decoder layers (not the LM head) their copies when they fit the budget and says why not
     when they do not (budget 0, or smaller than the copies); a prefill runs to the same logits either way."""
     make_tiny_model(tmp_path, "qwen2")
-    prompt = [(7 * i) % 250 + 3 for i in range(bf16_weights.WIDEN_ROWS + 20)]
+    prompt = [(7 * i) % 250 + 3 for i in range(WIDEN_FROM + 20)]
     runs = {}
     monkeypatch.setenv("RADIXSERVE_BF16W_PREFILL_COPY_MB", "3")
     assert bf16_weights.copy_budget() == 3 << 20

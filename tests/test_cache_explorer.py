@@ -17,7 +17,7 @@ import pytest
 from server_harness import ServerHandle, check_idle_conservation, start_server
 
 from radixserve import envs
-from radixserve.entrypoints.cli import main as cli_main
+from radixserve.cli import main as cli_main
 from radixserve.frontend.tokenizer_manager import api_key_id
 
 pytestmark = pytest.mark.slow

@@ -16,19 +16,20 @@ import torch
 from kernel_levels import force_level, select_everything
 from test_model_support import one_torch_thread
 
+from radixserve.configs.row_table import CascadePolicy
+from radixserve.forward_batch import ForwardBatch
 from radixserve.kernels.attention import load_decode_kernel
 from radixserve.layers.attention import cascade, create_attention_backend
 from radixserve.layers.attention.torch_backend import TorchAttnBackend
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from radixserve.model_executor.forward_batch import ForwardBatch
 from radixserve.platform import KERNEL_ISAS
 from radixserve.server_args import ServerArgs
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
 MIN_PREFIX = 8  # the unit tests' threshold; the default is CascadePolicy().min_prefix
-SMALL = cascade.CascadePolicy(min_prefix=MIN_PREFIX, min_decode_batch=2, min_decode_saved=0)
+SMALL = CascadePolicy(min_prefix=MIN_PREFIX, min_decode_batch=2, min_decode_saved=0)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
@@ -50,7 +51,7 @@ def _pool_and_rows(shared: int, own_lens: list[int], kv_heads: int, dim: int, dt
     return pool, table, rows, g
 
 
-def _backends(name: str, policy: cascade.CascadePolicy = SMALL):
+def _backends(name: str, policy: CascadePolicy = SMALL):
     """Cascade on and off. "torch-math": the torch backend on the path it takes off the CPU (set by _path);
     "cpu-<level>": the CPU backend at that kernel level."""
     name = "torch" if name == "torch-math" else name.split("-")[0]
@@ -174,7 +175,7 @@ def test_merge_partials_is_exact():
 
 
 def test_detection():
-    on, _ = _backends("torch", cascade.CascadePolicy(min_prefix=16, min_decode_batch=2, min_decode_saved=0))
+    on, _ = _backends("torch", CascadePolicy(min_prefix=16, min_decode_batch=2, min_decode_saved=0))
     q, k, v, fb = _decode_batch(40, [3, 5, 2], 1, 2, 16, torch.float32)
     table = fb.req_to_token_pool.req_to_token
     assert cascade.shared_prefix_len(fb, 42) == 40  # rows diverge right after the shared part
@@ -190,7 +191,7 @@ def test_detection():
 
 
 def test_detection_thresholds_and_flag():
-    policy = lambda **kw: cascade.CascadePolicy(**{"min_prefix": 40, "min_decode_batch": 2,  # noqa: E731
+    policy = lambda **kw: CascadePolicy(**{"min_prefix": 40, "min_decode_batch": 2,  # noqa: E731
                                                    "min_decode_saved": 0, **kw})
     q, k, v, fb = _decode_batch(40, [3, 5], 1, 2, 16, torch.float32)
     assert cascade.plan_decode(fb, policy()) is not None
@@ -210,7 +211,7 @@ def test_detection_thresholds_and_flag():
     flagged = create_attention_backend("torch", torch.device("cpu"),
                                        cascade=not ServerArgs(disable_cascade_attention=True).disable_cascade_attention)
     default = TorchAttnBackend()
-    assert flagged.cascade is None and default.cascade == cascade.CascadePolicy()
+    assert flagged.cascade is None and default.cascade == CascadePolicy()
     own = [3, 5, 1, 2] * (default.cascade.min_decode_batch // 4)
     long_prefix = _decode_batch(default.cascade.min_prefix + 10, own, 1, 2, 16, torch.float32)[3]
     assert (len(own) - 1) * (default.cascade.min_prefix + 10) >= default.cascade.min_decode_saved
@@ -232,7 +233,7 @@ def test_prefix_slots_do_not_alias_the_table():
 SHARED = 40
 # a W1-like batch: one shared prefix + short own questions of unequal lengths
 W1_LIKE = [[1000 + (7 * i) % 5000 for i in range(SHARED)] + [3000 + 13 * r + i for i in range(4 + r)] for r in range(4)]
-E2E_POLICY = cascade.CascadePolicy(min_prefix=32, min_decode_batch=2, min_decode_saved=64)  # NOTE: scaled down
+E2E_POLICY = CascadePolicy(min_prefix=32, min_decode_batch=2, min_decode_saved=64)  # NOTE: scaled down
 
 
 @pytest.mark.slow

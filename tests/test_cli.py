@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from radixserve.entrypoints import cli
+from radixserve import cli
 from radixserve.server_args import ServerArgs
 
 SMALL = ["--dtype", "float32", "--max-total-tokens", "2048", "--disable-overlap-schedule", "--log-level", "warning"]

@@ -1,4 +1,4 @@
-"""glibc keeps large freed blocks (model_executor/cpu_memory.py): blocks freed by one forward serve the next
+"""glibc keeps large freed blocks (cpu_memory.py): blocks freed by one forward serve the next
 without faulting their pages in again, the model runner turns it on, and the switch leaves malloc alone."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from radixserve.model_executor import cpu_memory
+from radixserve import cpu_memory
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt thresholds")
 
 # A forward's pattern: many blocks of a few MiB allocated, then all freed; the second round's page faults.
 PATTERN = """
 import json, resource, torch
-from radixserve.model_executor.cpu_memory import keep_freed_memory
+from radixserve.cpu_memory import keep_freed_memory
 tuned = keep_freed_memory()
 def forward():
     blocks = [torch.ones(1 << 20) for _ in range(48)]  # 48 x 4 MiB
@@ -53,7 +53,7 @@ def test_freed_blocks_serve_the_next_forward_without_page_faults():
 # and freeing it leaves the heap's size (arena) as it was instead of trimming it back to the OS.
 SETTINGS = """
 import ctypes, json
-from radixserve.model_executor.cpu_memory import keep_freed_memory
+from radixserve.cpu_memory import keep_freed_memory
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
@@ -117,7 +117,7 @@ def test_switch_off(monkeypatch):
 # torch's CPU allocator calls it, so that nothing else in the process adds faults.
 LARGE = """
 import ctypes, json, resource, sys, threading
-from radixserve.model_executor.cpu_memory import keep_freed_memory, serve_from_heap
+from radixserve.cpu_memory import keep_freed_memory, serve_from_heap
 tuned = keep_freed_memory() and (sys.argv[1] == "kept" or serve_from_heap())
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

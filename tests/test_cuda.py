@@ -143,7 +143,7 @@ def _tokenizer_folder() -> Path:
     given = os.environ.get("RADIXSERVE_TEST_TOKENIZER")
     if given:
         return Path(given)
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
     from radixserve.models.loader import embedded_model_path
 
     return gguf_to_hf_folder(embedded_model_path(), torch.float32)

@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # NOTE: before any triton kernel module is imported
 
+from radixserve.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.layers.attention.registry import create_attention_backend  # noqa: E402
 from radixserve.layers.attention.torch_backend import TorchAttnBackend  # noqa: E402
 from radixserve.layers.radix_attention import RadixAttention  # noqa: E402
@@ -26,7 +27,6 @@ from radixserve.model_executor.cuda_graph_runner import (  # noqa: E402
     capture_bs_list,
     plan_cuda_graphs,
 )
-from radixserve.model_executor.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.server_args import ServerArgs  # noqa: E402
 
 CPU = torch.device("cpu")

@@ -9,6 +9,7 @@ import torch
 from direct_driver import DirectDriver
 from test_model_support import save_tiny_tokenizer
 
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.layers.gemv import load_gemv_kernel
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models import decode_step, prefill_passes
@@ -132,7 +133,7 @@ def test_embedded_model_bit_equal(monkeypatch):
 
 
 def test_position_beyond_the_table_is_refused_before_any_write(folder, monkeypatch):
-    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.forward_batch import ForwardBatch
 
     runner = _runner(folder, monkeypatch, True)
     driver = DirectDriver(runner)
@@ -151,14 +152,14 @@ def test_position_beyond_the_table_is_refused_before_any_write(folder, monkeypat
 
 
 def test_silu_and_mul_of_prefill_batches_is_the_step_loop(folder, monkeypatch):
-    """From prefill_passes.MIN_ROWS rows the layers' SiLU-and-mul is the step's C loop (same rounding steps as
+    """From DEFAULT_ROWS.prefill_passes_from rows the layers' SiLU-and-mul is the step's C loop (same rounding steps as
     the compiled op: a result differs, if at all, by one bf16 unit in a few places); the switch restores
     the compiled op."""
     runner = _runner(folder, monkeypatch, True)
     act, compiled = runner.model.model.layers[0].mlp.act, runner.model.fused_ops.silu_and_mul
     assert isinstance(act, prefill_passes.SiluAndMul)
     g = torch.Generator().manual_seed(0)
-    for rows in (1, prefill_passes.MIN_ROWS - 1, prefill_passes.MIN_ROWS, 300):
+    for rows in (1, DEFAULT_ROWS.prefill_passes_from - 1, DEFAULT_ROWS.prefill_passes_from, 300):
         gate_up = (torch.randn(rows, 512, generator=g) * 4).bfloat16()
         got, want = act(gate_up), compiled(gate_up)
         assert got.shape == want.shape == (rows, 256)
@@ -169,7 +170,7 @@ def test_silu_and_mul_of_prefill_batches_is_the_step_loop(folder, monkeypatch):
 
 
 def test_add_rmsnorm_of_prefill_batches_is_the_step_loop_bit_for_bit(folder, monkeypatch):
-    """From prefill_passes.MIN_ROWS rows every norm's add + RMSNorm is the step's C rows, bit-equal to the compiled
+    """From DEFAULT_ROWS.prefill_passes_from rows every norm's add + RMSNorm is the step's C rows, bit-equal to the compiled
     op (the sum of squares in its order); below, and for a width the rows do not take, the compiled op itself; the
     switch restores the compiled op everywhere."""
     runner = _runner(folder, monkeypatch, True)
@@ -182,14 +183,14 @@ def test_add_rmsnorm_of_prefill_batches_is_the_step_loop_bit_for_bit(folder, mon
     weight = norms[0].weight.detach()
     calls, real = [], type(fused._kernel).add_rmsnorm
     monkeypatch.setattr(type(fused._kernel), "add_rmsnorm", lambda self, *a: calls.append(1) or real(self, *a))
-    for rows in (1, prefill_passes.MIN_ROWS - 1, prefill_passes.MIN_ROWS, 300):
+    for rows in (1, DEFAULT_ROWS.prefill_passes_from - 1, DEFAULT_ROWS.prefill_passes_from, 300):
         x, residual = ((torch.randn(rows, width, generator=g) * 3).bfloat16() for _ in "xr")
         before = len(calls)
         got, want = fused(x, residual, weight), compiled(x, residual, weight)
-        assert len(calls) - before == (rows >= prefill_passes.MIN_ROWS)
+        assert len(calls) - before == (rows >= DEFAULT_ROWS.prefill_passes_from)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
     odd = prefill_passes.AddRMSNorm(fused._kernel, lambda *a: ("compiled",), fused.eps)
-    x = torch.randn(prefill_passes.MIN_ROWS, 48).bfloat16()
+    x = torch.randn(DEFAULT_ROWS.prefill_passes_from, 48).bfloat16()
     assert odd(x, x.clone(), torch.ones(48, dtype=torch.bfloat16)) == ("compiled",)
     off = _runner(folder, monkeypatch, False)
     assert off.model.model.layers[0].input_layernorm.fused_add is off.model.fused_ops.add_rmsnorm

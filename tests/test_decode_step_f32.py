@@ -12,8 +12,8 @@ from kernel_levels import force_level
 from test_decode_step import Recorder
 from test_model_support import rel_err, save_tiny_tokenizer
 
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.kernels.decode_step import F32_LEVELS
-from radixserve.layers.f32_gemv import F32_GEMV_ROWS
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models import decode_step, prefill_passes
@@ -77,9 +77,9 @@ def _decode_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], torch
 
 
 def _assert_prefill_logits(on: torch.Tensor, off: torch.Tensor, bs: int) -> None:
-    """A prefill of fewer than MIN_ROWS tokens runs the compiled passes in both runs (bit-equal logits); a larger
+    """A prefill of fewer than `prefill_passes_from` tokens runs the compiled passes in both runs (bit-equal logits); a larger
     one runs the step's C passes where the step is on (equal to float32 rounding)."""
-    if sum(_prompt_lens(bs)) < prefill_passes.MIN_ROWS:
+    if sum(_prompt_lens(bs)) < DEFAULT_ROWS.prefill_passes_from:
         assert torch.equal(on, off)
     else:
         assert rel_err(on, off) < 1e-5
@@ -100,7 +100,7 @@ def test_f32_step_matches_python_layers(folder, monkeypatch, isa, bs):
     assert calls == [bs] * 4
     # NOTE: the same linear and attention kernels; the passes between them differ from inductor's in the last
     # bits (exp, the order of a sum), which four decode steps through three layers carry to ~1e-6. The prefill
-    # runs the Python layers in both, with the step's passes from prefill_passes.MIN_ROWS rows
+    # runs the Python layers in both, with the step's passes from DEFAULT_ROWS.prefill_passes_from rows
     _assert_prefill_logits(on_logits[0], off_logits[0], bs)
     for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
         assert rel_err(on, off) < 1e-5
@@ -182,13 +182,13 @@ def test_f32_step_runs_float32_weights(folder, monkeypatch, isa, bs):
         runner = _runner(folder, monkeypatch, on, linear_method="f32_gemv")
         assert (runner.model.decode_step is not None) == on
         if on:
-            assert runner.model.decode_step.max_rows == F32_GEMV_ROWS - 1
+            assert runner.model.decode_step.max_rows == DEFAULT_ROWS.f32_gemv_rows
             assert runner.execution_plan.as_dict()["decoder"]["reason"] == (
                 "float32 on the float32 GEMV: every decoder layer in one C call")
         runs[on] = _decode_run(runner, bs)
     (off_logits, off_kv, _, off_tokens), (on_logits, on_kv, calls, on_tokens) = runs[False], runs[True]
     # NOTE: above the GEMV's rows the layers run oneDNN, so the step declines and Python runs them
-    assert calls == ([bs] * 4 if bs < F32_GEMV_ROWS else [])
+    assert calls == ([bs] * 4 if bs <= DEFAULT_ROWS.f32_gemv_rows else [])
     _assert_prefill_logits(on_logits[0], off_logits[0], bs)
     for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
         assert rel_err(on, off) < 1e-5
@@ -198,7 +198,7 @@ def test_f32_step_runs_float32_weights(folder, monkeypatch, isa, bs):
 
 @pytest.mark.parametrize("isa", LEVELS)
 def test_f32_prefill_batches_run_the_step_passes(folder, monkeypatch, isa):
-    """Where the float32 step runs, a prefill batch of MIN_ROWS rows or more runs its add + RMSNorm (the sum
+    """Where the float32 step runs, a prefill batch of `prefill_passes_from` rows or more runs its add + RMSNorm (the sum
     bit-equal to the compiled op's, the norm to float32 rounding) and SiLU-and-mul; below, and with the step off,
     the compiled ops."""
     force_level(isa, monkeypatch)
@@ -215,13 +215,13 @@ def test_f32_prefill_batches_run_the_step_passes(folder, monkeypatch, isa):
         real = getattr(type(fused._kernel), name)
         monkeypatch.setattr(type(fused._kernel), name,
                             lambda self, *a, _real=real, _name=name: calls.append(_name) or _real(self, *a))
-    for rows in (prefill_passes.MIN_ROWS - 1, prefill_passes.MIN_ROWS, 300):
+    for rows in (DEFAULT_ROWS.prefill_passes_from - 1, DEFAULT_ROWS.prefill_passes_from, 300):
         x, residual = ((torch.randn(rows, width, generator=g) * 3) for _ in "xr")
         gate_up = torch.randn(rows, 2 * inter, generator=g) * 4
         calls.clear()
         (normed, total), want = fused(x, residual, weight), ops.add_rmsnorm(x, residual, weight)
         silu = act(gate_up)
-        assert calls == (["add_rmsnorm", "silu_mul"] if rows >= prefill_passes.MIN_ROWS else [])
+        assert calls == (["add_rmsnorm", "silu_mul"] if rows >= DEFAULT_ROWS.prefill_passes_from else [])
         assert torch.equal(total, want[1])
         assert rel_err(normed, want[0]) < 1e-6
         assert rel_err(silu, ops.silu_and_mul(gate_up)) < 1e-6

@@ -16,10 +16,10 @@ from test_decode_step import Recorder
 from test_model_gemma3 import make_tiny_gemma3
 from test_model_support import one_torch_thread, rel_err, save_tiny_tokenizer
 
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.kernels.decode_step import F32_LEVELS
 from radixserve.kernels.lora import load_lora_kernel
 from radixserve.layers.gemv import load_gemv_kernel
-from radixserve.lora.layers import C_SEGMENT_ROWS
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
@@ -154,18 +154,18 @@ def test_the_adapters_move_their_rows_and_leave_the_base_rows(llama, monkeypatch
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_segment_the_python_layers_give_torch_is_declined(llama, monkeypatch, dtype):
-    """One adapter on C_SEGMENT_ROWS rows (bf16 32, float32 128), which the Python layers multiply with torch
+    """One adapter on one row more than `RowTable.lora_segment_rows` (bf16 32, float32 128), which the Python layers multiply with torch
     rather than the C kernel: the step declines the batch and the Python layers run it (the same logits both
     ways in bf16, in float32 to rounding); one row fewer runs in the step."""
     torch_dtype, method = (torch.bfloat16, "onednn_gemv") if dtype == "bfloat16" else (torch.float32, "bf16_weights")
-    rows = C_SEGMENT_ROWS[torch_dtype]
+    rows = DEFAULT_ROWS.lora_segment_rows(torch_dtype) + 1
     if dtype == "bfloat16" and (load_gemv_kernel() is None or _bf16_max_rows(llama, monkeypatch) < rows):
         pytest.skip(f"the bf16 step takes {rows} rows only with the AMX kernel")
     for names, taken in ((["chat"] * rows, False), (["chat"] * (rows - 1) + [None], True)):
         (off_logits, _, off_tokens), (on_logits, calls, on_tokens) = _both(llama, monkeypatch, names, dtype, method)
         assert calls == ([len(names)] * STEPS if taken else [])
         for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
-            # NOTE: float32 batches of MIN_ROWS rows or more run the step's passes in the Python layers too
+            # NOTE: float32 batches of `prefill_passes_from` rows or more run the step's passes in the Python layers too
             assert torch.equal(on, off) if dtype == "bfloat16" else rel_err(on, off) < 1e-5
         assert on_tokens == off_tokens
 
@@ -177,7 +177,7 @@ def test_f32_step_with_lora_rows_matches_python_layers(llama, monkeypatch, isa):
                                                                        "bf16_weights")
     assert calls == [len(MIXED)] * STEPS
     # NOTE: the SGMV kernel is the same; the passes between the products differ from inductor's in the last bits
-    # (a prefill of prefill_passes.MIN_ROWS rows or more runs the step's passes too)
+    # (a prefill of `prefill_passes_from` rows or more runs the step's passes too)
     assert rel_err(on_logits[0], off_logits[0]) < 1e-5
     for off, on in zip(off_logits[1:], on_logits[1:], strict=True):
         assert rel_err(on, off) < 1e-5

@@ -12,11 +12,11 @@ from kernel_levels import force_level
 from test_decode_step import Recorder
 from test_model_support import TINY_VOCAB, one_torch_thread, rel_err, save_tiny_tokenizer
 
+from radixserve.configs.model_config import ModelConfig
 from radixserve.kernels.decode_step import F32_LEVELS
 from radixserve.layers.gemv import load_gemv_kernel
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.models.config import ModelConfig
 from radixserve.server_args import ServerArgs
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)

@@ -31,7 +31,7 @@ def test_worker_flags_round_trip_through_the_serve_parser() -> None:
 
 
 def test_dp_without_sglang_router_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    from radixserve.entrypoints.cli import main
+    from radixserve.cli import main
 
     monkeypatch.setattr(dp_launcher, "router_installed", lambda: False)
     with pytest.raises(SystemExit) as e:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_scheduler_fake import FakeRunner, FakeScheduler, conserve, drain, next_token, reference, submit
 
-from radixserve.managers.io_struct import TokenizedGenerateReqInput
+from radixserve.protocol.io_struct import TokenizedGenerateReqInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -37,7 +37,7 @@ def expected_mean(prompt: list[int]) -> list[float]:
 
 
 class PoolingRunner(FakeRunner):
-    """FakeRunner that also pools as the model does (model_executor/pooling.py): the last row's vector, a function of
+    """FakeRunner that also pools as the model does (layers/pooler.py): the last row's vector, a function of
     the whole sequence read back from KV; or the sum over this forward's rows of a function of each row's token."""
 
     def forward(self, fb, read_done=None) -> torch.Tensor:

@@ -105,6 +105,31 @@ def test_the_parts_receive_the_plan_and_decide_nothing_again(float32_engine: Eng
         assert runner.attn_backend.decode_kernel_for(q, 3) is not None
 
 
+def test_one_row_table_built_by_the_plan_reaches_every_part(monkeypatch) -> None:
+    """The plan builds the row table once (RADIXSERVE_GEMV_MAX_ROWS applied), shows it, and every part that switches
+    kernels by row count holds that same table: each linear method, the C decoder (its row limit is one of the
+    table's), the attention backend (extend limit, cascade policy) and the LoRA manager's segments."""
+    from radixserve.configs.row_table import DEFAULT_ROWS
+    from radixserve.layers.linear import linear_layers
+
+    monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", "16")
+    engine = Engine(dtype="float32", max_total_tokens=1024, log_level="warning", enable_lora=True,
+                    max_loras_per_batch=1)
+    try:
+        runner = engine.model_runner
+        plan = runner.execution_plan
+        rows = plan.rows
+        assert rows.bf16_gemv_rows == 16 and rows != DEFAULT_ROWS
+        assert plan.as_dict()["rows"]["reason"] == rows.describe() and "bf16_gemv_rows 16" in rows.describe()
+        assert all(layer.method.rows is rows for _, layer in linear_layers(runner.model))
+        assert runner.attn_backend.plan.rows is rows and runner.attn_backend.cascade is rows.cascade
+        assert runner.lora.batch.rows is rows
+        step = runner.model.decode_step
+        assert step is None or step.max_rows in rows.linear_row_limits()
+    finally:
+        engine.shutdown()
+
+
 def test_auto_keeps_bf16_weights_where_it_picks_float32_on_a_cpu(monkeypatch) -> None:
     """A dtype choice of float32 compute over bf16 weights (what `--dtype auto` makes on a CPU without bf16
     products) gives every float linear shape the bf16_weights method, and says why; an explicit

@@ -4,14 +4,17 @@ runs against a float64 product, the method on both sides of its oneDNN threshold
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_levels import LEVELS, skip_unless_runnable
 from test_model_support import one_torch_thread
 
 from radixserve import envs
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.kernels.gemv import load_f32_kernel
-from radixserve.layers.f32_gemv import F32_GEMV_ROWS, F32GemvLinearMethod
+from radixserve.layers.f32_gemv import F32GemvLinearMethod
 from radixserve.layers.linear import LinearBase
 from radixserve.layers.linear_tuning import candidates
 
@@ -50,7 +53,7 @@ def test_kernel_refuses_an_empty_product():
         kernel(torch.zeros(4, 0), torch.zeros(1, 0), None)
 
 
-@pytest.mark.parametrize("rows", [1, 3, F32_GEMV_ROWS - 1, F32_GEMV_ROWS, 300])
+@pytest.mark.parametrize("rows", [1, 3, DEFAULT_ROWS.f32_gemv_rows, DEFAULT_ROWS.f32_gemv_rows + 1, 300])
 def test_method_on_both_sides_of_its_threshold(rows):
     if not F32GemvLinearMethod.supports(torch.device("cpu"), torch.float32):
         pytest.skip("no C compiler here")
@@ -67,7 +70,7 @@ def test_method_on_both_sides_of_its_threshold(rows):
     got = layer(x)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5)
     # NOTE: the C decode step calls the same function the method runs below the threshold, and none above
-    assert (method.c_linear(rows, torch.float32) is not None) == (rows < F32_GEMV_ROWS)
+    assert (method.c_linear(rows, torch.float32) is not None) == (rows <= DEFAULT_ROWS.f32_gemv_rows)
     assert method.c_linear(1, torch.bfloat16) is None
     # NOTE: the layer's parameter is emptied by the loader (oneDNN's copy is the method's own weight); the GEMV
     # keeps the loaded storage
@@ -81,3 +84,18 @@ def test_timing_may_pick_it():
         pytest.skip("no C compiler here")
     assert "f32_gemv" in candidates(torch.device("cpu"), torch.float32)
     assert "f32_gemv" not in candidates(torch.device("cpu"), torch.bfloat16)
+
+
+def test_the_method_reads_its_threshold_from_the_row_table_it_is_given():
+    """The plan's table decides (configs/row_table.py): a table with another f32_gemv limit moves the switch."""
+    if not F32GemvLinearMethod.supports(torch.device("cpu"), torch.float32):
+        pytest.skip("no C compiler here")
+    layer = LinearBase(96, 40, bias=False)
+    method = F32GemvLinearMethod()
+    layer.method = method
+    method.process_weights_after_loading(layer)
+    method.rows = dataclasses.replace(DEFAULT_ROWS, f32_gemv_rows=2)
+    assert method.c_linear(2, torch.float32) is not None and method.c_linear(3, torch.float32) is None
+    assert method.row_kernels(96).startswith("1-2 rows f32_gemv")
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-5, atol=2e-5)  # oneDNN from 3 rows

@@ -125,9 +125,9 @@ def test_decode_all_matches_the_tokenizer_s_decode() -> None:
     import random
 
     from radixserve.client.text_stream import decode_all
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.model_folder import load_tokenizer
     from radixserve.models.loader import embedded_model_path
-    from radixserve.models.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(gguf_to_hf_folder(embedded_model_path(), None))  # config and tokenizer only
     rng = random.Random(0)

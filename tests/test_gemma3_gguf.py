@@ -103,7 +103,7 @@ def test_packed_gguf_generates_like_float(gguf_path):
 @pytest.mark.long
 def test_cli_generate(gguf_path):
     """`radixserve generate` on the file (--raw: it is the base model, not the instruction-tuned one)."""
-    cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "generate", "--model-path", str(gguf_path), "--raw",
+    cmd = [sys.executable, "-m", "radixserve.cli", "generate", "--model-path", str(gguf_path), "--raw",
            "--max-new-tokens", "12", "--temperature", "0", "The capital of France is"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
@@ -113,8 +113,8 @@ def test_cli_generate(gguf_path):
 @pytest.mark.long  # NOTE: ~20 s: reading the 262,144-token vocabulary out of the metadata
 def test_gguf_config_and_names(gguf_path):
     """The file's metadata as radixserve reads it (no weights): windows, ropes, stop ids, tensor names."""
-    from radixserve.models.config import ModelConfig
-    from radixserve.models.gguf_loader import hf_config_from_gguf, hf_tensor_name, open_gguf
+    from radixserve.configs.model_config import ModelConfig
+    from radixserve.model_loader.gguf_loader import hf_config_from_gguf, hf_tensor_name, open_gguf
 
     reader = open_gguf(gguf_path)
     hf = hf_config_from_gguf(reader, gguf_path)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixserve import platform as rs_platform
+from radixserve.configs.row_table import DEFAULT_ROWS, GEMV_LIMIT, RowTable
 from radixserve.kernels import gemv as gemv_kernels
 from radixserve.layers import gemv
 from radixserve.layers.linear import LinearBase, process_weights_after_loading
@@ -81,7 +82,7 @@ def test_one_row_in_lockstep_equals_the_tiles_sums(threads, n, k, bias):
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
 def test_kernel_refuses_more_rows_than_it_holds():
     layer = _layer(32, 64, bias=False)
-    x = torch.randn(gemv.GEMV_LIMIT + 1, 32).bfloat16()
+    x = torch.randn(GEMV_LIMIT + 1, 32).bfloat16()
     with pytest.raises(ValueError, match="rejected"):
         gemv_kernels.load_gemv_kernel()(gemv_kernels.pack_gemv_weight(layer.weight), x, None, 64)
 
@@ -128,9 +129,9 @@ def test_large_rows_route_to_the_large_product(monkeypatch):
 
 
 def _expected_kernel(tokens: int, in_features: int) -> str:
-    if HAS_AMX and in_features % 32 == 0 and tokens <= gemv.AMX_MAX_ROWS:
+    if HAS_AMX and in_features % 32 == 0 and tokens <= DEFAULT_ROWS.amx_rows:
         return "amx"
-    return "gemv" if tokens <= gemv.gemv_max_rows() else "onednn"
+    return "gemv" if tokens <= DEFAULT_ROWS.bf16_gemv_rows else "onednn"
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="needs AVX512-BF16 at the kernel level")
@@ -204,12 +205,13 @@ def test_offered_only_for_bf16_on_avx512_bf16(monkeypatch):
 @pytest.mark.parametrize(("limit", "rows", "kernel"), [(None, 32, "gemv"), (None, 33, "onednn"), ("4", 4, "gemv"),
                                                        ("4", 5, "onednn"), ("100", 64, "gemv"),
                                                        ("100", 65, "onednn")])
-def test_gemv_row_limit_is_read_when_the_weight_is_packed(monkeypatch, limit, rows, kernel):
+def test_gemv_row_limit_comes_from_the_plans_row_table(monkeypatch, limit, rows, kernel):
     if limit is None:
         monkeypatch.delenv("RADIXSERVE_GEMV_MAX_ROWS", raising=False)
     else:
         monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", limit)
     layer = _layer(96, 160, bias=False)
     process_weights_after_loading(layer, {(160, 96): "onednn_gemv"})
-    monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", "1")  # read once, at packing: a later change does not apply
+    layer.method.rows = RowTable.from_env()  # NOTE: what the plan builds and device_setup gives every method
+    monkeypatch.setenv("RADIXSERVE_GEMV_MAX_ROWS", "1")  # read once, by the plan: a later change does not apply
     assert (layer.method.decode_kernel(rows) is not None) == (kernel == "gemv")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_model_support import one_torch_thread
 
-from radixserve.models.config import ModelLoadError
-from radixserve.models.gguf_dequant import dequantize, supported_type_names
+from radixserve.configs.model_config import ModelLoadError
+from radixserve.model_loader.gguf_dequant import dequantize, supported_type_names
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 

@@ -13,8 +13,9 @@ import torch
 from test_gguf_support import Q, byte_level_tokens, write_gguf
 from test_model_support import TINY_VOCAB, make_tiny_model, one_torch_thread, rel_err, save_tiny_tokenizer
 
-from radixserve.models import gguf_loader, loader
-from radixserve.models.config import ModelLoadError
+from radixserve.configs.model_config import ModelLoadError
+from radixserve.model_loader import gguf_loader
+from radixserve.models import loader
 from radixserve.models.loader import load_model
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
@@ -159,7 +160,7 @@ def _gguf_with_tensor(path, name: str, array: np.ndarray, raw_dtype=None) -> Non
 
 
 def test_tensor_type_we_do_not_dequantize(tmp_path):
-    from radixserve.models.gguf_dequant import dequantize
+    from radixserve.model_loader.gguf_dequant import dequantize
 
     raw = np.arange(64, dtype=np.int32)
     with pytest.raises(ModelLoadError, match=r"type I32, which radixserve does not dequantize; supported: F32, F16"):

@@ -34,9 +34,9 @@ def _schema(i: int) -> str:
 def tokenizer():
     import torch
 
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.model_folder import load_tokenizer
     from radixserve.models.loader import embedded_model_path
-    from radixserve.models.model_folder import load_tokenizer
 
     return load_tokenizer(gguf_to_hf_folder(embedded_model_path(), torch.float32))
 

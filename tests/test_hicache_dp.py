@@ -175,7 +175,7 @@ PROMPT = "Inventory ledger. " + " ".join(f"shelf{i} holds {i * 7 % 100} crates;"
 def _start_dp(storage: Path) -> tuple[subprocess.Popen, str, list[ServerHandle]]:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="radixserve-hicache-dp-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "serve", "--dp", "2", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--dp", "2", "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-total-tokens", "2048", "--log-level", "warning",
            "--enable-hierarchical-cache", "--hicache-storage-dir", str(storage), "--hicache-storage-size", "1GiB"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -111,7 +111,7 @@ def test_usage_splits_cached_tokens_by_tier(served, kind):
 
 
 def test_cache_tree_shows_the_tiers(served, capsys):
-    from radixserve.entrypoints.cli import main as cli_main
+    from radixserve.cli import main as cli_main
 
     server, _ = served
     _usage_of("generate", server, stream=False)

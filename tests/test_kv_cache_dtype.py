@@ -120,8 +120,8 @@ def test_extend_over_a_bf16_pool_attends_the_cached_values(backend_isa, kv_heads
     rounding: far closer than the bf16 rounding it would show if a path used the unrounded new K/V."""
     from test_model_attention import _reference, _setup
 
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
     backend = _backend(backend_isa, monkeypatch)
     extend_lens = [6, 3, 9]
@@ -175,7 +175,7 @@ def test_c_step_writes_and_reads_a_bf16_cache_as_the_python_layers_do(isa, bs, m
     from test_decode_step_f32 import _decode_run, _prompt_lens, _runner
     from test_model_support import rel_err
 
-    from radixserve.models import prefill_passes
+    from radixserve.configs.row_table import DEFAULT_ROWS
 
     force_level(isa, monkeypatch)
     folder = _tiny_folder(tmp_path_factory)
@@ -189,8 +189,8 @@ def test_c_step_writes_and_reads_a_bf16_cache_as_the_python_layers_do(isa, bs, m
     assert calls == [bs] * 4 and on_kv.dtype == torch.bfloat16
     # NOTE: the passes before the write differ from inductor's in float32's last bits, which moves a value across a
     # bf16 rounding boundary now and then (one bf16 step, 2**-8 relative): the KV agree to that, the logits closer.
-    # A prefill of MIN_ROWS tokens or more runs the step's passes too where it is on
-    if sum(_prompt_lens(bs)) < prefill_passes.MIN_ROWS:
+    # A prefill of `prefill_passes_from` tokens or more runs the step's passes too where it is on
+    if sum(_prompt_lens(bs)) < DEFAULT_ROWS.prefill_passes_from:
         assert torch.equal(on_logits[0], off_logits[0])
     else:
         assert rel_err(on_logits[0], off_logits[0]) < 1e-3

@@ -15,7 +15,7 @@ import torch
 from test_model_smollm2 import hf_model_from_gguf
 
 from radixserve import Engine
-from radixserve.managers.io_struct import LogprobSpec
+from radixserve.protocol.io_struct import LogprobSpec
 
 pytestmark = pytest.mark.slow
 

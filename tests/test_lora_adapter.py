@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from radixserve.configs.model_config import ModelConfig
 from radixserve.lora.adapter import LoraLoadError, load_peft_adapter
 from radixserve.lora.layers import group_rows
 from radixserve.lora.manager import parse_lora_paths
@@ -18,7 +19,6 @@ from radixserve.managers.scheduler_lora import adapter_namespace
 from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
 from radixserve.mem_cache.radix_cache import RadixCache
 from radixserve.mem_cache.radix_key import RadixKey
-from radixserve.models.config import ModelConfig
 from radixserve.server_args import ServerArgs
 
 HF = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,

@@ -16,11 +16,11 @@ from test_gguf_support import write_gguf
 from test_model_support import hf_last_logits, one_torch_thread, rel_err
 
 from radixserve import Engine
+from radixserve.configs.model_config import ModelConfig
 from radixserve.lora.adapter import LoraLoadError, load_peft_adapter
 from radixserve.lora.gguf_adapter import load_gguf_adapter
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.models.config import ModelConfig
 from radixserve.server_args import ServerArgs
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)

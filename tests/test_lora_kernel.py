@@ -10,9 +10,9 @@ from kernel_levels import LEVELS, skip_unless_runnable
 from test_model_support import one_torch_thread
 
 from radixserve import envs
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.kernels.lora import load_lora_kernel
-from radixserve.lora import layers as lora_layers
-from radixserve.lora.layers import C_SEGMENT_ROWS, LoraLinear, LoraSegments, PackedLora, group_rows
+from radixserve.lora.layers import LoraLinear, LoraSegments, PackedLora, group_rows
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
@@ -73,9 +73,9 @@ def _case(layout: str, rank: int, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_kernel_matches_the_torch_path_and_float64(isa, rank, layout, dtype, monkeypatch):
     kernel = _kernel_at(isa, monkeypatch)
-    monkeypatch.setattr(lora_layers, "C_SEGMENT_ROWS", {torch.float32: 10 ** 9, torch.bfloat16: 10 ** 9})
+    every = RowTable(lora_segment_rows_f32=10 ** 9, lora_segment_rows_bf16=10 ** 9)  # NOTE: every segment on the kernel
     segments, x, y, want = _case(layout, rank, dtype)
-    by_c = LoraLinear(*KEY, LoraSegments(segments, kernel=kernel)).add_to(x, y.clone())
+    by_c = LoraLinear(*KEY, LoraSegments(segments, kernel=kernel, rows=every)).add_to(x, y.clone())
     by_torch = LoraLinear(*KEY, LoraSegments(segments)).add_to(x, y.clone())
     assert by_c.dtype == dtype and by_c.shape == y.shape
     if dtype == torch.float32:
@@ -99,7 +99,7 @@ def test_kernel_matches_the_torch_path_and_float64(isa, rank, layout, dtype, mon
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_large_segments_take_torch_and_the_rest_the_kernel(dtype):
-    """A segment of C_SEGMENT_ROWS rows or more runs torch matmuls, the smaller ones the kernel, in one layer."""
+    """A segment over `RowTable.lora_segment_rows` rows runs torch matmuls, the smaller ones the kernel, in one layer."""
     kernel = load_lora_kernel()
     if kernel is None:
         pytest.skip("no C compiler here")
@@ -109,7 +109,7 @@ def test_large_segments_take_torch_and_the_rest_the_kernel(dtype):
         calls.append(len(pairs))
         return kernel(x, y, index, offsets, pairs)
 
-    limit = C_SEGMENT_ROWS[dtype]
+    limit = DEFAULT_ROWS.lora_segment_rows(dtype) + 1  # NOTE: the first count torch takes
     packed = _packed(8, dtype, seed=3)
     names, counts = ["a", None, "b", "a"], [limit, 2, 3, 1]  # NOTE: a's rows: limit + 1, in an index segment
     segments = group_rows(names, counts, packed, torch.device("cpu"))

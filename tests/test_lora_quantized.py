@@ -10,8 +10,8 @@
   kernel off), our logits equal those of an HF model holding the dequantized weights with the adapter merged.
 
 NOTE: every request is prefilled alone. A prefill's own rows are not batch-invariant by design: its row count picks
-the product (the tiled kernel on int8-rounded activations up to TILED_MAX_M rows, float GEMM above) and the passes
-between products (prefill_passes.MIN_ROWS), and the decode steps' int8 activation rounding turns the float32-rounding
+the product (the tiled kernel on int8-rounded activations up to `RowTable.tiled_rows` rows, float GEMM above) and the passes
+between products (`RowTable.prefill_passes_from`), and the decode steps' int8 activation rounding turns the float32-rounding
 difference this leaves in the KV into ~0.3 nats (docs/quantization.md, "Batch invariance").
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from direct_driver import DirectDriver
 from lora_support import SPECS, make_peft_adapter
 from test_model_support import hf_last_logits, one_torch_thread, rel_err, save_tiny_tokenizer
 
-from radixserve.layers.quantization import linear as quant_linear
+from radixserve.layers.linear import linear_layers
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
 
@@ -99,7 +100,7 @@ def _decode_rows(runner: ModelRunner, rows: list[int], names: list[str | None],
         for req, row, adapter in zip(reqs, rows, adapters, strict=True):
             driver.extend([req], [_prompt(row)], [adapter])  # NOTE: alone: the same KV whatever the batch
         # NOTE: fixed tokens (not each row's argmax): a row's inputs never depend on another row's outputs
-        with _expanded() if expand else contextlib.nullcontext():
+        with _expanded(runner) if expand else contextlib.nullcontext():
             return [driver.decode(reqs, [(11 * row + 3 * s) % 250 + 3 for row in rows], adapters)
                     for s in range(STEPS)]
     finally:
@@ -194,7 +195,7 @@ def test_the_adapter_is_peft_on_the_dequantized_weights(models, quantization):
     reqs = [driver.new_request() for _ in prompts]
     names = [None, "sql", "chat"]
     try:
-        with _expanded():
+        with _expanded(runner):
             logits = driver.extend(reqs, prompts, [None if n is None else runner.lora.get(n) for n in names])
     finally:
         driver.release_all()
@@ -207,15 +208,18 @@ def test_the_adapter_is_peft_on_the_dequantized_weights(models, quantization):
 
 
 @contextlib.contextmanager
-def _expanded() -> Iterator[None]:
-    """Every packed product on the expanded weight and float activations, at any row count, while it lasts (the tiled
-    kernel and the row layout's small-batch kernel round activations to int8)."""
-    saved = quant_linear.TILED_MAX_M, quant_linear.SMALL_M
-    quant_linear.TILED_MAX_M = quant_linear.SMALL_M = 0
+def _expanded(runner: ModelRunner) -> Iterator[None]:
+    """Every packed product of `runner` on the expanded weight and float activations, at any row count, while it lasts
+    (the tiled kernel and the row layout's small-batch kernel round activations to int8)."""
+    methods = [layer.method for _, layer in linear_layers(runner.model)]
+    saved = [m.rows for m in methods]
+    for m in methods:
+        m.rows = dataclasses.replace(m.rows, tiled_rows=0, packed_rows=0)
     try:
         yield
     finally:
-        quant_linear.TILED_MAX_M, quant_linear.SMALL_M = saved
+        for m, rows in zip(methods, saved, strict=True):
+            m.rows = rows
 
 
 def _dequantized_hf(runner: ModelRunner, base: torch.nn.Module) -> torch.nn.Module:

@@ -9,6 +9,7 @@ import torch
 from kernel_levels import LEVELS, force_level, kernel_at, select_everything
 from test_model_support import one_torch_thread
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.attention import attention_backend_names, create_attention_backend
 from radixserve.layers.attention.torch_backend import (
     TorchAttnBackend,
@@ -17,7 +18,6 @@ from radixserve.layers.attention.torch_backend import (
 )
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 

@@ -149,7 +149,7 @@ def test_configs_pick_their_gemma():
     config is refused (Gemma 3 has none); Gemma 2 with the cap off (null) has none."""
     from test_model_gemma3 import tiny_gemma3_config
 
-    from radixserve.models.config import ModelConfig, ModelLoadError
+    from radixserve.configs.model_config import ModelConfig, ModelLoadError
     from radixserve.models.gemma2 import Gemma2ForCausalLM
     from radixserve.models.gemma3 import Gemma3ForCausalLM
     from radixserve.models.registry import model_class

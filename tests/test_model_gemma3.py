@@ -12,7 +12,7 @@ import torch
 from direct_driver import DirectDriver
 from test_model_support import TINY_VOCAB, hf_last_logits, one_torch_thread, rel_err, save_tiny_tokenizer
 
-from radixserve.layers.attention.cascade import CascadePolicy
+from radixserve.configs.row_table import CascadePolicy
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
@@ -164,7 +164,7 @@ def test_cascade_batches_keep_windows(setup, driver):
 def test_gemma_chat_template_renders_turns():
     from transformers import PreTrainedTokenizerFast
 
-    from radixserve.models.model_folder import GEMMA_CHAT_TEMPLATE
+    from radixserve.model_loader.model_folder import GEMMA_CHAT_TEMPLATE
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(), bos_token="<bos>")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -182,7 +182,7 @@ def _word_tokenizer():
 
 
 def test_unsupported_gemma_variants_are_refused():
-    from radixserve.models.config import ModelConfig, ModelLoadError
+    from radixserve.configs.model_config import ModelConfig, ModelLoadError
 
     hf = tiny_gemma3_config().to_dict()
     hf["architectures"] = ["Gemma3ForCausalLM"]

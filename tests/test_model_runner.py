@@ -10,9 +10,9 @@ from direct_driver import DirectDriver
 from test_model_support import make_tiny_model, one_torch_thread
 
 from radixserve import platform
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixserve.mem_cache.conservation import check_conservation
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.models.loader import load_model
 from radixserve.server_args import ServerArgs

@@ -13,11 +13,11 @@ import random
 import pytest
 import torch
 
-from radixserve.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from radixserve.managers.overlap_utils import OverlapDebug
 from radixserve.managers.scheduler import Scheduler
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
+from radixserve.protocol.io_struct import AbortReq, TokenizedGenerateReqInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 

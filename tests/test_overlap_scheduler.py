@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from radixserve.layers.sampler import compute_input_logprobs
-from radixserve.managers.io_struct import AbortReq, LogprobSpec, TokenizedGenerateReqInput
 from radixserve.managers.overlap_utils import FutureMapError, OverlapDebug, StreamError
 from radixserve.managers.scheduler import Scheduler
 from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.mem_cache.memory_pool import ReqToTokenPool
 from radixserve.mem_cache.radix_key import RadixKey
+from radixserve.protocol.io_struct import AbortReq, LogprobSpec, TokenizedGenerateReqInput
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 

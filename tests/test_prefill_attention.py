@@ -16,18 +16,18 @@ import torch.nn.functional as F
 from kernel_levels import LEVELS, force_level, kernel_at, select_everything
 from test_model_support import one_torch_thread
 
+from radixserve.configs.row_table import DEFAULT_ROWS
+from radixserve.forward_batch import ForwardBatch
 from radixserve.kernels import attention as native
 from radixserve.kernels.attention import DecodeKernel
 from radixserve.layers.attention import cascade, create_attention_backend
 from radixserve.layers.attention.torch_backend import (
-    EXTEND_KERNEL_MAX_NEW_TOKENS,
     PREFILL_KERNEL_ENV,
     CpuAttnBackend,
     TorchAttnBackend,
 )
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
@@ -233,7 +233,7 @@ def test_long_requests_stay_on_sdpa(monkeypatch):
     if backend.extend_kernel is None:
         pytest.skip("no C compiler here, so the native kernel cannot be built")
     layer = RadixAttention(0, 2, 1, 32, 32**-0.5)
-    for lens, want in (([EXTEND_KERNEL_MAX_NEW_TOKENS, 3], 1), ([EXTEND_KERNEL_MAX_NEW_TOKENS + 1, 3], 0)):
+    for lens, want in (([DEFAULT_ROWS.extend_kernel_new_tokens, 3], 1), ([DEFAULT_ROWS.extend_kernel_new_tokens + 1, 3], 0)):
         q, k, v, fb = _extend_batch([0, 0], lens, 1, 2, 32, torch.float32)
         backend.init_forward_metadata(fb)
         backend.forward(q, k, v, layer, fb)

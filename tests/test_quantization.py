@@ -10,11 +10,12 @@ import torch
 from test_gguf_support import Q, write_gguf
 from test_model_support import make_tiny_model, one_torch_thread, rel_err
 
+from radixserve.configs.model_config import ModelLoadError
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.kernels.quant import load_quant_kernel, runnable_isas
 from radixserve.layers.quantization.formats import QK, quantize_int4, quantize_int8
-from radixserve.layers.quantization.linear import SMALL_M, packed_linear
-from radixserve.models.config import ModelLoadError
-from radixserve.models.gguf_loader import open_gguf
+from radixserve.layers.quantization.linear import packed_linear
+from radixserve.model_loader.gguf_loader import open_gguf
 from radixserve.models.gguf_packed import nearest_spec, to_packed
 from radixserve.models.loader import load_model
 
@@ -91,12 +92,12 @@ def test_packed_linear_paths_small_and_large_batches():
     _, packs = _formats(n=64, k=128)
     for packed in packs:
         reference = packed.dequantize()
-        for m in (1, SMALL_M, SMALL_M + 1, 300):
+        for m in (1, DEFAULT_ROWS.packed_rows, DEFAULT_ROWS.packed_rows + 1, 300):
             x = torch.randn(m, 128)
             expected = x @ reference.T
             assert _fro(packed_linear(packed, x, load_quant_kernel()), expected) < 1.5e-2
             assert _fro(packed_linear(packed, x, None), expected) < 1e-6  # the portable torch path
-        if m > SMALL_M:  # the expanded-weight path multiplies with float weights: no activation rounding
+        if m > DEFAULT_ROWS.packed_rows:  # the expanded-weight path multiplies with float weights: no activation rounding
             assert _fro(packed_linear(packed, torch.ones(300, 128), load_quant_kernel()),
                         torch.ones(300, 128) @ reference.T) < 1e-6
 

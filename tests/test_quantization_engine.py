@@ -17,7 +17,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
 @pytest.fixture(scope="module")
 def hf_folder():
     """The embedded model as a bfloat16 Hugging Face folder (the GGUF converter's cache)."""
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
     from radixserve.models.loader import embedded_model_path
 
     return str(gguf_to_hf_folder(embedded_model_path(), torch.bfloat16))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.bench import roofline
-from radixserve.models.config import ModelConfig
+from radixserve.configs.model_config import ModelConfig
 
 # SmolLM2-135M-Instruct: hidden 576, MLP 1536, 30 layers, 9 heads of 64, 3 KV heads, vocabulary 49,152, tied head.
 SMOLLM2 = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -92,9 +92,9 @@ def test_bound_is_the_larger_roof_and_the_fraction_its_share() -> None:
 
 
 def test_embedded_model_config_is_the_one_worked_by_hand() -> None:
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.model_folder import read_config
     from radixserve.models.loader import embedded_model_path
-    from radixserve.models.model_folder import read_config
 
     cfg = read_config(gguf_to_hf_folder(embedded_model_path(), None))
     assert roofline.layer_params(cfg) == LAYER and roofline.head_params(cfg) == HEAD

@@ -63,7 +63,7 @@ def cluster():
                                                 "(pip install 'radixserve[router]', i.e. sglang-router==0.3.2)")
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="radixserve-dp-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "radixserve.entrypoints.cli", "serve", "--dp", "2", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--dp", "2", "--host", "127.0.0.1",
            "--port", str(port), "--api-key", f"{KEY_A},{KEY_B}", "--admin-api-key", ADMIN, *WORKER_ARGS]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                RADIXSERVE_DEBUG_ALLOC="1", RADIXSERVE_STRICT_CHECKS="1")

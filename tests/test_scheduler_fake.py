@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from radixserve.layers.sampler import compute_input_logprobs
-from radixserve.managers.io_struct import (
+from radixserve.managers.scheduler import Scheduler
+from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from radixserve.mem_cache.conservation import check_conservation
+from radixserve.mem_cache.memory_pool import SLOT_DTYPE, ReqToTokenPool
+from radixserve.protocol.io_struct import (
     AbortReq,
     FlushCacheOut,
     FlushCacheReq,
     LogprobSpec,
     TokenizedGenerateReqInput,
 )
-from radixserve.managers.scheduler import Scheduler
-from radixserve.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from radixserve.mem_cache.conservation import check_conservation
-from radixserve.mem_cache.memory_pool import SLOT_DTYPE, ReqToTokenPool
 from radixserve.sampling_params import SamplingParams
 from radixserve.server_args import ServerArgs
 
@@ -219,7 +219,7 @@ def test_a_completion_past_the_pool_is_cut_on_admission_not_aborted_mid_decode()
     submit(sched, "long", list(range(1, 61)), max_new_tokens=20, ignore_eos=True)
     submit(sched, "big", [5] * 20, max_new_tokens=100, ignore_eos=True)
     drain(sched)
-    # NOTE: the same rule as the HTTP front ends' (client/requests.check_length): prompt + completion within the pool
+    # NOTE: the same rule as the HTTP front ends' (protocol/requests.check_length): prompt + completion within the pool
     assert outputs["long"]["finish"]["type"] == "length" and len(outputs["long"]["ids"]) == 4
     assert outputs["big"]["finish"]["type"] == "length" and len(outputs["big"]["ids"]) == 44
 

@@ -14,7 +14,6 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.client.requests import check_request, per_choice_params
 from radixserve.entrypoints.http_errors import ApiError, parse_json
 from radixserve.entrypoints.logprobs import (
     LOGPROB_FLOOR,
@@ -34,9 +33,10 @@ from radixserve.frontend.tokenizer_manager import (
     api_key_id,
     cache_namespace,
 )
-from radixserve.managers.io_struct import NO_LOGPROBS, GetInternalStateOut, GetInternalStateReq
-from radixserve.managers.scheduler_process import PortArgs, SchedulerInfo
 from radixserve.mem_cache.radix_key import check_namespace
+from radixserve.protocol.io_struct import NO_LOGPROBS, GetInternalStateOut, GetInternalStateReq
+from radixserve.protocol.requests import check_request, per_choice_params
+from radixserve.protocol.scheduler_info import PortArgs, SchedulerInfo
 from radixserve.sampling_params import SamplingParams
 
 

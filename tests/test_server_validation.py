@@ -18,8 +18,8 @@ from radixserve.entrypoints.openai_protocol import CompletionRequest, GenerateRe
 from radixserve.entrypoints.serving_common import token_id_keys
 from radixserve.frontend.fair_admission import FairAdmission
 from radixserve.frontend.scheduler_link import SchedulerBusy, SchedulerLink, SchedulerUnavailable
-from radixserve.managers.io_struct import AbortReq, FlushCacheReq
-from radixserve.managers.scheduler_process import RestartBudget
+from radixserve.frontend.scheduler_supervisor import RestartBudget
+from radixserve.protocol.io_struct import AbortReq, FlushCacheReq
 from radixserve.sampling_params import TEMPERATURE_FLOOR, SamplingParams, SamplingParamsError, check_input_ids
 
 VOCAB = 49152

@@ -1,4 +1,4 @@
-"""Agent sessions (mem_cache/session_cache.py): a session's latest context stays pinned in the radix tree.
+"""Agent sessions (managers/session_cache.py): a session's latest context stays pinned in the radix tree.
 
 Scheduler tests on the fake model of test_scheduler_fake.py, with a tiny pool, and conservation after every step;
 the endpoints on the real server (the shared tenant server of server_harness.py) at the end of this file.
@@ -11,15 +11,15 @@ import random
 import pytest
 from server_harness import TENANT_KEYS, check_idle_conservation, tenant_server, wait_idle
 
-from radixserve.managers.io_struct import (
+from radixserve.mem_cache.conservation import check_conservation
+from radixserve.mem_cache.radix_key import RadixKey
+from radixserve.protocol.io_struct import (
     CloseSessionReq,
     FlushCacheReq,
     OpenSessionReq,
     SessionOut,
     TokenizedGenerateReqInput,
 )
-from radixserve.mem_cache.conservation import check_conservation
-from radixserve.mem_cache.radix_key import RadixKey
 from radixserve.sampling_params import SamplingParams
 from tests.test_scheduler_fake import make_scheduler, reference
 

@@ -11,8 +11,8 @@ import torch
 from test_model_support import one_torch_thread
 from test_window_attention import DIM, W, _decode, _extend
 
+from radixserve.configs.row_table import CascadePolicy
 from radixserve.layers.attention import create_attention_backend, softcap
-from radixserve.layers.attention.cascade import CascadePolicy
 from radixserve.layers.radix_attention import RadixAttention
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from radixserve.managers.io_struct import AbortReq
+from radixserve.configs.speculative import SpecConfig
+from radixserve.protocol.io_struct import AbortReq
 from radixserve.server_args import ServerArgs
-from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.ngram import DraftBudget, NgramIndex
 from radixserve.speculative.verify import VerifyInput, accept_greedy
 from tests.test_scheduler_fake import VOCAB, conserve, drain, make_scheduler, next_token, reference, submit
@@ -279,8 +279,8 @@ def test_speculative_sampling_output_distribution_end_to_end():
 
     import torch
 
-    from radixserve.managers.io_struct import TokenizedGenerateReqInput
     from radixserve.managers.scheduler import Scheduler
+    from radixserve.protocol.io_struct import TokenizedGenerateReqInput
     from radixserve.sampling_params import SamplingParams
 
     outputs: dict[str, list[int]] = {}
@@ -351,7 +351,7 @@ def test_tree_continuation_reads_another_answer_in_the_same_namespace_only(page_
 def test_a_repeated_prompt_drafts_the_earlier_answer_from_the_tree():
     """The hash model never repeats itself, so own-sequence drafts are rare; the second run of a prompt takes the
     first run's answer from the tree (nearly all accepted), and a request in another namespace does not."""
-    from radixserve.managers.io_struct import TokenizedGenerateReqInput
+    from radixserve.protocol.io_struct import TokenizedGenerateReqInput
     from radixserve.sampling_params import SamplingParams
 
     sched, outputs = make_scheduler(pool_tokens=1024, speculative_algorithm="ngram")
@@ -537,8 +537,8 @@ def test_penalized_requests_draft_with_their_history_exact(penalty):
     """On a 3-token model where penalties decide most argmaxes, penalized greedy requests with drafts give the
     tokens of the run without speculation: each verify row counts the draft tokens before it, and the history
     keeps only the accepted ones."""
-    from radixserve.managers.io_struct import TokenizedGenerateReqInput
     from radixserve.managers.scheduler import Scheduler
+    from radixserve.protocol.io_struct import TokenizedGenerateReqInput
     from radixserve.sampling_params import SamplingParams
 
     def run(algorithm: str) -> tuple[dict[str, list[int]], Scheduler]:

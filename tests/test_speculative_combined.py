@@ -80,9 +80,9 @@ def grammars():
     import torch
 
     from radixserve.constrained.grammar_backend import GrammarBackend
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.model_folder import load_tokenizer
     from radixserve.models.loader import embedded_model_path
-    from radixserve.models.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(gguf_to_hf_folder(embedded_model_path(), torch.float32))
     return GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id]), tokenizer

@@ -105,7 +105,7 @@ def test_drafting_pays_only_where_the_draft_forwards_cost_less_than_they_yield()
     """The batch-level decision (`_pays`): plain steps of 10 ms, verify steps of 12 ms; 6 draft tokens accepted at a
     rate of 0.9 yield 6.4 tokens a request per verify. Draft forwards of 1 ms pay (10 ms a token plain, 18 ms for
     6.4); of 20 ms they do not (132 ms for 6.4), and then each request's rate drifts toward the prior."""
-    from radixserve.speculative.config import SpecConfig
+    from radixserve.configs.speculative import SpecConfig
     from radixserve.speculative.draft_model import DraftModelDrafter
     from radixserve.speculative.ngram import UNKNOWN_RATE, DraftBudget, SpecState
 
@@ -171,9 +171,9 @@ def test_sampled_requests_draft_and_stay_in_range(tiny_models, always_draft):
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(tiny_models):
+    from radixserve.configs.speculative import SpecConfig
     from radixserve.model_executor.model_runner import ModelRunner
     from radixserve.server_args import ServerArgs
-    from radixserve.speculative.config import SpecConfig
     from radixserve.speculative.draft_model import load_draft_runner
 
     args = ServerArgs(model_path=str(tiny_models[0]), dtype="float32", max_total_tokens=512,

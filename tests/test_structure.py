@@ -6,10 +6,11 @@ from __future__ import annotations
 import ast
 import inspect
 import pathlib
+import re
 
-from radixserve.managers.io_struct import LogprobSpec
 from radixserve.managers.req import FinishReason, Req, ReqPhase
 from radixserve.managers.scheduler import Scheduler
+from radixserve.protocol.io_struct import LogprobSpec
 from radixserve.sampling_params import SamplingParams
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "radixserve"
@@ -184,11 +185,85 @@ def test_no_import_circle_among_the_package_modules() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+# NOTE: the package tiers, lowest first. A package imports at run time only from packages in lower tiers (never one of
+# its own tier, never above); an import under TYPE_CHECKING may name any package's type. A new package takes a tier.
+PACKAGE_TIERS = (
+    ("version", "envs", "forward_batch", "function_call"),  # the vocabulary every layer shares
+    ("configs", "platform", "cpu_memory", "sampling_params", "mem_cache"),
+    ("kernels", "protocol", "server_args", "constrained", "model_loader", "examples"),
+    ("layers", "client"),
+    ("lora",),
+    ("models",),
+    ("model_executor",),
+    ("speculative",),
+    ("managers",),  # the scheduler process
+    ("frontend",),  # the HTTP process's scheduler client
+    ("entrypoints",),
+    ("launch_server", "bench", "radixserve"),
+    ("cli",),
+)
+
+
+def _package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _upward_imports(edges: dict[str, set[str]], tiers: tuple[tuple[str, ...], ...]) -> list[tuple[str, str]]:
+    tier = {package: n for n, names in enumerate(tiers) for package in names}
+    return sorted((module, dep) for module, deps in edges.items() for dep in deps
+                  if _package_of(module) != _package_of(dep)
+                  and tier[_package_of(dep)] >= tier[_package_of(module)])
+
+
+def test_packages_import_only_from_lower_tiers() -> None:
+    edges, _ = _package_imports()
+    placed = {package for names in PACKAGE_TIERS for package in names}
+    assert {_package_of(m) for m in edges} == placed, "every package (and top-level module) has one tier"
+    assert _upward_imports(edges, PACKAGE_TIERS) == []
+    # NOTE: the checker finds an import that goes up, or sideways within a tier
+    assert _upward_imports({"radixserve.layers.x": {"radixserve.models.y", "radixserve.client.z"}},
+                           PACKAGE_TIERS) == [("radixserve.layers.x", "radixserve.client.z"),
+                                              ("radixserve.layers.x", "radixserve.models.y")]
+
+
+_THRESHOLD_NAME = re.compile(r"(_ROWS|_M|_NEW_TOKENS|_LIMIT)$")
+# NOTE: names that match but are no kernel switch: the roofline probe's size, the environment switches RowTable reads,
+# the scheduler's token budget, and the dtype choice's slowdown bound
+_NOT_ROW_SWITCHES = {("bench/roofline.py", "GEMM_ROWS"), ("envs.py", "GEMV_MAX_ROWS"), ("envs.py", "F32_GEMV_MAX_ROWS"),
+                     ("managers/schedule_policy.py", "CLIP_MAX_NEW_TOKENS"), ("platform.py", "NATIVE_SLOWDOWN_LIMIT")}
+
+
+def _row_constants(source: str) -> list[str]:
+    """Module-level constants of `source` named like a row or token threshold."""
+    names = []
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        names += [t.id for t in targets if isinstance(t, ast.Name) and _THRESHOLD_NAME.search(t.id)]
+    return names
+
+
+def test_the_row_table_is_the_only_place_a_row_threshold_is_defined() -> None:
+    """Every row count where a kernel changes is a field of configs/row_table.RowTable, which the execution plan
+    builds once and hands out; no other module defines one (and the GEMV switch is read there alone)."""
+    found = {(path.relative_to(PACKAGE).as_posix(), name) for path in PACKAGE.rglob("*.py")
+             for name in _row_constants(path.read_text())}
+    assert {(p, n) for p, n in found if p != "configs/row_table.py"} == _NOT_ROW_SWITCHES
+    readers = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+               if "GEMV_MAX_ROWS.get(" in path.read_text()}  # NOTE: both switches, RADIXSERVE_(F32_)GEMV_MAX_ROWS
+    assert readers == {"configs/row_table.py"}
+    # NOTE: the checker finds one where there is one
+    assert _row_constants("F32_GEMV_ROWS = 8\nTILED_MAX_M: int = 32\nOTHER = 1\n") == ["F32_GEMV_ROWS", "TILED_MAX_M"]
+
+
 def test_the_scheduler_process_and_the_http_process_live_in_separate_folders() -> None:
     edges, _ = _package_imports()
     scheduler_side = {m for m in edges if m.startswith("radixserve.managers.")}
     assert not {m for m in scheduler_side for dep in edges[m] if dep.startswith("radixserve.frontend.")}, \
         "the scheduler process imports HTTP-process code"
+    assert not {m for m in edges if m.startswith(("radixserve.frontend.", "radixserve.client."))
+                for dep in edges[m] if dep.startswith("radixserve.managers.")}, \
+        "the front ends reach the scheduler through protocol/, not through the scheduler's modules"
     assert "radixserve.frontend.tokenizer_manager" in edges
 
 
@@ -214,16 +289,16 @@ def test_kernel_bindings_live_in_kernels_and_nothing_else_loads_our_libraries() 
     assert outside == set()
     ctypes_users = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
                     if path.parent.name != "kernels" and "import ctypes" in path.read_text()}
-    assert ctypes_users <= {"model_executor/cpu_threads.py", "model_executor/cpu_memory.py",
+    assert ctypes_users <= {"model_executor/cpu_threads.py", "cpu_memory.py",
                             "entrypoints/dp_processes.py"}
 
 
 def test_quantization_gives_linear_layers_a_method_and_swaps_no_linear_module() -> None:
     import torch
 
+    from radixserve.configs.model_config import ModelConfig
     from radixserve.layers.linear import LinearBase
     from radixserve.layers.quantization.linear import PackedLinearMethod, QuantizedEmbedding
-    from radixserve.models.config import ModelConfig
     from radixserve.models.loader import build_model
 
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=128,

@@ -82,9 +82,9 @@ def backend():
     import torch
 
     from radixserve.constrained.grammar_backend import GrammarBackend, GrammarSpec
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.model_folder import load_tokenizer
     from radixserve.models.loader import embedded_model_path
-    from radixserve.models.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(gguf_to_hf_folder(embedded_model_path(), torch.float32))
     grammars = GrammarBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
@@ -178,9 +178,9 @@ def test_a_trigger_that_is_a_special_token_reaches_the_parser():
     from radixserve.client.text_stream import IncrementalDetokenizer
     from radixserve.constrained.grammar_backend import GrammarBackend, GrammarSpec
     from radixserve.function_call.formats import trigger_is_special
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.model_folder import load_tokenizer
     from radixserve.models.loader import embedded_model_path
-    from radixserve.models.model_folder import load_tokenizer
 
     plain = load_tokenizer(gguf_to_hf_folder(embedded_model_path(), torch.float32))
     assert not any(trigger_is_special(f, plain) for f in FORMATS.values())

@@ -17,13 +17,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # NOTE: read when the kernels are decorated: before the import
 pytest.importorskip("triton")
 
+from radixserve.forward_batch import ForwardBatch  # noqa: E402
 from radixserve.layers.attention.torch_backend import TorchAttnBackend  # noqa: E402
 from radixserve.layers.attention.triton_backend import TritonAttnBackend, TritonAttnMetadata  # noqa: E402
 from radixserve.layers.attention.triton_ops.decode_attention import decode_attention  # noqa: E402
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention  # noqa: E402
 from radixserve.layers.radix_attention import RadixAttention  # noqa: E402
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
-from radixserve.model_executor.forward_batch import ForwardBatch  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU_DEVICE = torch.device("cpu")

@@ -13,12 +13,12 @@ from kernel_levels import LEVELS, force_level, select_everything
 from test_model_attention import _setup
 from test_model_support import one_torch_thread
 
+from radixserve.configs.row_table import CascadePolicy
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.attention.base import AttentionPlan
-from radixserve.layers.attention.cascade import CascadePolicy
 from radixserve.layers.attention.torch_backend import TorchAttnBackend
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 

@@ -18,6 +18,7 @@ from kernel_levels import LEVELS, force_level, kernel_at, select_everything
 from test_cascade_attention import _decode_batch, _extend_batch
 from test_model_support import one_torch_thread
 
+from radixserve.configs.row_table import CascadePolicy
 from radixserve.kernels.attention import load_decode_kernel
 from radixserve.layers.attention import cascade, create_attention_backend, window_cascade
 from radixserve.layers.attention.window import WindowDecodeMetadata, WindowExtendMetadata
@@ -27,7 +28,7 @@ from radixserve.platform import KERNEL_ISAS
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
 W, WIDE = 16, 100  # WIDE: part (a) spans several 64-key chunks of the kernels
-POLICY = cascade.CascadePolicy(min_prefix=4, min_decode_batch=2, min_decode_saved=0)
+POLICY = CascadePolicy(min_prefix=4, min_decode_batch=2, min_decode_saved=0)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 PATHS = ["torch", "torch-math", "cpu", *(f"cpu-{isa}" for isa in KERNEL_ISAS)]
 SHAPES = [(2, 2, 64), (2, 6, 128)]  # (kv_heads, heads, dim): GQA ratios 1 and 3, head dims 64 and 128
@@ -123,8 +124,8 @@ def test_part_a_reads_only_what_the_windows_see():
     assert plan.prefix_first.tolist() == [0, 15, 2, 15]
     assert plan.suffix_lens.tolist() == [1, 16, 3, 16] and plan.suffix_max_len == 16
     # NOTE: the policy counts the 15 shared keys the window reads, not the 40 of the prefix
-    assert window_cascade.plan_decode(fb, W, 40, cascade.CascadePolicy(16, 2, 0)) is None
-    assert cascade.plan_decode(fb, cascade.CascadePolicy(16, 2, 0), 40) is not None
+    assert window_cascade.plan_decode(fb, W, 40, CascadePolicy(16, 2, 0)) is None
+    assert cascade.plan_decode(fb, CascadePolicy(16, 2, 0), 40) is not None
     far = _decode_batch(40, [20, 30], 1, 2, 16, torch.float32)[3]  # windows start at 44 and 54: none shared
     assert window_cascade.plan_decode(far, W, 40, POLICY) is None
 
@@ -219,7 +220,7 @@ def test_engine_gemma3_window_cascade_matches_cascade_off(one_pool, tmp_path):
                     log_level="warning") as engine:
             backend = engine.model_runner.attn_backend
             if not disable:  # NOTE: scaled down to W = 8, which reads at most 8 shared keys
-                backend.cascade = cascade.CascadePolicy(min_prefix=4, min_decode_batch=2, min_decode_saved=4)
+                backend.cascade = CascadePolicy(min_prefix=4, min_decode_batch=2, min_decode_saved=4)
             engine.generate(input_ids=prefix, sampling_params={**params, "max_new_tokens": 1})  # cache the prefix
             outputs.append([r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)])
             counts.append(dict(backend.window_cascade_forwards))

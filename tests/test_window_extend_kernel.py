@@ -13,9 +13,9 @@ from kernel_levels import LEVELS, force_level, kernel_at, select_everything
 from test_model_attention import _setup
 from test_model_support import one_torch_thread
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.radix_attention import RadixAttention
-from radixserve.model_executor.forward_batch import ForwardBatch
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 

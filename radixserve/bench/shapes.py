@@ -154,14 +154,14 @@ def read_stamp(folder: Path, name: str = "shape_ladder.json") -> dict | None:
 
 
 def _embedded_tokenizer_folder() -> Path:
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
     from radixserve.models.loader import embedded_model_path
 
     return gguf_to_hf_folder(embedded_model_path(), None)
 
 
 def _tokenizer_size(folder: Path) -> int:
-    from radixserve.models.model_folder import load_tokenizer
+    from radixserve.model_loader.model_folder import load_tokenizer
 
     return len(load_tokenizer(folder))
 

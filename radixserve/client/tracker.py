@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-from radixserve.managers.io_struct import BatchTokenIDOut, TokenIDOut
+from radixserve.protocol.io_struct import BatchTokenIDOut, TokenIDOut
 
 S = TypeVar("S")
 

@@ -24,7 +24,7 @@ from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints.http_errors import ApiError, bad_request
 from radixserve.entrypoints.serving_common import guarded
 from radixserve.frontend.tokenizer_manager import TokenizerManager, api_key_id
-from radixserve.managers.io_struct import CacheTreeOut, CacheTreeReq
+from radixserve.protocol.io_struct import CacheTreeOut, CacheTreeReq
 from radixserve.server_args import ServerArgs
 
 STATIC_DIR = Path(__file__).with_name("static")

@@ -21,10 +21,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from radixserve.client.replies import ControlReplies
-from radixserve.client.requests import check_request, generate_message, per_choice_params
 from radixserve.client.tracker import RequestTracker
 from radixserve.entrypoints.request_state import RequestHandle, RequestState
-from radixserve.managers.io_struct import (
+from radixserve.protocol.io_struct import (
     NO_LOGPROBS,
     AbortReq,
     BatchTokenIDOut,
@@ -38,6 +37,7 @@ from radixserve.managers.io_struct import (
     LoraAdapterOut,
     UnloadLoraAdapterReq,
 )
+from radixserve.protocol.requests import check_request, generate_message, per_choice_params
 from radixserve.sampling_params import SamplingParams, check_input_ids
 from radixserve.server_args import ServerArgs
 
@@ -118,7 +118,7 @@ class Engine:
         """Queue one request and return at once; the handle waits for, streams or aborts it."""
         self._raise_if_dead()
         params = SamplingParams.from_any(sampling_params)
-        # NOTE: the server's rules (sampling_params.py, client/requests.py), with this model's numbers.
+        # NOTE: the server's rules (sampling_params.py, protocol/requests.py), with this model's numbers.
         check_input_ids(input_ids, self.limits.vocab_size)
         params.verify_for_model(self.limits.vocab_size)
         error = check_request(input_ids, logprob, extra_key, self.limits)

@@ -107,7 +107,7 @@ async def _flat_server_info(tm: TokenizerManager, server_args: ServerArgs) -> di
         state, alive = tm.scheduler_state, False
     args = dataclasses.asdict(server_args) | {name: "<redacted>" if getattr(server_args, name) else None
                                               for name in ("api_key", "admin_api_key")}
-    from radixserve import __version__
+    from radixserve.version import __version__
 
     return args | {
         "served_model_name": tm.info.model_name,
@@ -128,7 +128,7 @@ async def _flat_server_info(tm: TokenizerManager, server_args: ServerArgs) -> di
 def _flat_tenant_info(tm: TokenizerManager, server_args: ServerArgs) -> dict[str, Any]:
     """/server_info for a tenant key (a gateway holding one registers the worker with it): what the model is
     and whether it serves, nothing of the scheduler or the other tenants, as /get_server_info does."""
-    from radixserve import __version__
+    from radixserve.version import __version__
 
     return {"served_model_name": tm.info.model_name, "tokenizer_path": server_args.model_path, "dp_size": 1,
             "tp_size": 1, "version": __version__, "context_len": tm.info.context_len,

@@ -284,7 +284,7 @@ async def _server_info(tm: TokenizerManager, server_args: ServerArgs) -> dict[st
 
 
 def _version() -> str:
-    from radixserve import __version__
+    from radixserve.version import __version__
 
     return __version__
 

@@ -28,7 +28,7 @@ from radixserve.entrypoints.openai_protocol import (
     TopLogprob,
 )
 from radixserve.frontend.tokenizer_manager import GenerateOutput, TopLogprobs
-from radixserve.managers.io_struct import MAX_TOP_LOGPROBS
+from radixserve.protocol.io_struct import MAX_TOP_LOGPROBS
 
 
 class HasLogprobs(Protocol):

@@ -26,7 +26,7 @@ from radixserve.entrypoints.openai_protocol import (
 )
 from radixserve.entrypoints.serving_common import guarded
 from radixserve.frontend.tokenizer_manager import SchedulerUnavailable, TokenizerManager
-from radixserve.managers.io_struct import (
+from radixserve.protocol.io_struct import (
     ListLoraAdaptersReq,
     LoadLoraAdapterReq,
     LoraAdapterOut,

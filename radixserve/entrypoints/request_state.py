@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from radixserve.client.shaping import native_logprobs
 from radixserve.client.text_stream import IncrementalDetokenizer, final_text
-from radixserve.managers.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
 from radixserve.mem_cache.tiers import tier_details
+from radixserve.protocol.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
 from radixserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -13,7 +13,6 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.client.requests import check_length
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, overloaded, unavailable
 from radixserve.entrypoints.logprobs import share_prompt_logprobs
 from radixserve.frontend.frontend_io import FinishView
@@ -25,6 +24,7 @@ from radixserve.frontend.tokenizer_manager import (
     TokenizerManager,
     TopLogprobs,
 )
+from radixserve.protocol.requests import check_length
 from radixserve.sampling_params import SamplingParams, SamplingParamsError, check_input_ids
 
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 Each input runs as one request of the scheduler, beside generation in the same continuous batches: a prefill that
 generates no token (`max_new_tokens` 0) and returns the model's final norm output pooled over its prompt (`last`
-token or `mean`, --embedding-pooling; model_executor/pooling.py), L2-normalised. Its KV is then cached like a
+token or `mean`, --embedding-pooling; layers/pooler.py), L2-normalised. Its KV is then cached like a
 finished request's, so a later request sharing the prompt's prefix reuses it (`last` only: `mean` needs every
 token's hidden state, so it matches no prefix and computes its prompt whole).
 """
@@ -19,7 +19,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.client.requests import check_request
 from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints.embeddings_protocol import (
     ENCODING_FORMATS,
@@ -44,7 +43,8 @@ from radixserve.entrypoints.serving_common import (
     tokenize_text,
 )
 from radixserve.frontend.tokenizer_manager import GenerateOutput, GenerateReq, SchedulerBusy, TokenizerManager
-from radixserve.managers.io_struct import NO_LOGPROBS
+from radixserve.protocol.io_struct import NO_LOGPROBS
+from radixserve.protocol.requests import check_request
 from radixserve.sampling_params import SamplingParams
 
 _ERRORS = (400, 401, 404, 413, 500, 503)

@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.client.requests import per_choice_params
 from radixserve.entrypoints import openapi_docs as docs
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text
 from radixserve.entrypoints.logprobs import TokenTexts, check_top_logprobs, native_logprobs
@@ -40,8 +39,9 @@ from radixserve.entrypoints.serving_common import (
 )
 from radixserve.frontend.tenant_namespace import namespace_owner
 from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManager
-from radixserve.managers.io_struct import CheckSessionReq, CloseSessionReq, OpenSessionReq
 from radixserve.mem_cache.tiers import tier_details
+from radixserve.protocol.io_struct import CheckSessionReq, CloseSessionReq, OpenSessionReq
+from radixserve.protocol.requests import per_choice_params
 from radixserve.sampling_params import SamplingParams
 
 _MAX_PARAM = "sampling_params.max_new_tokens"

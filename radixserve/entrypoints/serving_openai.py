@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from radixserve.client.requests import per_choice_params
 from radixserve.client.text_stream import decode_all
 from radixserve.entrypoints import chat_reasoning as reasoning_out
 from radixserve.entrypoints.chat_history import check_history
@@ -63,6 +62,7 @@ from radixserve.function_call.answer import StreamedCalls, whole_message
 from radixserve.function_call.chat_tools import ToolError, ToolPlan, template_messages, template_tools
 from radixserve.function_call.formats import choose_format, trigger_is_special
 from radixserve.function_call.legacy import plan_request_tools
+from radixserve.protocol.requests import per_choice_params
 
 # NOTE: `function_call` is in an answer only for the legacy `functions`; it is left out (not null) otherwise,
 # and a legacy answer carries no `tool_calls`

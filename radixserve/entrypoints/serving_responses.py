@@ -23,7 +23,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from radixserve.client.requests import per_choice_params
 from radixserve.entrypoints import chat_reasoning as reasoning_out
 from radixserve.entrypoints.chat_history import check_history
 from radixserve.entrypoints.http_errors import ApiError, bad_request, check_text, validation_error
@@ -63,6 +62,7 @@ from radixserve.frontend.tokenizer_manager import GenerateOutput, TokenizerManag
 from radixserve.function_call.answer import StreamedCalls, whole_message
 from radixserve.function_call.chat_tools import ToolError, ToolPlan, template_messages, template_tools
 from radixserve.function_call.legacy import plan_request_tools
+from radixserve.protocol.requests import per_choice_params
 
 
 class ResponsesServing:

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from radixserve.managers.scheduler_process import PortArgs
+from radixserve.protocol.scheduler_info import PortArgs
 
 _CONNECT_TIMEOUT_S = 30.0
 

@@ -14,19 +14,41 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from radixserve.frontend.scheduler_link import SchedulerLink, SchedulerUnavailable
-from radixserve.managers.scheduler_process import RestartBudget
 
 if TYPE_CHECKING:
-    from radixserve.managers.scheduler_process import SchedulerInfo
+    from radixserve.protocol.scheduler_info import SchedulerInfo
 
 logger = logging.getLogger(__name__)
 
 # (link, process, info) of a freshly started scheduler; blocking, called on a worker thread.
 Launcher = Callable[[], "tuple[SchedulerLink, Any, SchedulerInfo]"]
+
+
+class RestartBudget:
+    """At most `max_restarts` scheduler restarts within any `window_s` seconds."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def take(self) -> bool:
+        """Spend one restart if the budget allows it now."""
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+    def describe(self) -> str:
+        return f"{len(self._times)} of {self.max_restarts} restarts used in {self.window_s:g} s"
 
 
 class SupervisedClient(Protocol):

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.client.replies import ControlReplies
-from radixserve.client.requests import generate_message
 from radixserve.client.text_stream import IncrementalDetokenizer, max_prompt_chars
 from radixserve.client.tracker import RequestTracker
 from radixserve.frontend.fair_admission import FairAdmission, Ticket
@@ -37,7 +36,7 @@ from radixserve.frontend.scheduler_link import SchedulerBusy, SchedulerLink, Sch
 from radixserve.frontend.scheduler_supervisor import Launcher, SchedulerSupervisor
 from radixserve.frontend.tenant_namespace import api_key_id, cache_namespace, namespace_owner
 from radixserve.frontend.tokenizer_metrics import ServerMetrics
-from radixserve.managers.io_struct import (
+from radixserve.protocol.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     CheckSessionReq,
@@ -50,7 +49,8 @@ from radixserve.managers.io_struct import (
     OpenSessionReq,
     SessionOut,
 )
-from radixserve.managers.scheduler_process import SchedulerInfo
+from radixserve.protocol.requests import generate_message
+from radixserve.protocol.scheduler_info import SchedulerInfo
 
 logger = logging.getLogger(__name__)
 

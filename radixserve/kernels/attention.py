@@ -44,7 +44,7 @@ KERNELS = ("decode", "extend", "prefix")
 # that class of CPU (`platform.kernel_class()`; benchmarks/bench_kernels.py, 1 thread; docs/attention.md,
 # "Kernel levels"). Elsewhere that part of attention stays on torch:
 # - decode won on every class and dtype (1.2x-12x);
-# - extend (batches whose requests have at most EXTEND_KERNEL_MAX_NEW_TOKENS new tokens) won on the AVX2 and
+# - extend (batches whose requests have at most `RowTable.extend_kernel_new_tokens` new tokens) won on the AVX2 and
 #   AVX-512 classes in float32 (1.2x-1.4x at 500 tokens) and in bf16 without AMX (1.1x-1.3x); it tied on
 #   portable (0.96x-1.00x) and lost to torch's SDPA on AMX tiles in bf16 (0.50x). On avx512_bf16 in bf16 it
 #   is chosen by a real Zen 4 (2.3x-4.6x faster than SDPA), though this Xeon's emulation measured 0.7x;

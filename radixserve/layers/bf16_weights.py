@@ -3,7 +3,7 @@
 A decode step reads every weight once, and on such a CPU `--dtype bfloat16` is slow (its products are
 emulated) while float32 reads twice the bytes. This method keeps each weight in bfloat16 (half the bytes;
 what `--dtype bfloat16` keeps on a CPU with bf16 products) and computes in float32: csrc/bf16w_gemv.c widens
-the weight in registers below WIDEN_ROWS rows; from there (a prefill chunk) the weight is widened into a float32
+the weight in registers up to `RowTable.bf16_weights_rows` rows; above (a prefill chunk) the weight is widened into a float32
 scratch for one float32 product (oneDNN's; `prefill_product`), written straight in the blocked order oneDNN
 multiplies from, so oneDNN does not reorder it again. Measured on one core forced to AVX2 (ATen, MKL and oneDNN
 too) against the faster of float32 `F.linear` and oneDNN (benchmarks/bench_bf16_weights.py): 1.1-2.4x faster at
@@ -38,7 +38,6 @@ from radixserve.kernels.gemv import (
 )
 from radixserve.layers.linear import LinearBase, LinearMethod, register_linear_method, tunable_layers
 
-WIDEN_ROWS = 256  # from this many rows on, the weight is widened to float32 for one F.linear (a prefill chunk)
 WIDEN_MAX_ELEMENTS = 64 << 20  # larger weights (an LM head asked for many rows of logits) stay on the kernel
 BLOCKED_HINT = 1024  # the rows oneDNN is told to pack a weight for (its order held for 256-2,048 rows alike)
 
@@ -206,7 +205,7 @@ class Bf16WeightLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1]).contiguous().to(torch.float32)
         n = layer.out_features
-        if not self.every_row and flat.shape[0] >= WIDEN_ROWS and self.packed.numel() <= WIDEN_MAX_ELEMENTS:
+        if not self.every_row and flat.shape[0] > self.rows.bf16_weights_rows and self.packed.numel() <= WIDEN_MAX_ELEMENTS:
             # NOTE: the widened weight lives in this thread's scratch until its next layer's product
             y = prefill_product(self.kernel, self.packed, flat, layer.bias, n, self.prefill_copy)
         else:
@@ -222,7 +221,7 @@ class Bf16WeightLinearMethod(LinearMethod):
         self.prefill_copy = copy
 
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
-        usable = 0 < rows and (self.every_row or rows < WIDEN_ROWS) and dtype == torch.float32 and self.packed is not None
+        usable = 0 < rows and (self.every_row or rows <= self.rows.bf16_weights_rows) and dtype == torch.float32 and self.packed is not None
         return self.kernel.address if usable else None
 
     @property
@@ -250,8 +249,9 @@ class Bf16WeightLinearMethod(LinearMethod):
         kernel = load_bf16w_kernel()
         if self.every_row:
             return f"bf16w_gemv ({kernel.level}) at every row count (deterministic inference)"
-        return (f"bf16w_gemv ({kernel.level}, prefetch {kernel.prefetch}) below {WIDEN_ROWS} rows, a float32 copy (in oneDNN's blocked "
-                f"order where it holds) and oneDNN from {WIDEN_ROWS}")
+        last = self.rows.bf16_weights_rows
+        return (f"bf16w_gemv ({kernel.level}, prefetch {kernel.prefetch}) at 1-{last} rows, a float32 copy (in oneDNN's "
+                f"blocked order where it holds) and oneDNN from {last + 1}")
 
 
 def keep_prefill_copies(model: torch.nn.Module) -> int:

@@ -3,7 +3,7 @@
 `--dtype float32` keeps every weight in float32 (no rounding). csrc/f32_gemv.c streams the weight rows in
 their own layout at the kernel level this process runs (AVX-512, AVX2 + FMA, or plain C); it is the function
 the float32 C decode step calls for such a layer, so small decode batches run every decoder layer in one C
-call. It beats oneDNN's prepacked product at one row and ties it at four; from F32_GEMV_ROWS rows on oneDNN
+call. It beats oneDNN's prepacked product at one row and ties it at four; above `RowTable.f32_gemv_rows` oneDNN
 is faster (benchmarks/bench_f32_linear.py), so those rows keep oneDNN's product. Like `onednn_gemv` in bf16,
 the layer keeps two copies of its weight (the loaded one for the GEMV, oneDNN's blocked one): `--linear-method
 onednn` keeps one. Timing decides per shape (layers/linear_tuning.py).
@@ -15,8 +15,6 @@ import torch
 
 from radixserve.kernels.gemv import load_f32_kernel
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
-
-F32_GEMV_ROWS = 8  # from this many rows on, oneDNN (benchmarks/bench_f32_linear.py)
 
 
 class F32GemvLinearMethod(OneDNNLinearMethod):
@@ -38,7 +36,7 @@ class F32GemvLinearMethod(OneDNNLinearMethod):
         return True
 
     def _gemv_rows(self, rows: int) -> bool:
-        return 0 < rows and (self.every_row or rows < F32_GEMV_ROWS)
+        return 0 < rows and (self.every_row or rows <= self.rows.f32_gemv_rows)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         super().process_weights_after_loading(layer)
@@ -76,7 +74,7 @@ class F32GemvLinearMethod(OneDNNLinearMethod):
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
         if self.every_row:
             return f"f32_gemv ({load_f32_kernel().level}) at every row count (deterministic inference)"
-        return f"1-{F32_GEMV_ROWS - 1} rows f32_gemv ({load_f32_kernel().level}), oneDNN above"
+        return f"1-{self.rows.f32_gemv_rows} rows f32_gemv ({load_f32_kernel().level}), oneDNN above"
 
 
 register_linear_method(F32GemvLinearMethod)

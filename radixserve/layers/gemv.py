@@ -3,10 +3,12 @@
 At decode batch sizes a linear layer's cost is reading its weight once. oneDNN's bf16 product reads it
 at about half the memory bandwidth at those sizes; our kernels read a tile-interleaved copy of the
 weight as one sequential stream with software prefetch:
-* csrc/bf16_amx.c (AMX tiles) for 1 to AMX_MAX_ROWS rows where the CPU has AMX-BF16: 1.3-2.6x faster
+* csrc/bf16_amx.c (AMX tiles) for 1 to `RowTable.amx_rows` rows where the CPU has AMX-BF16: 1.3-2.6x faster
   than oneDNN at 8-32 rows, and 1.1-1.3x faster than the GEMV at 1-4 (benchmarks/bench_decode_linear.py);
-* csrc/bf16_gemv.c (register-blocked vdpbf16ps) for up to 32 rows (RADIXSERVE_GEMV_MAX_ROWS) without AMX
-  (or in_features % 32 != 0): 0.66-0.90x oneDNN's time at 8-32 rows on a Zen 4 EPYC.
+* csrc/bf16_gemv.c (register-blocked vdpbf16ps) for up to `RowTable.bf16_gemv_rows` (32, RADIXSERVE_GEMV_MAX_ROWS)
+  without AMX (or in_features % 32 != 0): 0.66-0.90x oneDNN's time at 8-32 rows on a Zen 4 EPYC, where it beat
+  oneDNN at every decoder shape of the shape ladder from 1 to 32 rows (benchmarks/bench_decode_linear.py); up to
+  that size a decode batch (or a speculative verify step: requests + drafts) runs the C decode step.
 Larger batches and prefill keep oneDNN's prepacked weight, so the layer keeps two copies of its weight:
 `--linear-method onednn` keeps one.
 """
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from radixserve import envs
 from radixserve.kernels.gemv import (
     Bf16Gemv,
     load_amx_kernel,
@@ -26,20 +27,6 @@ from radixserve.kernels.gemv import (
 )
 from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_linear_method
 
-GEMV_LIMIT = 64  # the most rows the kernel takes (DP_MAX_M in csrc/bf16_gemv.c)
-
-
-# The rows up to which the GEMV takes a product without AMX. On a Zen 4 EPYC (AVX512-BF16, no AMX) its
-# register-blocked vdpbf16ps form beat oneDNN at every decoder shape of the shape ladder from 1 to 32 rows
-# (benchmarks/bench_decode_linear.py); and up to this size a decode batch (or a speculative verify step:
-# requests + drafts) runs the C decode step.
-def gemv_max_rows() -> int:
-    """Most rows the GEMV takes without AMX (RADIXSERVE_GEMV_MAX_ROWS, 32 by default, at most GEMV_LIMIT); a
-    layer reads it once, when its weights are packed."""
-    return min(GEMV_LIMIT, max(1, envs.GEMV_MAX_ROWS.get()))
-
-
-AMX_MAX_ROWS = 32  # the AMX kernel's two 16-row A tiles
 # Row counts (prefill chunks) at which the large AMX product is timed against oneDNN's (linear_tuning.py);
 # rows r take the decision of the first point >= r, and oneDNN beyond the last.
 LARGE_GRID = (*range(64, 1281, 64), *range(1408, 2049, 128))
@@ -57,7 +44,7 @@ def has_large_product(in_features: int) -> bool:
 
 
 class GemvLinearMethod(OneDNNLinearMethod):
-    """Our AMX kernel up to AMX_MAX_ROWS rows (the GEMV up to `gemv_max_rows()` without AMX); above, oneDNN's
+    """Our AMX kernel up to `rows.amx_rows` rows (the GEMV up to `rows.bf16_gemv_rows` without AMX); above, oneDNN's
     prepacked product, or our large AMX product at the row counts where it measured faster here
     (`large_rows`, LARGE_GRID points planned by linear_tuning.plan_large_rows)."""
 
@@ -73,7 +60,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
         super().__init__()
         self.gemv_weight: torch.Tensor | None = None  # the tile-interleaved copy our kernels read
         self.shares_onednn_buffer = False  # True: `gemv_weight` is a view of oneDNN's packed buffer, not a copy
-        self.gemv_max_rows = gemv_max_rows()
+        self.amx: Bf16Gemv | None = None
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         super().process_weights_after_loading(layer)
@@ -85,16 +72,15 @@ class GemvLinearMethod(OneDNNLinearMethod):
         self.shares_onednn_buffer = self.gemv_weight is not gemv
         self.kernel = load_gemv_kernel()
         amx = load_amx_kernel() if layer.in_features % 32 == 0 else None
-        self.amx, self.amx_max_rows = amx, AMX_MAX_ROWS if amx is not None else 0
-        self.gemv_max_rows = gemv_max_rows()
+        self.amx = amx
         self.large = load_amx_large_kernel() if amx is not None else None
         self.large_rows: frozenset[int] = frozenset()
 
     def decode_kernel(self, rows: int) -> Bf16Gemv | None:
         """The kernel for a decode batch of `rows` rows (the C decode step asks too), None above them."""
-        if 0 < rows <= self.amx_max_rows:
+        if self.amx is not None and 0 < rows <= self.rows.amx_rows:
             return self.amx
-        return self.kernel if 0 < rows <= self.gemv_max_rows else None
+        return self.kernel if 0 < rows <= self.rows.bf16_gemv_rows else None
 
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
         kernel = self.decode_kernel(rows) if dtype == torch.bfloat16 else None
@@ -115,7 +101,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
 
     def row_kernels(self, in_features: int, large_rows: frozenset[int] = frozenset()) -> str:
         amx = in_features % 32 == 0 and load_amx_kernel() is not None
-        small = f"1-{AMX_MAX_ROWS} rows AMX" if amx else f"1-{gemv_max_rows()} rows GEMV"
+        small = f"1-{self.rows.amx_rows} rows AMX" if amx else f"1-{self.rows.bf16_gemv_rows} rows GEMV"
         large = f", the large AMX product at {len(large_rows)} of {len(LARGE_GRID)} prefill row counts" if large_rows else ""
         return f"{small}, oneDNN above{large}"
 

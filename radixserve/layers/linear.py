@@ -24,14 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
+
 
 class LinearMethod(ABC):
-    """How one linear layer keeps its weight and computes x @ W.T + b. A method owns its weight's forms."""
+    """How one linear layer keeps its weight and computes x @ W.T + b. A method owns its weight's forms.
+    `rows`: the row counts where its kernels change (the execution plan's table, given at set-up)."""
 
     name: ClassVar[str]
     chosen_by_format: ClassVar[bool] = False  # True: set by the weight format (packed), never re-chosen by tuning
     rounds_weights: ClassVar[bool] = False  # True: changes the weights' values, so only an explicit choice picks it
     preference: ClassVar[int] = 0  # breaks a timing tie (linear_tuning.TIE_MARGIN): the higher is taken
+    rows: RowTable = DEFAULT_ROWS  # NOTE: device_setup gives each layer's method the plan's table
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from radixserve import envs
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.layers import bf16_weights, f32_gemv, gemv  # noqa: F401 (register their linear methods)
 from radixserve.layers.linear import (
     AUTO,
@@ -70,11 +71,11 @@ def configure_linear_methods(model: torch.nn.Module, device: torch.device, dtype
 
 
 def plan_linear_methods(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                        requested: str = AUTO) -> dict[Shape, str]:
+                        requested: str = AUTO, rows: RowTable = DEFAULT_ROWS) -> dict[Shape, str]:
     """The method of each float weight shape of `model`: `requested`, or the fastest measured here (auto)."""
     shapes = sorted({layer.shape for _, layer in tunable_layers(model)})
     if requested == AUTO:
-        return choose_methods(shapes, device, dtype, lm_head_only_shapes(model))
+        return choose_methods(shapes, device, dtype, lm_head_only_shapes(model), rows)
     if requested not in LINEAR_METHODS:
         raise ValueError(f"unknown linear method {requested!r}; available: {', '.join(sorted(LINEAR_METHODS))}")
     if not LINEAR_METHODS[requested].supports(device, dtype):
@@ -156,7 +157,7 @@ def lm_head_only_shapes(model: torch.nn.Module) -> frozenset[Shape]:
 
 
 def choose_methods(shapes: list[Shape], device: torch.device, dtype: torch.dtype,
-                   decode_only: frozenset[Shape] = frozenset()) -> dict[Shape, str]:
+                   decode_only: frozenset[Shape] = frozenset(), rows: RowTable = DEFAULT_ROWS) -> dict[Shape, str]:
     """The fastest method of each shape, measured here once (cached); `decode_only` shapes at decode's rows."""
     names = candidates(device, dtype)
     if len(names) <= 1 or device.type != "cpu":
@@ -171,14 +172,14 @@ def choose_methods(shapes: list[Shape], device: torch.device, dtype: torch.dtype
                         "/".join(names), shape[0], shape[1], str(dtype).removeprefix("torch."))
             timings = measure(shape, names, dtype, LM_HEAD_TOKEN_COUNTS if shape in decode_only else TOKEN_COUNTS)
             cache.put(key, timings)
-        chosen[shape] = best_method(timings)
+        chosen[shape] = best_method(timings, rows)
     return chosen
 
 
 TIE_MARGIN = 0.05  # scores within 5% of the best are a tie, broken by LinearMethod.preference
 
 
-def best_method(timings: list[Timing]) -> str:
+def best_method(timings: list[Timing], rows: RowTable = DEFAULT_ROWS) -> str:
     """The method with the lowest sum of (its time / the best time) over the token counts; among methods within
     TIE_MARGIN of it, the most preferred. NOTE: `onednn_gemv` runs the very same oneDNN product as `onednn` above
     its decode rows, so at the prefill point their times differ by noise alone; on Qwen2.5-1.5B's 2048x1536 qkv
@@ -186,7 +187,7 @@ def best_method(timings: list[Timing]) -> str:
     noise event did it again (Qwen2.5-0.5B's 9728x896 on the AMX Xeon: 7.15 ms against 5.63 at 512 rows, cached;
     timed again, 5.4-5.6 ms both), so above its decode rows `onednn_gemv` is credited with the faster of the two
     times: only the decode rows, where they run different kernels, decide between them."""
-    timings = _same_product_above_decode_rows(timings)
+    timings = _same_product_above_decode_rows(timings, rows)
     best_at = {n: min(t.seconds for t in timings if t.tokens == n) for n in {t.tokens for t in timings}}
     score: dict[str, float] = {}
     for t in timings:
@@ -196,10 +197,10 @@ def best_method(timings: list[Timing]) -> str:
     return max(tied, key=lambda name: (_preference(name), -score[name]))
 
 
-def _same_product_above_decode_rows(timings: list[Timing]) -> list[Timing]:
+def _same_product_above_decode_rows(timings: list[Timing], rows: RowTable) -> list[Timing]:
     """`onednn_gemv`'s timings with each count above its decode rows set to the faster of its and `onednn`'s."""
     onednn = {t.tokens: t.seconds for t in timings if t.method == OneDNNLinearMethod.name}
-    decode_rows = max(gemv.AMX_MAX_ROWS, gemv.gemv_max_rows())
+    decode_rows = max(rows.amx_rows, rows.bf16_gemv_rows)
     return [Timing(t.method, t.tokens, min(t.seconds, onednn[t.tokens]))
             if t.method == gemv.GemvLinearMethod.name and t.tokens > decode_rows and t.tokens in onednn else t
             for t in timings]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.forward_batch import ForwardBatch
 
 
 class RadixAttention(nn.Module):

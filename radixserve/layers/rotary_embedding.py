@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from radixserve.models.config import RopeConfig
+from radixserve.configs.model_config import RopeConfig
 
 
 class RotaryEmbedding:

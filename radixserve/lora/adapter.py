@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from radixserve.models.config import ModelConfig
+from radixserve.configs.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -13,7 +13,7 @@ The format, as llama.cpp's converter writes it from a PEFT folder and its loader
   not a field: a converted rsLoRA adapter carries an alpha that gives its scale;
 - for the `llama` architecture llama.cpp's converter permutes the rows of Q and K per head (its rope
   layout), and for an adapter it permutes B of q/k the same way (the output side; A is the input side).
-  The base GGUF loader undoes that for the base weights (models/gguf_loader.py, `unpermute_rows`); here it
+  The base GGUF loader undoes that for the base weights (model_loader/gguf_loader.py, `unpermute_rows`); here it
   is undone for B, so A and B end up in the Hugging Face layout the model runs.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from radixserve.configs.model_config import ModelConfig, ModelLoadError
 from radixserve.lora.adapter import TARGET_MODULES, LoraAdapter, LoraLoadError, check_pair
-from radixserve.models.config import ModelConfig, ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 # llama.cpp's per-layer tensor name -> the target module it is
@@ -47,7 +47,7 @@ def is_gguf_file(path: str) -> bool:
 def load_gguf_adapter(name: str, path: str, config: ModelConfig, max_rank: int) -> LoraAdapter:
     """Reads and checks a llama.cpp GGUF LoRA adapter for `config`'s model; raises LoraLoadError naming what is
     wrong. The content hash is over the file's bytes."""
-    from radixserve.models.gguf_loader import GGUF_ARCHITECTURES, gguf_field, open_gguf
+    from radixserve.model_loader.gguf_loader import GGUF_ARCHITECTURES, gguf_field, open_gguf
 
     def refuse(why: str) -> LoraLoadError:
         return LoraLoadError(f"LoRA adapter {name!r}: {path!r}: {why}")
@@ -86,7 +86,7 @@ def load_gguf_adapter(name: str, path: str, config: ModelConfig, max_rank: int) 
 
 
 def _read_tensors(refuse, reader, config: ModelConfig) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
-    from radixserve.models.gguf_dequant import dequantize
+    from radixserve.model_loader.gguf_dequant import dequantize
 
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for t in reader.tensors:
@@ -117,7 +117,7 @@ def _read_tensors(refuse, reader, config: ModelConfig) -> dict[tuple[int, str], 
 def _unpermute_b(halves: dict[tuple[int, str], dict[str, torch.Tensor]], config: ModelConfig) -> None:
     """B of q_proj/k_proj back to the Hugging Face row order (where its shape is right; check_pair refuses
     the rest)."""
-    from radixserve.models.gguf_loader import unpermute_rows
+    from radixserve.model_loader.gguf_loader import unpermute_rows
 
     for (_, module), pair in halves.items():
         if module not in ("q_proj", "k_proj") or "B" not in pair:

@@ -8,7 +8,7 @@ fused output; B is kept transposed (Bt [sum of ranks, out], contiguous), the for
 batch's rows are grouped by adapter into segments (a contiguous run is a slice, the rest an index),
 Punica's SGMV: per segment, one shrink and one expand, added to the base product that was computed once
 for the whole batch. Rows of the base model belong to no segment. On the CPU, where the kernel loads
-(kernels/lora.py), one C call per layer does every segment of fewer than C_SEGMENT_ROWS rows
+(kernels/lora.py), one C call per layer does every segment of at most `RowTable.lora_segment_rows` rows
 (csrc/lora_sgmv.c), torch matmuls the larger ones; elsewhere torch matmuls, two per segment.
 """
 
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.layers.linear import LinearBase
 from radixserve.lora.adapter import LoraAdapter
 
@@ -27,7 +28,6 @@ from radixserve.lora.adapter import LoraAdapter
 # matmuls (oneDNN's GEMM), which were as fast or faster there for rank 64 (docs/lora.md, bench_lora_kernel.py).
 # NOTE: the C decode step takes a batch's LoRA rows only where every segment is below this (it calls the kernel
 # for all of them, models/decode_step_lora.py), so that it and these layers always take the same products.
-C_SEGMENT_ROWS = {torch.float32: 128, torch.bfloat16: 32}
 # fused layer -> its modules in output order (models/llama.py fuses them in this order)
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                  "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -74,19 +74,21 @@ def _pack_fused(adapter: LoraAdapter, layer: int, modules: tuple[str, ...],
 class LoraSegments:
     """This forward's rows grouped by adapter: (rows, packed adapter), rows a slice or an int64 index.
     Empty: no row has an adapter (the base model alone). `kernel`: the C kernel (kernels/lora.LoraKernel)
-    where the manager runs on the CPU and it loads; None: torch matmuls."""
+    where the manager runs on the CPU and it loads; None: torch matmuls. `rows`: the largest segment the kernel
+    takes per dtype (the plan's table)."""
 
     segments: list[tuple[slice | torch.Tensor, PackedLora]] = field(default_factory=list)
     kernel: Any = None
+    rows: RowTable = DEFAULT_ROWS
     _plan: tuple[list, torch.dtype, CPlan] | None = field(default=None, repr=False)
 
     def c_plan(self, dtype: torch.dtype) -> CPlan:
-        """Which segments the kernel takes in `dtype` (fewer rows than C_SEGMENT_ROWS) and its view of them;
+        """Which segments the kernel takes in `dtype` (at most `rows.lora_segment_rows(dtype)`) and its view of them;
         made once per forward and dtype (the same for every layer)."""
         if self._plan is None or self._plan[0] is not self.segments or self._plan[1] != dtype:
-            limit = C_SEGMENT_ROWS[dtype]
-            small = [seg for seg in self.segments if _row_count(seg[0]) < limit]
-            large = [seg for seg in self.segments if _row_count(seg[0]) >= limit]
+            limit = self.rows.lora_segment_rows(dtype) or 0
+            small = [seg for seg in self.segments if _row_count(seg[0]) <= limit]
+            large = [seg for seg in self.segments if _row_count(seg[0]) > limit]
             parts = [torch.arange(r.start, r.stop) if isinstance(r, slice) else r.cpu() for r, _ in small]
             sizes = torch.tensor([0] + [len(p) for p in parts], dtype=torch.int64)
             index = torch.cat(parts).to(torch.int64).contiguous() if parts else torch.zeros(0, dtype=torch.int64)
@@ -123,7 +125,7 @@ class LoraLinear:
             return y
         kernel = self.batch.kernel
         if kernel is not None and x.dim() == 2 and x.dtype == y.dtype and y.is_contiguous() \
-                and x.dtype in C_SEGMENT_ROWS:
+                and self.batch.rows.lora_segment_rows(x.dtype) is not None:
             plan = self.batch.c_plan(x.dtype)
             pairs = [packed.layers.get(self.key) for _, packed in plan.c_segments]
             if any(pair is not None for pair in pairs):

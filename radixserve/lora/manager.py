@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.configs.model_config import ModelConfig
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
+from radixserve.forward_batch import ForwardBatch
 from radixserve.lora.adapter import LoraAdapter, LoraLoadError, load_peft_adapter
 from radixserve.lora.gguf_adapter import is_gguf_file, load_gguf_adapter
 from radixserve.lora.layers import LoraSegments, PackedLora, attach_lora, group_rows, pack_adapter
-from radixserve.model_executor.forward_batch import ForwardBatch
-from radixserve.models.config import ModelConfig
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
@@ -57,12 +58,12 @@ class LoraManager:
     """Registered adapters, their packed slots (LRU) and the current forward's segments."""
 
     def __init__(self, model: nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 limits: LoraLimits) -> None:
+                 limits: LoraLimits, rows: RowTable = DEFAULT_ROWS) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         self.limits = limits
-        self.batch = LoraSegments(kernel=_cpu_kernel(device))
+        self.batch = LoraSegments(kernel=_cpu_kernel(device), rows=rows)  # NOTE: rows: the execution plan's table
         attach_lora(model, self.batch)
         self.registry: dict[str, LoraAdapter] = {}
         self._slots: OrderedDict[str, PackedLora] = OrderedDict()  # by namespace value; oldest use first

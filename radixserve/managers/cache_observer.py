@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from radixserve.managers.io_struct import CacheTreeOut, CacheTreeReq
 from radixserve.mem_cache.cache_events import CacheEventLog
 from radixserve.mem_cache.cache_view import NamespaceLabels, tree_snapshot
+from radixserve.protocol.io_struct import CacheTreeOut, CacheTreeReq
 
 if TYPE_CHECKING:
     from radixserve.managers.scheduler import Scheduler

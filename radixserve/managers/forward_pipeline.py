@@ -39,9 +39,9 @@ from radixserve.managers.overlap_utils import DeviceStreams, Event, FutureMap, O
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.managers.schedule_batch import ScheduleBatch
     from radixserve.managers.scheduler_runner import SchedulerRunner
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 class StepOutput(NamedTuple):

@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.managers.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
 from radixserve.mem_cache.kv_manager import ReqKV
+from radixserve.protocol.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
 from radixserve.sampling_params import SamplingParams
 
 
@@ -65,7 +65,7 @@ class Req:
                  logprob: LogprobSpec = NO_LOGPROBS, embed: str | None = None) -> None:
         self.rid = rid
         # An embedding request: its pooling ("last" or "mean"); it runs as a prefill that generates no token and ends
-        # with `embedding`, the L2-normalised pooled final-norm output (model_executor/pooling.py). None: it generates.
+        # with `embedding`, the L2-normalised pooled final-norm output (layers/pooler.py). None: it generates.
         self.embed = embed
         self.embed_sum: Any = None  # "mean": the sum of its rows' vectors over its prefill chunks (float32 tensor)
         self.embedding: list[float] | None = None
@@ -221,7 +221,7 @@ class Req:
         else:
             self.embed_sum = vector
         if final:
-            from radixserve.model_executor.pooling import normalize
+            from radixserve.layers.pooler import normalize
 
             # NOTE: mean pooling matched no prefix (prefix_match_limit), so the rows summed are the whole prompt
             self.embedding = normalize(self.embed_sum)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.layers.penalties import PenaltyBatchInfo
 from radixserve.managers.req import FinishReason, Req, ReqPhase
 from radixserve.mem_cache.kv_manager import KVManager
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 # SGLang's SGLANG_RETRACT_DECODE_STEPS: after a retraction, free room for this many decode steps per survivor.
 RETRACT_DECODE_STEPS = 20

@@ -30,24 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 from radixserve import envs
-from radixserve.client.requests import RequestLimits
+from radixserve.configs.speculative import SpecConfig
 from radixserve.constrained.jump_forward import JumpForward
 from radixserve.managers.cache_observer import cache_tree_snapshot
 from radixserve.managers.decode_planner import DecodePlanner
 from radixserve.managers.forward_pipeline import ForwardPipeline, LaunchedBatch
 from radixserve.managers.grammar_manager import GrammarManager
-from radixserve.managers.io_struct import (
-    AbortReq,
-    CacheTreeReq,
-    CheckSessionReq,
-    CloseSessionReq,
-    FlushCacheOut,
-    FlushCacheReq,
-    GetInternalStateOut,
-    GetInternalStateReq,
-    OpenSessionReq,
-    TokenizedGenerateReqInput,
-)
 from radixserve.managers.overlap_utils import OverlapDebug
 from radixserve.managers.prefill_planner import PrefillLimits, PrefillPlanner
 from radixserve.managers.req import FinishReason, Req
@@ -61,13 +49,25 @@ from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor, logprob_top_k
 from radixserve.managers.scheduler_runner import SchedulerRunner
 from radixserve.managers.scheduler_state import StateReport
+from radixserve.managers.session_cache import SessionPins
 from radixserve.managers.step_pipelines import Pipelines
 from radixserve.mem_cache.hicache import make_hicache
 from radixserve.mem_cache.kv_manager import KVManager
-from radixserve.mem_cache.session_cache import SessionPins
 from radixserve.mem_cache.swa_radix_cache import make_tree_cache
+from radixserve.protocol.io_struct import (
+    AbortReq,
+    CacheTreeReq,
+    CheckSessionReq,
+    CloseSessionReq,
+    FlushCacheOut,
+    FlushCacheReq,
+    GetInternalStateOut,
+    GetInternalStateReq,
+    OpenSessionReq,
+    TokenizedGenerateReqInput,
+)
+from radixserve.protocol.requests import RequestLimits
 from radixserve.server_args import ServerArgs
-from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.drafter import make_drafter
 from radixserve.speculative.verify import attach_drafts
 

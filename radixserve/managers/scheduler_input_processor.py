@@ -9,16 +9,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from radixserve.client.requests import RequestLimits, check_request
 from radixserve.managers.grammar_manager import GrammarManager
-from radixserve.managers.io_struct import TokenizedGenerateReqInput
 from radixserve.managers.req import FinishReason, Req
 from radixserve.managers.request_queue import RequestQueue
 from radixserve.managers.scheduler_lora import LoraControl
 from radixserve.managers.scheduler_metrics import SchedulerStats
 from radixserve.managers.scheduler_output_processor import OutputProcessor
+from radixserve.managers.session_cache import SessionPins
 from radixserve.mem_cache.radix_key import namespace_owner
-from radixserve.mem_cache.session_cache import SessionPins
+from radixserve.protocol.io_struct import TokenizedGenerateReqInput
+from radixserve.protocol.requests import RequestLimits, check_request
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class InputProcessor:
 
     def validate_request(self, req: Req) -> str | None:
         """Why `req` can never run (with the numbers), or None. Checked on arrival, so it never blocks the queue;
-        the front ends check the same rule (client/requests.py) before they send."""
+        the front ends check the same rule (protocol/requests.py) before they send."""
         return check_request(req.origin_input_ids, req.logprob, req.extra_key, self.limits)
 
     def abort_request(self, rid: str) -> None:

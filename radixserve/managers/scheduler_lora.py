@@ -13,15 +13,15 @@ from typing import Any
 
 from radixserve.lora.adapter import LoraAdapter, LoraLoadError
 from radixserve.managers.grammar_manager import GrammarManager
-from radixserve.managers.io_struct import (
+from radixserve.managers.req import Req
+from radixserve.managers.request_queue import RequestQueue
+from radixserve.mem_cache.kv_manager import KVManager
+from radixserve.protocol.io_struct import (
     ListLoraAdaptersReq,
     LoadLoraAdapterReq,
     LoraAdapterOut,
     UnloadLoraAdapterReq,
 )
-from radixserve.managers.req import Req
-from radixserve.managers.request_queue import RequestQueue
-from radixserve.mem_cache.kv_manager import KVManager
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from radixserve.speculative.cost import accept_length, accept_rate
+
 
 @dataclass
 class SchedulerStats:
@@ -77,16 +79,6 @@ class SchedulerStats:
     @property
     def cache_hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def accept_rate(accepted: int, drafted: int) -> float:
-    """Speculative decoding: the share of draft tokens accepted."""
-    return accepted / drafted if drafted else 0.0
-
-
-def accept_length(accepted: int, verify_steps: int) -> float:
-    """Speculative decoding: tokens a verify step yielded on average (its accepted drafts and the model's own)."""
-    return (accepted + verify_steps) / verify_steps if verify_steps else 0.0
 
 
 class DecodeThroughput:

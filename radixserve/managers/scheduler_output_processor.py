@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from radixserve.constrained.jump_forward import JumpForward
-from radixserve.managers.io_struct import BatchTokenIDOut
 from radixserve.managers.req import FinishReason, Req
 from radixserve.managers.scheduler_metrics import DecodeThroughput, SchedulerStats, decode_log_line
+from radixserve.protocol.io_struct import BatchTokenIDOut
 from radixserve.speculative.cost import StepCost
 from radixserve.speculative.verify import accept_greedy
 
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from radixserve.managers.prefill_planner import PrefillPlanner
     from radixserve.managers.request_queue import RequestQueue
     from radixserve.managers.schedule_batch import ScheduleBatch
+    from radixserve.managers.session_cache import SessionPins
     from radixserve.mem_cache.kv_manager import KVManager
-    from radixserve.mem_cache.session_cache import SessionPins
 
 logger = logging.getLogger(__name__)
 

@@ -13,16 +13,13 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import tempfile
 import threading
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from radixserve.client.requests import RequestLimits
+from radixserve.protocol.scheduler_info import PortArgs, SchedulerInfo
 from radixserve.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -31,78 +28,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 0.5
-
-
-@dataclass(frozen=True)
-class PortArgs:
-    """ZMQ endpoints between the HTTP process and the scheduler process."""
-
-    request_endpoint: str  # HTTP process PUSH (bind) -> scheduler PULL (connect)
-    output_endpoint: str  # scheduler PUSH (connect) -> HTTP process PULL (bind)
-    folder: str | None = None  # the private temporary folder of the ipc files, removed at shutdown
-
-    @classmethod
-    def new(cls) -> PortArgs:
-        folder = tempfile.mkdtemp(prefix="radixserve-ipc-")
-        return cls(f"ipc://{folder}/requests", f"ipc://{folder}/outputs", folder)
-
-
-@dataclass(frozen=True)
-class SchedulerInfo:
-    """What the HTTP process needs to know about the loaded model and pools."""
-
-    model_name: str
-    tokenizer: Any
-    context_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_total_num_tokens: int
-    page_size: int
-    max_running_requests: int
-    dtype: str
-    device: str
-    pid: int
-    platform: dict[str, Any] = field(default_factory=dict)  # ModelRunner.platform_info(): dtype reason, CPU
-    lora_enabled: bool = False  # requests may name LoRA adapters (the scheduler holds the registry)
-    hidden_size: int = 0  # the width of the final norm's output: an embedding's dimensions (/v1/embeddings)
-
-    @property
-    def effective_max_context(self) -> int:
-        """Longest prompt + completion that can always finish (`RequestLimits.longest_request`)."""
-        return self.limits.longest_request
-
-    @property
-    def limits(self) -> RequestLimits:
-        """What every request must fit (the rule the scheduler checks on arrival)."""
-        return RequestLimits(self.context_len, self.max_total_num_tokens, self.page_size, self.vocab_size,
-                             self.eos_token_ids)
-
-    def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("tokenizer", "platform")} | {
-            "effective_max_context": self.effective_max_context
-        }
-
-
-class RestartBudget:
-    """At most `max_restarts` scheduler restarts within any `window_s` seconds."""
-
-    def __init__(self, max_restarts: int, window_s: float) -> None:
-        self.max_restarts = max_restarts
-        self.window_s = window_s
-        self._times: deque[float] = deque()
-
-    def take(self) -> bool:
-        """Spend one restart if the budget allows it now."""
-        now = time.monotonic()
-        while self._times and now - self._times[0] > self.window_s:
-            self._times.popleft()
-        if len(self._times) >= self.max_restarts:
-            return False
-        self._times.append(now)
-        return True
-
-    def describe(self) -> str:
-        return f"{len(self._times)} of {self.max_restarts} restarts used in {self.window_s:g} s"
 
 
 class _ZmqSink:

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.mem_cache.allocator import TokenToKVPoolAllocator
     from radixserve.mem_cache.memory_pool import ReqToTokenPool
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 class RunnerModelConfig(Protocol):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.base import AttentionBackend, AttentionMetadata

@@ -14,12 +14,15 @@ is built from `plan.attention`. The plan is logged once at start-up and returned
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 
 if TYPE_CHECKING:
     from radixserve.layers.attention.base import AttentionPlan
@@ -64,6 +67,7 @@ class ExecutionPlan:
     entries: tuple[PlanEntry, ...]
     cuda_graphs: GraphPlan | None = None  # decode buckets captured at start-up (cuda_graph_runner.py); None: off
     deterministic: bool = False  # --enable-deterministic-inference (deterministic.py): every forward as C step rows
+    rows: RowTable = DEFAULT_ROWS  # every row count where a kernel changes (configs/row_table.py), handed to the parts
 
     def choice(self, part: str) -> str:
         return next(e.choice for e in self.entries if e.part == part)
@@ -89,13 +93,14 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     )
 
     dtype = getattr(torch, dtype_choice.dtype)
+    rows = RowTable.from_env()
     kv_dtype, kv_reason = resolve_kv_dtype(args.kv_cache_dtype, dtype, dtype_choice.weights)
     requested = _requested_linear_method(args.linear_method, dtype_choice, device)
     gave = ""  # why the decoder shapes' methods were overridden for the C decoder (_methods_for_the_c_decoder)
     deterministic = args.enable_deterministic_inference
     if deterministic:
         requested = deterministic_linear_method(requested, device, dtype, dtype_choice.weights)
-    methods = plan_linear_methods(model, device, dtype, requested)
+    methods = plan_linear_methods(model, device, dtype, requested, rows)
     large = plan_large_rows(model, methods, dtype)
     if resolve_backend(args.attention_backend, device) == "cpu":
         from radixserve.kernels.attention import build_in_background
@@ -113,7 +118,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     if deterministic:
         check_deterministic(refusal, windows)
     no_cascade = _cascade_refusal(args, device, dtype, cap)
-    attention = plan_attention(args.attention_backend, device, cascade=no_cascade is None, windows=windows)
+    attention = plan_attention(args.attention_backend, device, cascade=no_cascade is None, windows=windows, rows=rows)
     copies = _prefill_copy_entries(model, methods)
     if deterministic and copies[0]:
         copies = 0, [PlanEntry("bf16 prefill copies", "off", "deterministic inference: prompts multiply with bf16w_gemv")]
@@ -123,7 +128,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
     entries = [PlanEntry("dtype", dtype_choice.dtype, dtype_choice.reason),
                PlanEntry("kv cache", str(kv_dtype).removeprefix("torch."), kv_reason),
                *_linear_entries(model, methods, large, requested, by_dtype=requested != args.linear_method,
-                                deterministic=deterministic),
+                                deterministic=deterministic, rows=rows),
                *copies[1],
                *_attention_entries(attention, dtype, args, no_cascade),
                *_window_entries(windows, not args.disable_hybrid_swa_memory, no_cascade),
@@ -132,9 +137,10 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
                PlanEntry("fused ops", ", ".join(_op_names(ops)) or "off", _fused_reason(args, device, ops, model)),
                PlanEntry("decoder", PYTHON_DECODER if refusal else C_DECODER,
                          refusal or _c_decoder_reason(dtype, methods) + gave),
-               PlanEntry("deterministic", *deterministic_entry(deterministic))]
+               PlanEntry("deterministic", *deterministic_entry(deterministic)),
+               PlanEntry("rows", "row table", rows.describe())]
     return ExecutionPlan(dtype, kv_dtype, methods, large, ops, PYTHON_DECODER if refusal else C_DECODER, refusal, attention,
-                         copies[0], tuple(entries), graphs, deterministic)
+                         copies[0], tuple(entries), graphs, deterministic, rows)
 
 
 def _graph_choice(graphs: GraphPlan) -> str:
@@ -189,7 +195,7 @@ def _methods_for_the_c_decoder(model: Any, device: torch.device, dtype: torch.dt
                                ) -> tuple[dict[Shape, str], str | None, str]:
     """Where timing shape by shape chose a method the C decoder cannot call for some float32 decoder layer (dense
     timed a few percent faster at 512 rows, say), the float32 GEMV for every decoder shape instead, if that lets the
-    C decoder run: it is oneDNN's product from F32_GEMV_ROWS rows and our GEMV below, and the C decoder saves
+    C decoder run: it is our GEMV up to `RowTable.f32_gemv_rows` rows and oneDNN's product above, and the C decoder saves
     every decode step ~10 Python calls per layer (measured on a 2-core AVX2 EPYC, SmolLM2 in float32: batch-1
     decode 27 tokens/s on the Python layers against 81 in the C decoder). Returns (methods, refusal, why)."""
     from radixserve.layers.f32_gemv import F32GemvLinearMethod
@@ -216,8 +222,9 @@ def _op_names(ops: FusedOps | None) -> tuple[str, ...]:
 
 
 def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Shape, frozenset[int]],
-                    requested: str, by_dtype: bool = False, deterministic: bool = False) -> list[PlanEntry]:
-    """One entry per (weight shape, method), counting the layers."""
+                    requested: str, by_dtype: bool = False, deterministic: bool = False,
+                    rows: RowTable = DEFAULT_ROWS) -> list[PlanEntry]:
+    """One entry per (weight shape, method), counting the layers; each method's row counts from `rows`."""
     from radixserve.layers.linear import LINEAR_METHODS, DenseLinearMethod, linear_layers
     from radixserve.layers.linear_tuning import lm_head_only_shapes
     from radixserve.layers.quantization.linear import EVERY_ROW_KERNELS
@@ -236,12 +243,15 @@ def _linear_entries(model: Any, methods: Mapping[Shape, str], large: Mapping[Sha
             method = LINEAR_METHODS[methods.get(layer.shape, DenseLinearMethod.name)]()
             reason = tuned.format(rows=timed_at)
         if deterministic and layer.method.chosen_by_format:  # NOTE: tiled and told by device_setup, after the plan
-            rows = EVERY_ROW_KERNELS
+            kernels = EVERY_ROW_KERNELS
         else:
             if deterministic:  # NOTE: the plan's copy of the method, told what device_setup tells the layer's
                 method.use_row_kernel_everywhere()
-            rows = method.row_kernels(layer.in_features, large.get(layer.shape, frozenset()))
-        counts[(f"{layer.out_features}x{layer.in_features}", method.describe(), f"{reason}; {rows}")] += 1
+            if method is layer.method:
+                method = copy.copy(method)  # NOTE: the plan reads a format's method; device_setup gives the layer its rows
+            method.rows = rows
+            kernels = method.row_kernels(layer.in_features, large.get(layer.shape, frozenset()))
+        counts[(f"{layer.out_features}x{layer.in_features}", method.describe(), f"{reason}; {kernels}")] += 1
     return [PlanEntry(f"linear {shape}", f"{method} x{n}", reason)
             for (shape, method, reason), n in sorted(counts.items())]
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve import platform
+from radixserve.cpu_memory import keep_freed_memory, serve_from_heap
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.layers.attention import create_attention_backend
 from radixserve.layers.sampler import (
     Sampler,
@@ -21,11 +23,9 @@ from radixserve.layers.sampler import (
 from radixserve.mem_cache.kv_manager import WINDOW_SLIDE_TOKENS
 from radixserve.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from radixserve.mem_cache.swa_memory import SWAKVPool, SWATokenToKVPoolAllocator
-from radixserve.model_executor.cpu_memory import keep_freed_memory, serve_from_heap
 from radixserve.model_executor.cuda_graph_runner import Graph, GraphDecodeRunner, GraphPlan
+from radixserve.model_executor.device_setup import setup_model_for_device
 from radixserve.model_executor.execution_plan import plan_execution
-from radixserve.model_executor.forward_batch import ForwardBatch, ForwardMode
-from radixserve.models.device_setup import setup_model_for_device
 from radixserve.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ class ModelRunner:
         args = self.server_args
         limits = LoraLimits(args.max_lora_rank, args.max_loaded_loras or args.max_loras_per_batch,
                             args.max_loras_per_batch)
-        manager = LoraManager(self.model, self.model_config, self.dtype, self.device, limits)
+        manager = LoraManager(self.model, self.model_config, self.dtype, self.device, limits, self.execution_plan.rows)
         for name, path in parse_lora_paths(args.lora_paths):
             manager.register(name, path)
         return manager

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from radixserve import envs
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.kernels.build import is_x86
 from radixserve.kernels.decode_step import (
     STYLES,
@@ -43,10 +44,10 @@ from radixserve.kernels.decode_step import (
 from radixserve.kernels.gemv import load_gemv_kernel
 from radixserve.layers.attention.torch_metadata import TorchAttnMetadata, metadata_of
 from radixserve.layers.attention.window import WindowDecodeMetadata
-from radixserve.layers.bf16_weights import WIDEN_ROWS, Bf16WeightLinearMethod
-from radixserve.layers.f32_gemv import F32_GEMV_ROWS, F32GemvLinearMethod
-from radixserve.layers.gemv import AMX_MAX_ROWS, GemvLinearMethod, gemv_max_rows
-from radixserve.layers.quantization.linear import TILED_MAX_M, PackedLinearMethod
+from radixserve.layers.bf16_weights import Bf16WeightLinearMethod
+from radixserve.layers.f32_gemv import F32GemvLinearMethod
+from radixserve.layers.gemv import GemvLinearMethod
+from radixserve.layers.quantization.linear import PackedLinearMethod
 from radixserve.models.decode_step_lora import StepLora
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ class DecodeStep:
     It reads the model through its exported weight view (`LlamaForCausalLM.decoder_weights`) and the KV pool
     through `get_kv_buffer`: the layer table of pointers it hands to C is built from those two, nothing else."""
 
-    def __init__(self, weights: DecoderWeights, kernel: DecodeStepKernel, every_forward: bool = False) -> None:
+    def __init__(self, weights: DecoderWeights, kernel: DecodeStepKernel, every_forward: bool = False,
+                 rows: RowTable = DEFAULT_ROWS) -> None:
         config, self._weights, self._kernel = weights.config, weights, kernel
         self._config, self.dtype = config, kernel.dtype
         linears = [linear for layer in weights.layers for linear in layer.linears]
@@ -76,8 +78,9 @@ class DecodeStep:
         # NOTE: the table holds one C function per linear layer, the one `apply` runs at 1 row; the step takes
         # the batch sizes at which every layer still runs that same function (the Python layers' choice too).
         # None anywhere (a weight the plan could not foresee, an int8 table left in the row layout): no sizes.
-        self.max_rows = max((rows for rows in (1, gemv_max_rows(), AMX_MAX_ROWS, TILED_MAX_M, F32_GEMV_ROWS - 1, WIDEN_ROWS - 1)
-                             if all(fn is not None and linear.method.c_linear(rows, self.dtype) == fn
+        # `rows`: the plan's table, the one device_setup gave every linear method
+        self.max_rows = max((n for n in rows.linear_row_limits()
+                             if all(fn is not None and linear.method.c_linear(n, self.dtype) == fn
                                     for linear, fn in zip(linears, self._fns, strict=True))), default=0)
         # NOTE: deterministic inference: every forward's tokens run here as rows (a prompt's token i attends over
         # its request's first i + 1 slots), on linear methods that take every row count with their row kernel
@@ -234,10 +237,11 @@ class DecodeStep:
         self._pool = pool
 
 
-def load_decode_step(weights: DecoderWeights, dtype: torch.dtype, every_forward: bool = False) -> DecodeStep:
+def load_decode_step(weights: DecoderWeights, dtype: torch.dtype, every_forward: bool = False,
+                     rows: RowTable = DEFAULT_ROWS) -> DecodeStep:
     """The C decode step over a model's weight view; only where `decode_step_refusal` found no reason against it.
     `every_forward` (deterministic inference): extend forwards run in it too, a row per token."""
-    return DecodeStep(weights, load_decode_step_kernel(dtype), every_forward)
+    return DecodeStep(weights, load_decode_step_kernel(dtype), every_forward, rows)
 
 
 def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops: Any,

@@ -9,8 +9,8 @@ and offsets) on the same input and output, so the deltas are the Python path's, 
 Per step this module hands C a `LoraDescriptor`: the kernel's address, the plan's index and offsets, and the
 table [layers][4 linear layers][A, Bt, rank][segments] stacked from one small table per packed adapter (made
 once per packed adapter, kept while the adapter stays packed). The step declines a LoRA batch where the
-Python layers would not run every segment on the C kernel (no kernel here, or a segment of C_SEGMENT_ROWS rows
-or more, which torch multiplies), so that both paths always take the same products.
+Python layers would not run every segment on the C kernel (no kernel here, or a segment over `RowTable.lora_segment_rows`
+rows, which torch multiplies), so that both paths always take the same products.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.kernels.decode_step import LoraDescriptor
-from radixserve.lora.layers import C_SEGMENT_ROWS, LoraSegments, PackedLora
+from radixserve.lora.layers import LoraSegments, PackedLora
 
 if TYPE_CHECKING:
     from radixserve.models.llama import DecoderWeights
@@ -53,12 +53,12 @@ class StepLora:
             return None
         if batch.kernel is None:
             return "the LoRA products run torch matmuls here (no C SGMV kernel)"
-        if self._dtype not in C_SEGMENT_ROWS:
+        limit = batch.rows.lora_segment_rows(self._dtype)
+        if limit is None:
             return f"no C LoRA kernel for {self._dtype}"
         plan = batch.c_plan(self._dtype)
         if plan.torch_segments:
-            return (f"an adapter's rows reach {C_SEGMENT_ROWS[self._dtype]}, where the Python layers multiply them "
-                    "with torch")
+            return f"an adapter has more than {limit} rows, where the Python layers multiply them with torch"
         if any(self._table(packed) is None for _, packed in plan.c_segments):
             return "a packed adapter does not fit the step's dtype or shapes"
         return None

@@ -13,7 +13,7 @@ sqrt(hidden) rounded to the dtype, query_pre_attn_scalar ** -0.5, tied embedding
 
 from __future__ import annotations
 
-from radixserve.models.config import GEMMA2, ModelConfig
+from radixserve.configs.model_config import GEMMA2, ModelConfig
 from radixserve.models.gemma3 import Gemma3ForCausalLM
 
 

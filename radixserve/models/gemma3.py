@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.configs.model_config import ModelConfig
+from radixserve.cpu_memory import in_row_pieces
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.linear import LinearBase
+from radixserve.layers.pooler import pool_hidden
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from radixserve.model_executor.cpu_memory import in_row_pieces
-from radixserve.model_executor.forward_batch import ForwardBatch
-from radixserve.model_executor.pooling import pool_hidden
-from radixserve.models.config import ModelConfig
 from radixserve.models.llama import DecoderLayerWeights, DecoderWeights, LlamaForCausalLM, _last_token_index
 
 
@@ -187,7 +187,7 @@ class Gemma3ForCausalLM(nn.Module):
                 rows = torch.cat([rows, fb.extra_logits_indices])  # NOTE: after the bs sampling rows
             hidden = hidden[rows]
         normed = self.model.norm(hidden)
-        if fb.pooling is not None:  # embedding requests: the final norm's output (model_executor/pooling.py)
+        if fb.pooling is not None:  # embedding requests: the final norm's output (layers/pooler.py)
             pool_hidden(fb, normed, lambda a, b: self.model.norm(every[a:b]))
         logits = self.lm_head(normed).float()
         cap = self.config.final_logit_softcapping

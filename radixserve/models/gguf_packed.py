@@ -18,11 +18,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from radixserve.configs.model_config import ModelLoadError
 from radixserve.layers.quantization.formats import QK, PackedWeight, pack_nibbles, quantize
 from radixserve.layers.quantization.model_quant import EMBEDDING, LM_HEAD, PackSpec, default_plan
-from radixserve.models.config import ModelLoadError
-from radixserve.models.gguf_dequant import _q4_k_scales, dequantize
-from radixserve.models.gguf_loader import (
+from radixserve.model_loader.gguf_dequant import _q4_k_scales, dequantize
+from radixserve.model_loader.gguf_loader import (
     _PERMUTED_ARCHITECTURES,
     gguf_architecture_of,
     gguf_tensor,
@@ -166,8 +166,8 @@ def load_gguf_packed(path: Path, dtype: torch.dtype, device: torch.device, metho
     import json
 
     from radixserve.layers.quantization.model_quant import quantize_model
-    from radixserve.models.gguf_loader import gguf_to_hf_folder, open_gguf
-    from radixserve.models.model_folder import read_config_and_tokenizer
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder, open_gguf
+    from radixserve.model_loader.model_folder import read_config_and_tokenizer
     from radixserve.models.registry import model_class
 
     if device.type != "cpu":

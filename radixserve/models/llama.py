@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from radixserve.configs.model_config import ModelConfig, ModelLoadError
+from radixserve.cpu_memory import in_row_pieces
+from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.activation import silu_and_mul
 from radixserve.layers.fused_ops import FusedOps
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.layers.linear import LinearBase
+from radixserve.layers.pooler import pool_hidden
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from radixserve.model_executor.cpu_memory import in_row_pieces
-from radixserve.model_executor.forward_batch import ForwardBatch
-from radixserve.model_executor.pooling import pool_hidden
-from radixserve.models.config import ModelConfig, ModelLoadError
 
 if TYPE_CHECKING:
     from radixserve.models.prefill_passes import PrefillPasses
@@ -230,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
                 rows = torch.cat([rows, fb.extra_logits_indices])  # NOTE: after the bs sampling rows
             hidden, residual = hidden[rows], residual[rows]
         hidden, _ = self.model.norm(hidden, residual)
-        if fb.pooling is not None:  # embedding requests: the final norm's output (model_executor/pooling.py)
+        if fb.pooling is not None:  # embedding requests: the final norm's output (layers/pooler.py)
             pool_hidden(fb, hidden, lambda a, b: self.model.norm(every[0][a:b], every[1][a:b])[0])
         return self.lm_head(hidden).float()
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from radixserve.models.config import ModelConfig, ModelLoadError
-from radixserve.models.model_folder import read_config_and_tokenizer
+from radixserve.configs.model_config import ModelConfig, ModelLoadError
+from radixserve.model_loader.model_folder import read_config_and_tokenizer
 from radixserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, name: str, quantization: str) -> LoadedModel:
-    from radixserve.models.gguf_loader import gguf_to_hf_folder
+    from radixserve.model_loader.gguf_loader import gguf_to_hf_folder
 
     if quantization != "none":
         from radixserve.models.gguf_packed import load_gguf_packed

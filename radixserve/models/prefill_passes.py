@@ -1,11 +1,11 @@
 """The C decode step's row passes over prefill batches (kernels/csrc/decode_step.c and decode_step_f32.c).
 
 RowSiluAndMul and RowAddRMSNorm stand in for the compiled nn.Modules SiluAndMul and AddRMSNorm of
-layers/fused_ops.py from MIN_ROWS rows (named apart so each name means one thing).
+layers/fused_ops.py from `RowTable.prefill_passes_from` rows (named apart so each name means one thing).
 
 A model whose decode batches run the C decode step has that step's loops for the passes between matrix products:
 in bf16 bit-equal to the compiled fused ops (layers/fused_ops.py) or rounding alike, in float32 equal to them to
-float32 rounding. On a prefill chunk they are faster than inductor's code, so from MIN_ROWS rows the layers call
+float32 rounding. On a prefill chunk they are faster than inductor's code, so from that many rows the layers call
 them too (and a float32 prefill then rounds as its decode steps do); below, the compiled op's call is the cheaper
 one. Measured at 2 threads, SmolLM2's widths: bf16 on the Zen 4 EPYC (AVX512-BF16), SiLU-and-mul at 2,048 rows
 1.15 ms against 1.77, add + RMSNorm 53 against 100 us at 512 rows and 189 against 371 us at 2,048; float32 on the
@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.kernels.decode_step import DecodeStepKernel, load_decode_step_kernel
-
-MIN_ROWS = 64  # from this many rows a pass is the C loop
 
 
 def _takes(kernel: DecodeStepKernel, x: torch.Tensor, min_rows: int) -> bool:
@@ -32,7 +31,7 @@ class RowSiluAndMul:
     """SiLU-and-mul of a fused [gate | up] batch: the C loop from `min_rows` rows (in bf16 the compiled op's
     rounding steps: a result differs, if at all, by one bf16 unit in a few places), the compiled op below."""
 
-    def __init__(self, kernel: DecodeStepKernel, compiled: Any, min_rows: int = MIN_ROWS) -> None:
+    def __init__(self, kernel: DecodeStepKernel, compiled: Any, min_rows: int) -> None:
         self._kernel, self._compiled, self._min_rows = kernel, compiled, min_rows
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -46,11 +45,11 @@ class RowSiluAndMul:
 
 
 class RowAddRMSNorm:
-    """(RMSNorm(x + residual), x + residual) of a batch: the C rows from MIN_ROWS rows (in bf16 bit-equal to the
+    """(RMSNorm(x + residual), x + residual) of a batch: the C rows from `min_rows` rows (in bf16 bit-equal to the
     compiled op; in float32 the sum is, the norm to float32 rounding), the compiled op below. `eps`: the model's, the
     one the compiled op was built with."""
 
-    def __init__(self, kernel: DecodeStepKernel, compiled: Any, eps: float, min_rows: int = MIN_ROWS) -> None:
+    def __init__(self, kernel: DecodeStepKernel, compiled: Any, eps: float, min_rows: int) -> None:
         self._kernel, self._compiled, self.eps, self._min_rows = kernel, compiled, eps, min_rows
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor,
@@ -72,12 +71,13 @@ class PrefillPasses:
     add_rmsnorm: RowAddRMSNorm
 
 
-def c_prefill_passes(ops: Any, eps: float, every_row: bool = False) -> PrefillPasses | None:
+def c_prefill_passes(ops: Any, eps: float, every_row: bool = False, rows: RowTable = DEFAULT_ROWS) -> PrefillPasses | None:
     """The C decode step's passes in the dtype of the compiled ops `ops` (FusedOps), over them, for a model with
-    RMSNorm `eps`; None where that build cannot run. `every_row` (deterministic inference): the C loops at every
+    RMSNorm `eps`, from `rows.prefill_passes_from` rows; None where that build cannot run. `every_row` (deterministic inference): the C loops at every
     row count (the final norm of a decode batch and of a prompt's last rows then round alike)."""
     kernel = load_decode_step_kernel(ops.dtype)
     if kernel is None:
         return None
-    rows = 1 if every_row else MIN_ROWS
-    return PrefillPasses(RowSiluAndMul(kernel, ops.silu_and_mul, rows), RowAddRMSNorm(kernel, ops.add_rmsnorm, eps, rows))
+    start = 1 if every_row else rows.prefill_passes_from
+    return PrefillPasses(RowSiluAndMul(kernel, ops.silu_and_mul, start),
+                         RowAddRMSNorm(kernel, ops.add_rmsnorm, eps, start))

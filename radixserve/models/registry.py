@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from radixserve.models.config import GEMMA2, GEMMA3, ModelConfig
+from radixserve.configs.model_config import GEMMA2, GEMMA3, ModelConfig
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

@@ -93,3 +93,13 @@ def beats_plain(batch: int, expected: float, plain_s: float, step_s: float) -> b
     """Whether a step of `batch` requests with drafts (`expected` accepted draft tokens), taking `step_s` seconds in
     all, yields more tokens a second than a plain step of the batch taking `plain_s`."""
     return (batch + expected) * plain_s > batch * step_s
+
+
+def accept_rate(accepted: int, drafted: int) -> float:
+    """Speculative decoding: the share of draft tokens accepted."""
+    return accepted / drafted if drafted else 0.0
+
+
+def accept_length(accepted: int, verify_steps: int) -> float:
+    """Speculative decoding: tokens a verify step yielded on average (its accepted drafts and the model's own)."""
+    return (accepted + verify_steps) / verify_steps if verify_steps else 0.0

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
+from radixserve.configs.speculative import SpecConfig
 from radixserve.mem_cache.radix_key import common_prefix_len, pack_tokens
-from radixserve.speculative.config import SpecConfig
 from radixserve.speculative.cost import MIN_STEPS, beats_plain
 from radixserve.speculative.ngram import BudgetedDrafter
 
@@ -146,7 +146,7 @@ class DraftModelDrafter(BudgetedDrafter):
         added) run as one decode-shaped forward, a row per token at consecutive positions (each row attends over
         the rows before it, as verify rows do: verify.py), which is the model's fast decode path; a longer feed (a
         new request's prompt) runs as an extend."""
-        from radixserve.model_executor.forward_batch import ForwardBatch
+        from radixserve.forward_batch import ForwardBatch
 
         seqs = [self.seqs[r.rid] for r in reqs]
         prefix_lens = [len(s.tokens) for s in seqs]
@@ -163,7 +163,7 @@ class DraftModelDrafter(BudgetedDrafter):
 
     def _decode(self, reqs: list[Any], drafts: list[list[int]], lengths: list[int]) -> None:
         """Extend each draft to its length, one batched decode step per token."""
-        from radixserve.model_executor.forward_batch import ForwardBatch
+        from radixserve.forward_batch import ForwardBatch
 
         for step in range(1, max(lengths)):
             active = [i for i, n in enumerate(lengths) if n > step]

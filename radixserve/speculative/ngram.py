@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.managers.scheduler_metrics import accept_length, accept_rate
-from radixserve.speculative.config import SpecConfig
-from radixserve.speculative.cost import StepCost
+from radixserve.configs.speculative import SpecConfig
+from radixserve.speculative.cost import StepCost, accept_length, accept_rate
 from radixserve.speculative.tree_draft import tree_continuation
 
 UNKNOWN_RATE = 0.8  # a request's draft-token acceptance before it verified any draft (optimistic: it gets tried)

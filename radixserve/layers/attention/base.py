@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
+
 if TYPE_CHECKING:
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 def gather_kv(buffer: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -41,6 +43,7 @@ class AttentionPlan:
     kernel_class: str | None = None  # the class the measured table is keyed by (the level, or amx)
     windows: tuple[int, ...] = ()  # the model's distinct sliding windows (window.py builds their tables)
     reason: str = ""  # why this backend (registry.resolve_with_reason)
+    rows: RowTable = DEFAULT_ROWS  # the plan's row table: the extend kernel's limit, the cascade policy
 
     def uses(self, kernel: str, dtype: torch.dtype) -> bool:
         return kernel in self.kernels.get(dtype, frozenset())

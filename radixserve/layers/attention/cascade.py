@@ -31,35 +31,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.configs.row_table import CascadePolicy
 from radixserve.layers.attention.base import gather_kv
 
 if TYPE_CHECKING:
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.kernels.attention import DecodeKernel
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 MAX_SCORE_ELEMENTS = 1 << 26  # float32 scores the plain-torch path (off the CPU) holds at once: 256 MiB
-
-
-@dataclass(frozen=True)
-class CascadePolicy:
-    """When a batch runs cascade attention; measured with the CPU backend (docs/attention.md, "When")."""
-
-    min_prefix: int = 256  # shared tokens; below, the extra calls and the merge cost more than they save
-    # decode also needs this many requests: part (a) is one more attention call per layer, which a small
-    # batch does not win back (batch 8 lost at every prefix up to 1,000 on an AVX2 float32 run; 32 won)
-    min_decode_batch: int = 16
-    # and (batch - 1) * prefix, the prefix K/V rows it no longer re-reads, this large
-    min_decode_saved: int = 768
-
-    def takes(self, decode: bool, batch_size: int, shared: int) -> bool:
-        """Whether a batch of `batch_size` requests runs cascade for layers that read `shared` of its shared
-        prefix's keys in part (a): all P for full layers, the part inside the batch's windows for window ones.
-        NOTE: the one place the decision is made; the planners only measure `shared`."""
-        if decode:
-            return (batch_size >= max(2, self.min_decode_batch) and shared >= self.min_prefix
-                    and (batch_size - 1) * shared >= self.min_decode_saved)
-        return batch_size >= 2 and shared >= self.min_prefix
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.layers.attention.base import AttentionPlan
 
 if TYPE_CHECKING:
@@ -54,27 +55,28 @@ def resolve_with_reason(name: str, device: torch.device) -> tuple[str, str]:
     return "torch", f"auto on {device.type}: torch's ops"
 
 
-def plan_attention(name: str, device: torch.device, cascade: bool = True, windows: tuple[int, ...] = ()
-                   ) -> AttentionPlan:
+def plan_attention(name: str, device: torch.device, cascade: bool = True, windows: tuple[int, ...] = (),
+                   rows: RowTable = DEFAULT_ROWS) -> AttentionPlan:
     """The backend `name` resolves to (auto: the C kernels on a CPU, torch elsewhere) and, for the CPU backend,
     the C kernels it uses per dtype: those the measured table (kernels.attention.SELECTED) chose for this CPU's kernel
     class, less the extend kernels where RADIXSERVE_CPU_PREFILL_KERNEL=0, plus bf16 extend and cascade's part (a) on
     AMX tiles where the CPU has them. `cascade`: may split attention over a prefix the whole batch shares. `windows`: the
-    model's distinct sliding windows (ModelConfig.windows)."""
+    model's distinct sliding windows (ModelConfig.windows). `rows`: the plan's row table (the extend kernel's limit,
+    the cascade policy)."""
     name, reason = resolve_with_reason(name, device)
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(attention_backend_names())}")
     if name == "triton":  # NOTE: no cascade path: every request attends over its whole context
-        return AttentionPlan(name, False, windows=windows, reason=reason)
+        return AttentionPlan(name, False, windows=windows, reason=reason, rows=rows)
     if name != "cpu":
-        return AttentionPlan(name, cascade, windows=windows, reason=reason)
+        return AttentionPlan(name, cascade, windows=windows, reason=reason, rows=rows)
     from radixserve import envs
     from radixserve.kernels.attention import SELECTED, load_decode_kernel
     from radixserve.kernels.attention_amx import load_amx_extend_kernel
 
     kernel = load_decode_kernel()
     if kernel is None:
-        return AttentionPlan(name, cascade, windows=windows, reason=reason)
+        return AttentionPlan(name, cascade, windows=windows, reason=reason, rows=rows)
     prefill = envs.CPU_PREFILL_KERNEL.get()
     amx = prefill and load_amx_extend_kernel() is not None
     kernels = {}
@@ -85,7 +87,7 @@ def plan_attention(name: str, device: torch.device, cascade: bool = True, window
         if amx and dtype == torch.bfloat16:  # extend and cascade's part (a) on the tiles
             chosen |= {"extend_amx", "prefix_amx"}
         kernels[dtype] = frozenset(chosen)
-    return AttentionPlan(name, cascade, kernels, kernel.isa, kernel.kernel_class, windows, reason)
+    return AttentionPlan(name, cascade, kernels, kernel.isa, kernel.kernel_class, windows, reason, rows)
 
 
 def backend_class(name: str) -> type[AttentionBackend]:

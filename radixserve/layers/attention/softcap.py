@@ -28,9 +28,9 @@ from radixserve.layers.attention.base import as_cached, gather_kv
 from radixserve.layers.attention.torch_metadata import metadata_of
 
 if TYPE_CHECKING:
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.layers.attention.torch_backend import TorchAttnBackend
     from radixserve.layers.radix_attention import RadixAttention
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 # At most this many float32 scores per query block of a request's extend (64 MiB).
 SCORE_BLOCK_ELEMENTS = 1 << 24

@@ -14,7 +14,7 @@ that reads every request's context in place (extend_attention.c; in bf16 on CPUs
 extend_amx.c on the tiles, kernels/attention_amx.py; off with RADIXSERVE_CPU_PREFILL_KERNEL=0). Which C kernels run depends on the CPU's kernel level and the dtype
 (kernels.attention.SELECTED, measured against the torch paths here), as the backend's plan says (registry.plan_attention).
 Cascade (cascade.py): when every request of a batch shares a long enough prefix (see
-`cascade.CascadePolicy`), decode and extend attend over that prefix once for the whole batch.
+`CascadePolicy`, configs/row_table.py), decode and extend attend over that prefix once for the whole batch.
 Sliding window (window.py): a layer with a window, in a batch where the window hides keys, decodes over its
 window's slots (the C decode kernel or torch, as planned) and extends with the C extend kernel given the window
 where it is planned as for full layers, else with a banded mask in SDPA. Where the batch shares a prefix that its
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve import envs
+from radixserve.configs.row_table import CascadePolicy
 from radixserve.layers.attention import cascade, softcap, window, window_cascade
 from radixserve.layers.attention.base import (
     AttentionBackend,
@@ -51,21 +52,16 @@ from radixserve.layers.attention.torch_metadata import (  # noqa: F401 (DecodeMe
 )
 
 if TYPE_CHECKING:
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.kernels.attention import DecodeKernel
     from radixserve.kernels.attention_amx import AmxExtendKernel
     from radixserve.layers.radix_attention import RadixAttention
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 
 Plan = TypeVar("Plan")
 
 # NOTE: up to this many kv heads, decode widens queries over all kv heads (see decode_block_diagonal).
 BLOCK_DIAGONAL_MAX_KV_HEADS = 4
-# The C extend kernel runs a batch only if no request has more new tokens than this. It was 512 while SDPA
-# (GEMM blocks) was level or ahead at 1,024 on most classes; since the kernel's AVX2 and float32 paths got
-# faster it wins at 1,024 and 2,048 tokens on every SIMD class of a Zen 4 (1.1x-2.6x, 1 thread;
-# benchmarks/bench_extend_attention.py, docs/attention.md).
-EXTEND_KERNEL_MAX_NEW_TOKENS = 2048
 # The longest context whose decode the torch backend captures in CUDA graphs (its static tables are this wide).
 GRAPH_MAX_CONTEXT = 4096
 
@@ -78,7 +74,7 @@ class TorchAttnBackend(AttentionBackend):
         self.extend_kernel: DecodeKernel | None = None  # set by CpuAttnBackend unless switched off
         self.amx_extend: AmxExtendKernel | None = None  # bf16 extend on AMX tiles (CpuAttnBackend, AMX CPUs)
         # None: cascade attention off (--disable-cascade-attention)
-        self.cascade: cascade.CascadePolicy | None = cascade.CascadePolicy() if self.plan.cascade else None
+        self.cascade: CascadePolicy | None = self.plan.rows.cascade if self.plan.cascade else None
         self.cascade_forwards = {"decode": 0, "extend": 0}  # forwards that ran cascade attention (full layers)
         self.window_cascade_forwards = {"decode": 0, "extend": 0}  # forwards whose window layers ran it
         self.graph_tables: GraphDecodeTables | None = None  # the CUDA graph runner's static tables (init_graph_state)
@@ -92,7 +88,7 @@ class TorchAttnBackend(AttentionBackend):
             meta.decode = None if meta.cascade_decode is not None else decode_metadata(fb)
         else:
             meta.extend_kernel_fits = (self.extend_kernel is not None
-                                       and max(fb.extend_seq_lens_cpu) <= EXTEND_KERNEL_MAX_NEW_TOKENS)
+                                       and max(fb.extend_seq_lens_cpu) <= self.plan.rows.extend_kernel_new_tokens)
             meta.cascade_extend = self._plan(cascade.plan_extend, fb, "extend", prefix_len)
             if meta.cascade_extend is None:
                 with_kernel = meta.extend_kernel_fits or self.amx_extend is not None
@@ -152,7 +148,7 @@ class TorchAttnBackend(AttentionBackend):
             return window_loc
         return fb.out_cache_loc
 
-    def _plan(self, planner: Callable[[ForwardBatch, cascade.CascadePolicy, int], Plan | None], fb: ForwardBatch,
+    def _plan(self, planner: Callable[[ForwardBatch, CascadePolicy, int], Plan | None], fb: ForwardBatch,
               mode: str, prefix_len: int) -> Plan | None:
         if self.cascade is None:
             return None

@@ -12,7 +12,7 @@ from radixserve.layers.attention import cascade, window
 from radixserve.layers.attention.base import AttentionMetadata
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.forward_batch import ForwardBatch
 
 
 @dataclass

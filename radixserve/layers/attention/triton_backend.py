@@ -26,8 +26,8 @@ from radixserve.layers.attention.triton_ops.decode_attention import decode_atten
 from radixserve.layers.attention.triton_ops.extend_attention import extend_attention
 
 if TYPE_CHECKING:
+    from radixserve.forward_batch import ForwardBatch
     from radixserve.layers.radix_attention import RadixAttention
-    from radixserve.model_executor.forward_batch import ForwardBatch
 
 # NOTE: fixed, so that a decode step's launch shapes depend on the batch size alone (CUDA graphs); 8 parts keep
 # an H100's SMs busy from about 16 rows x kv heads up, and cost one small merge kernel per layer

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from radixserve.layers.attention.base import gather_kv
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.configs.row_table import CascadePolicy
 from radixserve.layers.attention import cascade, window
 
 if TYPE_CHECKING:
-    from radixserve.model_executor.forward_batch import ForwardBatch
+    from radixserve.forward_batch import ForwardBatch
 
 
 def first_visible(fb: ForwardBatch, window_size: int) -> list[int]:
@@ -46,7 +47,7 @@ def first_visible(fb: ForwardBatch, window_size: int) -> list[int]:
     return [max(0, p - window_size + 1) for p in fb.extend_prefix_lens_cpu]
 
 
-def plan_decode(fb: ForwardBatch, window_size: int, prefix_len: int, policy: cascade.CascadePolicy,
+def plan_decode(fb: ForwardBatch, window_size: int, prefix_len: int, policy: CascadePolicy,
                 translate: torch.Tensor | None = None) -> cascade.CascadeDecodeMetadata | None:
     """A window's decode cascade over the batch's shared `prefix_len` (cascade.batch_prefix_len), or None."""
     start = min(first_visible(fb, window_size))
@@ -59,7 +60,7 @@ def plan_decode(fb: ForwardBatch, window_size: int, prefix_len: int, policy: cas
                                          suffix.max_len, mask, _first(fb, positions, window_size, start, prefix_len))
 
 
-def plan_extend(fb: ForwardBatch, window_size: int, prefix_len: int, policy: cascade.CascadePolicy,
+def plan_extend(fb: ForwardBatch, window_size: int, prefix_len: int, policy: CascadePolicy,
                 translate: torch.Tensor | None = None) -> cascade.CascadeExtendMetadata | None:
     """A window's extend cascade over the batch's shared `prefix_len`, or None."""
     start = min(first_visible(fb, window_size))

@@ -1,7 +1,7 @@
 """The linear method of packed weights, the embedding of a packed table, and the matmul path per batch size.
 
 Paths of `PackedLinearMethod.apply` (measured by benchmarks/bench_quant_matmul.py at the model's shapes):
-- M <= SMALL_M rows (decode): the C kernel, integer dot products on int8-quantized activations;
+- up to `RowTable.packed_rows` rows (decode): the C kernel, integer dot products on int8-quantized activations;
 - more rows (prefill, large decode batches): the C kernel expands the weight into a reused float
   buffer, in pieces of at most DEQUANT_CHUNK values, and torch's dense GEMM (oneDNN) multiplies;
 - no C compiler: the same in plain torch (`PackedWeight.dequantize`).
@@ -13,14 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.kernels.quant import BoundMatmul, QuantKernel, load_quant_kernel
 from radixserve.kernels.quant_tiled import load_tiled_kernel
 from radixserve.layers.linear import LinearBase, LinearMethod
 from radixserve.layers.quantization.formats import PackedWeight
 from radixserve.layers.quantization.tiled import TILE, TiledWeight
 
-SMALL_M = 4
-TILED_MAX_M = 32  # the tiled kernel up to here, then expansion + dense GEMM (docs/quantization.md)
 EVERY_ROW_KERNELS = "the tiled integer kernel at every row count (deterministic inference)"  # row_kernels' text then
 DEQUANT_CHUNK = 1 << 21  # values per expanded piece (4 MiB in bfloat16)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -62,23 +61,23 @@ class PackedLinearMethod(LinearMethod):
             flat = x.reshape(-1, layer.in_features).contiguous()
             return load_tiled_kernel().matmul(self.packed, flat, x.dtype).view(*x.shape[:-1], layer.out_features)
         if isinstance(self.packed, TiledWeight) and x.dim() == 2 and bias is None and x.dtype in _KERNEL_DTYPES:
-            return tiled_linear(self.packed, x.contiguous())
-        if x.dim() == 2 and x.shape[0] <= SMALL_M and bias is None and x.dtype in _KERNEL_DTYPES:
+            return tiled_linear(self.packed, x.contiguous(), self.rows.tiled_rows)
+        if x.dim() == 2 and x.shape[0] <= self.rows.packed_rows and bias is None and x.dtype in _KERNEL_DTYPES:
             bound = self._bound
             if bound is None or bound.packed is not self.packed:  # NOTE: `packed` may be assigned directly
                 bound = self._bind()
             if bound is not None:
                 return bound(x.contiguous(), x.dtype)
         shape = x.shape
-        y = packed_linear(self.packed, x.reshape(-1, layer.in_features), self._kernel())
+        y = packed_linear(self.packed, x.reshape(-1, layer.in_features), self._kernel(), self.rows)
         if bias is not None:
             y = y + bias
         return y.view(*shape[:-1], layer.out_features)
 
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
-        """The tiled kernel for up to TILED_MAX_M rows in float32 or bfloat16 (the row layout has no C entry)."""
+        """The tiled kernel for up to `rows.tiled_rows` rows in float32 or bfloat16 (the row layout has no C entry)."""
         kernel = load_tiled_kernel()
-        fits = 0 < rows and (self.every_row or rows <= TILED_MAX_M)
+        fits = 0 < rows and (self.every_row or rows <= self.rows.tiled_rows)
         if not isinstance(self.packed, TiledWeight) or not fits or kernel is None:
             return None
         return kernel.linear_address(dtype)
@@ -104,8 +103,8 @@ class PackedLinearMethod(LinearMethod):
         if self.every_row:
             return EVERY_ROW_KERNELS
         if isinstance(self.packed, TiledWeight) or load_tiled_kernel() is not None:
-            return f"1-{TILED_MAX_M} rows the tiled integer kernel, expansion + dense GEMM above"
-        return f"1-{SMALL_M} rows the integer kernel, expansion + dense GEMM above"
+            return f"1-{self.rows.tiled_rows} rows the tiled integer kernel, expansion + dense GEMM above"
+        return f"1-{self.rows.packed_rows} rows the integer kernel, expansion + dense GEMM above"
 
     def _bind(self) -> BoundMatmul | None:
         kernel = self._kernel()
@@ -160,17 +159,18 @@ def _load_rows(packed: PackedWeight, tensor: torch.Tensor | PackedWeight, start:
         packed.load_float_rows(tensor, start)
 
 
-def packed_linear(packed: PackedWeight, x: torch.Tensor, kernel: QuantKernel | None) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype."""
+def packed_linear(packed: PackedWeight, x: torch.Tensor, kernel: QuantKernel | None,
+                  rows: RowTable = DEFAULT_ROWS) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype; `rows`: where the kernels stop (`packed_rows`, `tiled_rows`)."""
     dtype = x.dtype
     if isinstance(packed, TiledWeight):
         if dtype not in _KERNEL_DTYPES:
             return F.linear(x, packed.dequantize(torch.float32).to(dtype))
-        return tiled_linear(packed, x.contiguous())
+        return tiled_linear(packed, x.contiguous(), rows.tiled_rows)
     if kernel is None or dtype not in _KERNEL_DTYPES:
         return F.linear(x, packed.dequantize(dtype))
     x = x.contiguous()
-    if x.shape[0] <= SMALL_M:
+    if x.shape[0] <= rows.packed_rows:
         return kernel.matmul(packed, x, dtype)
     return _dequant_gemm(packed, x, kernel)
 
@@ -199,11 +199,11 @@ def _dequant_gemm(packed: PackedWeight, x: torch.Tensor, kernel: QuantKernel) ->
     return out
 
 
-def tiled_linear(packed: TiledWeight, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] contiguous, float32 or bfloat16 -> [M, N]: the tiled kernel for few rows, else the weight
+def tiled_linear(packed: TiledWeight, x: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """x [M, K] contiguous, float32 or bfloat16 -> [M, N]: the tiled kernel up to `max_rows` rows, else the weight
     expanded (transposed, in pieces of at most DEQUANT_CHUNK values) and torch's dense GEMM."""
     kernel = load_tiled_kernel()
-    if x.shape[0] <= TILED_MAX_M:
+    if x.shape[0] <= max_rows:
         return kernel.matmul(packed, x, x.dtype)
     n, k = packed.shape
     cols = max(TILE, DEQUANT_CHUNK // k // TILE * TILE)

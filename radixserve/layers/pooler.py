@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.model_executor.forward_batch import ForwardBatch
+from radixserve.forward_batch import ForwardBatch
 
 POOLING_MODES = ("last", "mean")
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from radixserve import envs
-from radixserve.models.config import ModelLoadError
-from radixserve.models.gguf_dequant import dequantize
+from radixserve.configs.model_config import ModelLoadError
+from radixserve.model_loader.gguf_dequant import dequantize
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def _write_tokenizer(path: Path, folder: Path, arch: str = "llama") -> None:
     finally:
         shutil.rmtree(source)
     if arch == "gemma3" and not tokenizer.chat_template:
-        from radixserve.models.model_folder import GEMMA_CHAT_TEMPLATE
+        from radixserve.model_loader.model_folder import GEMMA_CHAT_TEMPLATE
 
         tokenizer.chat_template = GEMMA_CHAT_TEMPLATE  # NOTE: llama.cpp's Gemma 3 files may carry none
     tokenizer.save_pretrained(str(folder))

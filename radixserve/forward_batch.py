@@ -60,7 +60,7 @@ class ForwardBatch:
     lora_adapters: list | None = None
     # Embeddings (extend only): each request's pooling ("last", "mean"; None: it generates), or None when no request
     # of the batch embeds; the model then sets `pooled_hidden`, float32 [bs, hidden] of the final norm's output: the
-    # request's last row ("last"), or the sum over this forward's rows ("mean"; model_executor/pooling.py).
+    # request's last row ("last"), or the sum over this forward's rows ("mean"; layers/pooler.py).
     pooling: list[str | None] | None = None
     pooled_hidden: torch.Tensor | None = None
     # Set by the model runner before the forward: the pools and backend the layers use.

@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.managers.io_struct import MAX_TOP_LOGPROBS, LogprobSpec, TokenizedGenerateReqInput
 from radixserve.mem_cache.radix_key import check_namespace
+from radixserve.protocol.io_struct import MAX_TOP_LOGPROBS, LogprobSpec, TokenizedGenerateReqInput
 from radixserve.sampling_params import SamplingParams
 
 

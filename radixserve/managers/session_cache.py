@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from radixserve.managers.io_struct import CheckSessionReq, CloseSessionReq, OpenSessionReq, SessionOut
+from radixserve.protocol.io_struct import CheckSessionReq, CloseSessionReq, OpenSessionReq, SessionOut
 
 if TYPE_CHECKING:
     from radixserve.mem_cache.kv_manager import KVManager, TreePin

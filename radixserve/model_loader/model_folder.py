@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-from radixserve.models.config import ModelConfig, ModelLoadError
+from radixserve.configs.model_config import ModelConfig, ModelLoadError
 
 logger = logging.getLogger(__name__)
 

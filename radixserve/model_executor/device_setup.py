@@ -42,6 +42,8 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, plan: E
     ops and the decoder (the C decode step over the model's weight view where the plan chose it)."""
     start = time.perf_counter()
     counts = apply_linear_plan(model, dict(plan.linear_methods), dict(plan.large_rows))
+    for _, layer in linear_layers(model):
+        layer.method.rows = plan.rows  # NOTE: every kernel switch reads the plan's one row table
     if plan.prefill_copy_bytes:
         keep_prefill_copies(model)
     if device.type == "cpu":
@@ -55,8 +57,8 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, plan: E
     for name, layer in linear_layers(model):
         if not layer.method.use_row_kernel_everywhere(every):
             raise DeterminismUnavailable(f"{FLAG}: layer {name} ({layer.method.describe()}) has no row kernel")
-    passes = c_prefill_passes(ops, model.config.rms_norm_eps, every) if c_decoder and ops is not None else None
+    passes = c_prefill_passes(ops, model.config.rms_norm_eps, every, plan.rows) if c_decoder and ops is not None else None
     model.set_fused_ops(ops, passes)
     if hasattr(model, "set_decoder"):
-        model.set_decoder(load_decode_step(model.decoder_weights(), plan.dtype, every) if c_decoder else None)
+        model.set_decoder(load_decode_step(model.decoder_weights(), plan.dtype, every, plan.rows) if c_decoder else None)
     return DeviceSetup(counts, ops is not None, c_decoder, time.perf_counter() - start)

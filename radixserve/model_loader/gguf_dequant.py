@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from radixserve.models.config import ModelLoadError
+from radixserve.configs.model_config import ModelLoadError
 
 Q = GGMLQuantizationType
 NATIVE_TYPES = ("F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
