@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from radixserve.bench.docs import cpu_header, write_doc_section
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.kernels import gemv as gemv_kernels
 from radixserve.kernels.quant import load_quant_kernel
 from radixserve.kernels.quant_tiled import load_tiled_kernel
@@ -69,7 +70,7 @@ def kernels_for(name: str, shape: tuple[int, int], copies: int) -> dict[str, Cal
     fns[f"int{bits} rows"] = lambda x: [qlinear.packed_linear(w, x, quant) for w in rows]
     if load_tiled_kernel() is not None:
         tiled = [tile_weight(w) for w in rows]
-        fns[f"int{bits} tiled"] = lambda x: [qlinear.tiled_linear(w, x) for w in tiled]
+        fns[f"int{bits} tiled"] = lambda x: [qlinear.tiled_linear(w, x, DEFAULT_ROWS.tiled_rows) for w in tiled]
     return fns
 
 

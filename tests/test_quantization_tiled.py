@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.kernels import quant_tiled
 from radixserve.kernels.quant import load_quant_kernel, runnable_isas
 from radixserve.layers.quantization import linear as qlinear
@@ -112,9 +113,9 @@ def test_many_rows_expand_in_pieces(level, dtype, monkeypatch):
     t = tiled.tile_weight(packed)
     x = torch.randn(40, 128).to(dtype)
     want = x.float() @ packed.dequantize().T
-    whole = qlinear.tiled_linear(t, x)
+    whole = qlinear.tiled_linear(t, x, DEFAULT_ROWS.tiled_rows)
     monkeypatch.setattr(qlinear, "DEQUANT_CHUNK", 64 * 128)  # pieces of 64 rows: 5 pieces, the last of 44
-    pieces = qlinear.tiled_linear(t, x)
+    pieces = qlinear.tiled_linear(t, x, DEFAULT_ROWS.tiled_rows)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for got in (whole, pieces):
         assert got.shape == (40, 300) and got.dtype == dtype
