@@ -37,10 +37,12 @@ PROMPT_IDS = [(i * 7919) % 40000 + 100 for i in range(600)]  # ~600 tokens, no r
 class RedisServer:
     """One `redis-server` child on 127.0.0.1:`port`, persistence off, its files in `folder`."""
 
-    def __init__(self, folder: Path, *options: str) -> None:
+    def __init__(self, folder: Path, *options: str, port: int = 0) -> None:
+        self.port = port
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+            if not port:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
         folder.mkdir(parents=True, exist_ok=True)
         self.log = open(folder / "redis.log", "wb")
         self.proc = subprocess.Popen(
@@ -196,6 +198,31 @@ def test_a_killed_server_turns_the_store_off_with_one_warning(server):
         assert time.monotonic() - started < 2.0
     assert seen.turned_off() == 1 and len(seen.records) == 1
     assert server.url.split("//")[1] in seen.records[0].getMessage()
+
+
+def test_a_server_that_comes_back_is_used_again(server, tmp_path):
+    """Off when the server dies; tried again at most every `reconnect_s` (no try before it is due); once a server
+    listens there again, the next use finds it, says so once, and pages are written and read again."""
+    store = RedisStorageBackend(server.url, reconnect_s=0.3)
+    assert store.set("r1", PAGE)
+    server.kill()
+    with Warnings() as seen:
+        assert store.get("r1") is None and not store.enabled
+        time.sleep(0.35)
+        assert not store.enabled  # NOTE: due, tried, nobody there: off for another interval
+        back = RedisServer(tmp_path / "again", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru",
+                           port=server.port)
+        try:
+            assert not store.enabled  # NOTE: the last try was under 0.3 s ago: not yet tried again
+            time.sleep(0.35)
+            assert store.enabled and store.reconnects == 1
+            assert store.get("r1") is None  # NOTE: a fresh server: the old page is gone, a miss
+            assert store.set("r2", PAGE) and store.get("r2") == PAGE
+            assert back.client().exists(store.prefix + "r2") == 1
+        finally:
+            back.stop()
+    messages = [r.getMessage() for r in seen.records]
+    assert seen.turned_off() == 1 and sum("is back" in m for m in messages) == 1, messages
 
 
 def test_a_hung_server_costs_one_socket_timeout_then_the_store_is_off(server):

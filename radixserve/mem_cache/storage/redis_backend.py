@@ -10,8 +10,10 @@ key's recency), and Redis evicts the least recently used pages itself. At open t
 once if no cap is set; the client never scans or deletes to stay under a cap.
 
 Failures never reach the request: the client uses short socket timeouts and no retries, and the first connection
-error or timeout (at open or on any call) turns the store off with one warning; from then on every lookup is a
-miss. A command the server refuses (out of memory under `noeviction`, a read-only replica, an ACL) skips that one
+error or timeout (at open or on any call) turns the store off with one warning; while it is off every lookup is a
+miss, and at most every `reconnect_s` seconds (RECONNECT_S, 30) the next use of the store tries it again (one ping,
+at most the connect timeout on the scheduler thread): a server that came back (restarted, failed over) is used again,
+with one warning that says so. A command the server refuses (out of memory under `noeviction`, a read-only replica, an ACL) skips that one
 page, with a warning the first time.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,6 +32,7 @@ from radixserve.mem_cache.storage.page_format import HEADER_BYTES, encode_page, 
 logger = logging.getLogger(__name__)
 
 URL_SCHEMES = ("redis", "rediss", "unix")
+RECONNECT_S = 30.0  # a store that went away is tried again at most this often
 DEFAULT_PREFIX = "radixserve:hicache:"
 # NOTE: every call runs on the scheduler thread: a hung server costs one step at most this long, then the store
 # is off. A page is 1.4 MiB for SmolLM2 in float32: 0.5 s is ~20 ms of it on a 1 Gbit/s link, many times over.
@@ -79,7 +83,7 @@ class RedisStorageBackend:
     kind = "redis"
 
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX, socket_timeout: float = SOCKET_TIMEOUT_S,
-                 connect_timeout: float = CONNECT_TIMEOUT_S, client: Any = None) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT_S, client: Any = None, reconnect_s: float = RECONNECT_S) -> None:
         check_redis_url(url)
         try:
             import redis
@@ -94,6 +98,9 @@ class RedisStorageBackend:
         self.capacity_bytes = 0  # the server's maxmemory, read at open (0: none set, or not readable)
         self.eviction_policy = ""  # the server's maxmemory-policy, read at open
         self.refused = 0  # commands the server refused (each skipped one page)
+        self.reconnect_s = reconnect_s  # 0: a store that went away stays off
+        self.reconnects = 0  # times the store came back after it went away
+        self._retry_at = 0.0  # monotonic time of the next reconnection try, while off
         # NOTE: a connection error or timeout means the store is unusable: off. Any other RedisError is a refused
         # command (a ResponseError: OOM, READONLY, NOPERM): that page only.
         self._fatal: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -108,7 +115,24 @@ class RedisStorageBackend:
     # ---- state ----------------------------------------------------------------------------------
     @property
     def enabled(self) -> bool:
-        return not self.stats.disabled
+        """Whether the store is usable; asking, while it is off, tries it again when a retry is due."""
+        return not self.stats.disabled or self._reconnect()
+
+    def _reconnect(self) -> bool:
+        """One try (ping, config) of a store that went away, at most every `reconnect_s`; True if it is back."""
+        now = time.monotonic()
+        if self.reconnect_s <= 0 or now < self._retry_at:
+            return False
+        self._retry_at = now + self.reconnect_s
+        try:
+            self._open()
+        except (*self._fatal, self._refusal) as exc:
+            logger.debug("hierarchical cache storage at %s still unreachable: %s", self.location, exc)
+            return False
+        self.stats.disabled = False
+        self.reconnects += 1
+        logger.warning("hierarchical cache storage at %s is back; serving with it again", self.location)
+        return True
 
     def pages(self) -> int | None:
         """Not known without scanning the server's keys: None."""
@@ -144,14 +168,15 @@ class RedisStorageBackend:
                            "(docs/hicache.md)", self.location, self.capacity_bytes, self.eviction_policy or "?")
 
     def _turn_off(self, exc: BaseException, doing: str) -> None:
+        self._retry_at = time.monotonic() + self.reconnect_s
         if not self.stats.disabled:
             self.stats.disabled = True
             logger.warning("hierarchical cache storage at %s turned off (%s: %s: %s); serving continues without it",
                            self.location, doing, type(exc).__name__, exc)
 
     def _call(self, doing: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)`, or None once the store is off or if the call failed (which may turn it off)."""
-        if self.stats.disabled:
+        """`fn(*args)`, or None while the store is off or if the call failed (which may turn it off)."""
+        if self.stats.disabled and not self._reconnect():
             return None
         try:
             return fn(*args)
