@@ -17,11 +17,16 @@ import enum
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.mem_cache.kv_manager import ReqKV
 from radixserve.protocol.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
 from radixserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.constrained.grammar_backend import Grammar
+    from radixserve.lora.adapter import LoraAdapter
+    from radixserve.speculative.ngram import SpecState
 
 
 class ReqPhase(enum.Enum):
@@ -91,9 +96,9 @@ class Req:
         self.input_logprobs_sent = False
         self.penalty_reset = False  # a new row: its penalty history must be rebuilt in the next forward
         self.kv = ReqKV()
-        self.grammar: Any = None  # constrained decoding: its matcher (constrained/grammar_backend.Grammar), once compiled
-        self.lora: Any = None  # its LoRA adapter (lora/adapter.LoraAdapter), set on arrival; None: the base model
-        self.spec: Any = None  # speculative decoding's state (speculative/ngram.SpecState), once it drafted
+        self.grammar: Grammar | None = None  # constrained decoding: its matcher, once compiled (GrammarManager)
+        self.lora: LoraAdapter | None = None  # its LoRA adapter, set on arrival (LoraControl); None: the base model
+        self.spec: SpecState | None = None  # speculative decoding's state, once it drafted (the drafter's)
         self.forced_pending = 0  # jump-forward tokens appended since its last round: the decode planner decides
         # Lifecycle.
         self.finished_reason: FinishReason | None = None
@@ -170,7 +175,7 @@ class Req:
     def finish(self, reason: FinishReason) -> None:
         self.finished_reason = reason
 
-    def set_grammar(self, grammar: Any) -> None:
+    def set_grammar(self, grammar: Grammar) -> None:
         """Its grammar compiled: from now on each appended token is accepted by the matcher."""
         self.grammar = grammar
 
