@@ -2,9 +2,8 @@
 
 A linear layer, the C decoder, prefill's row passes, LoRA's segments and attention each switch kernels at some
 number of rows (or new tokens, or shared tokens). Those counts are this table's fields and nowhere else: the
-execution plan builds the process's one `RowTable` (`RowTable.from_env`, with `RADIXSERVE_GEMV_MAX_ROWS`
-and RADIXSERVE_F32_GEMV_MAX_ROWS
-applied), shows it (`/get_server_info`, the plan's "rows" entry) and hands each part its table at set-up
+execution plan builds the process's one `RowTable` (`RowTable.from_env`, with `RADIXSERVE_GEMV_MAX_ROWS` and
+`RADIXSERVE_F32_GEMV_MAX_ROWS` applied), shows it (`/get_server_info`, the plan's "rows" entry) and hands each part its table at set-up
 (`model_executor/device_setup.py`, the attention backend through its `AttentionPlan`, the LoRA manager). A
 part built outside a plan (a unit test, a kernel benchmark) reads `DEFAULT_ROWS`.
 
@@ -75,7 +74,10 @@ class RowTable:
 
     def lora_segment_rows(self, dtype: torch.dtype) -> int | None:
         """The largest segment the LoRA C kernel takes in `dtype`; None: no C kernel in that dtype."""
-        return {torch.float32: self.lora_segment_rows_f32, torch.bfloat16: self.lora_segment_rows_bf16}.get(dtype)
+        # NOTE: asked by every LoRA layer of every forward: no table built per call
+        if dtype == torch.float32:
+            return self.lora_segment_rows_f32
+        return self.lora_segment_rows_bf16 if dtype == torch.bfloat16 else None
 
     def linear_row_limits(self) -> tuple[int, ...]:
         """Every row count at which some linear method changes kernel: the C decoder's candidate batch limits."""

@@ -13,8 +13,8 @@ Failures never reach the request: the client uses short socket timeouts and no r
 error or timeout (at open or on any call) turns the store off with one warning; while it is off every lookup is a
 miss, and at most every `reconnect_s` seconds (RECONNECT_S, 30) the next use of the store tries it again (one ping,
 at most the connect timeout on the scheduler thread): a server that came back (restarted, failed over) is used again,
-with one warning that says so. A command the server refuses (out of memory under `noeviction`, a read-only replica, an ACL) skips that one
-page, with a warning the first time.
+with one warning that says so. A command the server refuses (out of memory under `noeviction`, a read-only replica,
+an ACL) skips that one page, with a warning the first time.
 """
 
 from __future__ import annotations
