@@ -4,7 +4,8 @@ rest of an enum value), append it without decode steps.
 Each time a sampled token is appended (the output processor, after the stop checks), a request whose grammar
 now forces a string of at least `MIN_JUMP_TOKENS` tokens gets those tokens appended too (its matcher accepts
 each; logprob 0, the only choice the grammar left). The decision is a function of the tokens alone, so both
-loops, and a request retracted on the way, jump at the same points and write the same tokens. Their KV is
+loops, a request retracted on the way, and a speculative one (its verify step's accepted run ends at the first
+jump point) jump at the same points and write the same tokens. Their KV is
 computed one of two ways (`extends`, decided by the decode planner at the next step):
 - one extend: the planner hands the request's KV to the radix tree (`release(insert=True)`, as a finished
   request's) and puts it at the front of the waiting queue; its next prefill finds everything cached and

@@ -149,8 +149,7 @@ class OutputProcessor:
                 # NOTE: an abort that arrived while the batch ran ends it without the sampled token.
                 req.finish(req.to_abort or FinishReason("length", length=0))
             else:
-                if req.queue_steps is None:
-                    req.queue_steps = launched - req.arrival_step
+                req.note_first_token(launched)
                 self.append_output_token(req, token, result, i)
                 req.check_finished(self.tokenizer)
             if req.finished():
@@ -197,6 +196,7 @@ class OutputProcessor:
             if draft:
                 self._count_draft(req, len(draft), len(tokens) - 1)
                 req.penalties_after_verify()
+            forced: list[int] = []
             if req.to_abort is None and req.samples_next(base + 1):
                 for i, token in enumerate(tokens):
                     self.append_output_token(req, token, result, offset + i)
@@ -204,13 +204,20 @@ class OutputProcessor:
                     req.check_finished(self.tokenizer)
                     if req.finished():
                         break
+                    forced = self.jump_forward.forced_tokens(req)
+                    if forced:
+                        # NOTE: a jump point inside the accepted run ends it, so that requests jump where they would
+                        # without drafts (the decision is a function of the tokens): the model's tokens after it go
+                        tokens = tokens[: i + 1]
+                        self.kv_manager.commit(req, base + len(tokens))
+                        break
             else:
                 req.check_finished(self.tokenizer)
             if req.finished():
                 self.release_finished_req(req)  # NOTE: frees the rejected slots with the rest
             else:
                 self.kv_manager.release_tail(req, base + len(tokens))
-                self.jump(req)
+                self.take_jump(req, forced)
         self.decode_throughput.add(appended)
         self.stats.num_decode_batches += 1
         if self.stats.num_decode_batches % self.log_interval == 0:
@@ -225,7 +232,10 @@ class OutputProcessor:
 
     def jump(self, req: Req) -> None:
         """Appends what the request's grammar forces next, if enough (constrained/jump_forward.py)."""
-        tokens = self.jump_forward.forced_tokens(req)
+        self.take_jump(req, self.jump_forward.forced_tokens(req))
+
+    def take_jump(self, req: Req, tokens: list[int]) -> None:
+        """Appends `tokens`, forced by its grammar and already accepted by its matcher (none: no jump)."""
         if tokens:
             req.jump_forward(tokens)
             self.stats.num_jump_forwards += 1
