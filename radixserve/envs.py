@@ -112,6 +112,9 @@ WEIGHT_PREFETCH = _declare("RADIXSERVE_WEIGHT_PREFETCH", "auto", _choice("auto",
                             "row prefetch into L1 on every CPU")
 STRICT_CHECKS = _declare("RADIXSERVE_STRICT_CHECKS", False, parse_bool,
                          "the idle KV conservation check raises instead of logging (the tests turn it on)")
+CHECK_REQ_WRITES = _declare("RADIXSERVE_CHECK_REQ_WRITES", False, parse_bool,
+                            "tests: every write of a request's field checks its writer (managers/req_owners.py; read "
+                            "once, when the package is imported; the tests turn it on)")
 DEBUG_ALLOC = _declare("RADIXSERVE_DEBUG_ALLOC", False, parse_bool,
                        "every free is checked at once: a double free raises (the tests turn it on)")
 STARVATION_TIMEOUT_S = _declare("RADIXSERVE_STARVATION_TIMEOUT_S", 30.0, float,

@@ -6,6 +6,10 @@ import time
 
 import pytest
 
+# NOTE: before the package is imported: every write of a request's field checks its writer (managers/req_owners.py);
+# servers the tests start inherit it
+os.environ.setdefault("RADIXSERVE_CHECK_REQ_WRITES", "1")
+
 
 @pytest.fixture(autouse=True)
 def _debug_alloc(monkeypatch: pytest.MonkeyPatch) -> None:

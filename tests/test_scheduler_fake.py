@@ -137,6 +137,7 @@ def make_scheduler(pool_tokens=256, page_size=1, max_running=8, chunk=-1, disabl
 def conserve(sched: Scheduler) -> None:
     check_conservation(sched.token_to_kv_pool_allocator, sched.tree_cache, sched.req_to_token_pool,
                        [r.kv for r in sched.active_requests()])
+    assert not sched.queue.phase_problems()  # NOTE: every live request's stored phase matches what it holds
 
 
 def submit(sched, rid, prompt, logprob_start_len=-1, **params):

@@ -8,20 +8,15 @@ import inspect
 import pathlib
 import re
 
-from radixserve.managers.req import FinishReason, Req, ReqPhase
+import pytest
+
+from radixserve.managers.req import PHASE_MOVES, FinishReason, PhaseError, Req, ReqPhase
 from radixserve.managers.scheduler import Scheduler
 from radixserve.protocol.io_struct import LogprobSpec
 from radixserve.sampling_params import SamplingParams
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "radixserve"
 
-# What a request's lifecycle is made of: written only by req.py and (a forward's progress) schedule_batch.py.
-LIFECYCLE_FIELDS = {
-    "finished_reason", "to_abort", "is_chunked", "is_retracted", "retracted_stain", "retraction_count",
-    "wait_since", "sent_output_len", "finish_sent", "stats_counted", "input_logprobs_sent", "max_new_tokens",
-    "num_matched_prefix_tokens", "fill_ids", "already_computed", "input_logprob_next", "penalty_reset",
-    "output_ids", "output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs",
-}
 MUTATORS = {"append", "extend", "insert", "pop", "clear", "remove"}
 
 
@@ -29,13 +24,21 @@ def _modules() -> list[tuple[pathlib.Path, ast.Module]]:
     return [(p, ast.parse(p.read_text())) for p in sorted(PACKAGE.rglob("*.py"))]
 
 
-def _writes_outside_other_classes(tree: ast.Module) -> list[str]:
-    """Writes to a lifecycle field of some object (not `self` of a class other than Req)."""
-    found: list[str] = []
+def _new_req() -> Req:
+    return Req("r", [1, 2, 3], SamplingParams(max_new_tokens=50), logprob=LogprobSpec(return_logprob=True,
+                                                                                        top_logprobs_num=1))
 
-    def visit(node: ast.AST, cls: str | None) -> None:
-        if isinstance(node, ast.ClassDef):
-            cls = node.name
+
+def _list_fields() -> set[str]:
+    """A request's list fields (its tokens and logprobs), from the class: what `Req.__init__` sets to a list."""
+    return {name for name, value in vars(_new_req()).items() if isinstance(value, list)}
+
+
+def _mutations_outside_req(tree: ast.Module, fields: set[str]) -> list[str]:
+    """Calls that change one of `fields` in place (`req.output_ids.append(...)`), or assign to it, on an object other
+    than `self` (another class's own field of the same name is its own)."""
+    found: list[str] = []
+    for node in ast.walk(tree):
         targets: list[ast.expr] = []
         if isinstance(node, ast.Assign):
             targets = list(node.targets)
@@ -43,15 +46,8 @@ def _writes_outside_other_classes(tree: ast.Module) -> list[str]:
             targets = [node.target]
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
             targets = [node.func.value]
-        for t in targets:
-            if isinstance(t, ast.Attribute) and t.attr in LIFECYCLE_FIELDS:
-                on_self = isinstance(t.value, ast.Name) and t.value.id == "self"
-                if not on_self or cls == "Req":
-                    found.append(ast.unparse(t))
-        for child in ast.iter_child_nodes(node):
-            visit(child, cls)
-
-    visit(tree, None)
+        found += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and t.attr in fields
+                  and not (isinstance(t.value, ast.Name) and t.value.id == "self")]
     return found
 
 
@@ -73,35 +69,89 @@ def test_the_scheduler_is_composed_of_parts_given_their_dependencies() -> None:
         assert f"{part}(" in source
 
 
-def test_request_lifecycle_fields_are_written_from_at_most_two_modules() -> None:
+def test_a_requests_lists_change_only_in_its_own_module() -> None:
+    """Attribute writes are held at run time (test_every_req_field_written_outside_its_owner_fails); a list changed
+    in place is not a write, so its mutations are found in the source."""
+    fields = _list_fields()
+    assert {"output_ids", "fill_ids", "output_token_logprobs", "input_top_logprobs"} <= fields
     writers = {path.relative_to(PACKAGE).as_posix(): w for path, tree in _modules()
-               if (w := _writes_outside_other_classes(tree))}
-    assert set(writers) <= {"managers/req.py", "managers/schedule_batch.py"}, writers
-    batch_writes = {w.split(".", 1)[1].split(".")[0] for w in writers.get("managers/schedule_batch.py", [])}
-    # NOTE: a batch writes only a forward's progress, never a lifecycle transition
-    assert batch_writes <= {"already_computed", "input_logprob_next", "penalty_reset"}, batch_writes
+               if (w := _mutations_outside_req(tree, fields)) and path.name != "req.py"}
+    assert not writers, writers
+
+
+def test_every_req_field_written_outside_its_owner_fails() -> None:
+    """The suite runs with every Req write checked (RADIXSERVE_CHECK_REQ_WRITES, tests/conftest.py): a package
+    module that is not a field's writer raises, and so does a field that Req.__init__ does not set."""
+    from radixserve.managers import req_owners
+
+    assert getattr(Req, "_fields_guarded", False), "the guard is off: conftest sets it before the package loads"
+    req = _new_req()
+    req.to_abort = None  # NOTE: from outside the package (a test): allowed
+    fake = PACKAGE / "managers" / "scheduler_output_processor.py"
+    write = compile("req.finished_reason = None", str(fake), "exec")
+    with pytest.raises(req_owners.FieldOwnerError, match="finished_reason written by radixserve/managers/scheduler_o"):
+        exec(write, {"req": req})
+    progress = compile("req.cached_tokens = 3", str(PACKAGE / "managers" / "schedule_batch.py"), "exec")
+    exec(progress, {"req": req})  # NOTE: a forward's progress, the batch's to write
+    assert req.cached_tokens == 3
+    with pytest.raises(req_owners.FieldOwnerError, match="not a field of Req"):
+        req.phase_cache = 1
+    assert set(req_owners.FIELD_WRITERS) <= set(vars(req)), "a writer declared for a field Req does not have"
 
 
 def test_the_lifecycle_methods_move_the_phase() -> None:
-    req = Req("r", [1, 2, 3], SamplingParams(max_new_tokens=50), logprob=LogprobSpec(return_logprob=True,
-                                                                                       top_logprobs_num=1))
+    req = _new_req()
     assert req.phase is ReqPhase.WAITING
-    req.admit(longest_request=10)
+    req.admit(longest_request=10, arrival_step=4)
     assert req.max_new_tokens == 7  # clamped to the context
     req.kv.req_pool_idx = 0  # what KVManager does when it admits the request into a prefill
-    assert req.phase is ReqPhase.RUNNING
+    assert req.phase_problem() is not None  # NOTE: holds a row, still stored as WAITING
+    req.start_running()
+    assert req.phase is ReqPhase.RUNNING and req.phase_problem() is None
     req.begin_chunk()
     assert req.end_chunk() and not req.end_chunk()  # one non-final chunk, then a sampling result
+    req.note_first_token(9)
     req.append_token(9, -0.5, [(9, -0.5), (4, -1.0)])
-    assert req.output_token_logprobs == [-0.5] and req.output_top_logprobs == [[(9, -0.5)]]
+    assert req.count_once() and not req.count_once()  # its prompt is counted once
+    assert req.queue_steps == 5 and req.output_token_logprobs == [-0.5] and req.output_top_logprobs == [[(9, -0.5)]]
     out = req.take_output()
     assert out.new_token_ids == [9] and not req.has_output_to_send()
+    req.kv.req_pool_idx = None
+    req.reset_for_retract()  # NOTE: KVManager.release first, then the request goes back to the queue
+    assert req.phase is ReqPhase.WAITING and req.output_ids == [9]
+    req.kv.req_pool_idx = 1
+    req.start_running()
     req.mark_abort(FinishReason.abort("gone", 499))
     assert req.phase is ReqPhase.ABORTING
     req.check_finished()
     assert req.phase is ReqPhase.FINISHED and req.finished_reason.status_code == 499
     assert req.has_output_to_send() and req.take_output().finished_reason["type"] == "abort"
-    assert req.count_once() and not req.count_once()  # its prompt is counted once
+    assert not req.count_once()  # NOTE: retracted: its re-prefill is not its prompt (counted once, before)
+    with pytest.raises(PhaseError, match="no move from finished to waiting"):
+        req.reset_for_retract()
+
+
+def test_the_phase_table_has_every_phase_and_an_end() -> None:
+    assert set(PHASE_MOVES) == set(ReqPhase)
+    assert all(to in PHASE_MOVES for moves in PHASE_MOVES.values() for to in moves)
+    assert PHASE_MOVES[ReqPhase.FINISHED] == frozenset()  # NOTE: nothing leaves FINISHED
+    # every phase can reach FINISHED: no request is stuck
+    for phase in ReqPhase:
+        seen, todo = {phase}, [phase]
+        while todo:
+            for nxt in PHASE_MOVES[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        assert ReqPhase.FINISHED in seen, phase
+
+
+def test_a_request_aborted_while_retracted_runs_as_aborting() -> None:
+    req = _new_req()
+    req.mark_abort(FinishReason.abort("gone", 499))  # NOTE: queued (retracted): the abort waits for its next step
+    assert req.phase is ReqPhase.WAITING
+    req.kv.req_pool_idx = 0
+    req.start_running()
+    assert req.phase is ReqPhase.ABORTING and req.phase_problem() is None
 
 
 def _package_imports() -> tuple[dict[str, set[str]], dict[str, set[str]]]:

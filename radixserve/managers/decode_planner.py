@@ -102,6 +102,7 @@ class DecodePlanner:
         for req in jumped:
             if extends(req.forced_pending, batch.batch_size()):
                 self.prefill.kv_manager.release(req, insert=True)
+                req.leave_for_extend()
                 leaving.append(req)
             else:
                 req.feed_forced()  # NOTE: clears its forced_pending; it stays in the batch

@@ -1,12 +1,12 @@
 """A request as the scheduler sees it: its tokens, its logprob state, and its lifecycle.
 
-The lifecycle is one explicit phase (`Req.phase`) whose transitions are the methods below; nothing
-outside this module writes a lifecycle field (`ScheduleBatch` writes the per-forward progress:
-`input_logprob_next`, `cached_tokens`, `penalty_reset`). Its KV is a `ReqKV` handle (`req.kv`) that
-only the `KVManager` writes.
+The lifecycle is one stored phase (`Req.phase`), moved only by the methods below and only along
+`PHASE_MOVES`; nothing outside this module writes a lifecycle field (`ScheduleBatch` writes the
+per-forward progress: `input_logprob_next`, `cached_tokens`, `penalty_reset`). Its KV is a `ReqKV` handle
+(`req.kv`) that only the `KVManager` writes. Who may write each field: `FIELD_WRITERS`.
 
-    WAITING   -- admitted into a prefill (a row, slots, a lock) -->  RUNNING
-    RUNNING   -- retract (KV released, outputs kept) ------------>  WAITING
+    WAITING   -- start_running (a row, slots, a lock) ----------->  RUNNING (ABORTING with an abort pending)
+    RUNNING   -- reset_for_retract / leave_for_extend ----------->  WAITING (KV released, outputs kept)
     RUNNING   -- mark_abort (applied at its next step) ---------->  ABORTING
     any       -- finish (KV released by KVManager.release) ------>  FINISHED
 """
@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from radixserve import envs
 from radixserve.mem_cache.kv_manager import ReqKV
 from radixserve.protocol.io_struct import NO_LOGPROBS, LogprobSpec, TokenIDOut
 from radixserve.sampling_params import SamplingParams
@@ -34,6 +35,21 @@ class ReqPhase(enum.Enum):
     RUNNING = "running"  # admitted: holds a row, its KV and a tree lock (a prefill chunk, or decoding)
     ABORTING = "aborting"  # running, with an abort to apply at its next step
     FINISHED = "finished"  # ended: its KV released (cached in the tree unless aborted)
+
+
+_W, _R, _A, _F = ReqPhase.WAITING, ReqPhase.RUNNING, ReqPhase.ABORTING, ReqPhase.FINISHED
+# NOTE: every move a request may make. A new phase (KV on its way from the host or disk tier, or from another
+# process, between WAITING and RUNNING) enters here with the method that makes its move; any other move raises.
+PHASE_MOVES: dict[ReqPhase, frozenset[ReqPhase]] = {
+    _W: frozenset({_R, _A, _F}),  # admitted into a prefill (ABORTING: retracted with an abort pending); ended queued
+    _R: frozenset({_W, _A, _F}),  # retracted, or left for a jump-forward extend; an abort marked; ended
+    _A: frozenset({_W, _A, _F}),  # retracted before its abort applied; a second abort; ended at its next step
+    _F: frozenset(),
+}
+
+
+class PhaseError(RuntimeError):
+    """A request was moved along a transition PHASE_MOVES does not have: a scheduler bug."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,7 @@ class Req:
         self.spec: SpecState | None = None  # speculative decoding's state, once it drafted (the drafter's)
         self.forced_pending = 0  # jump-forward tokens appended since its last round: the decode planner decides
         # Lifecycle.
+        self._phase = ReqPhase.WAITING
         self.finished_reason: FinishReason | None = None
         self.to_abort: FinishReason | None = None
         self.is_chunked = 0  # > 0 while a non-final prefill chunk is in flight
@@ -156,28 +173,66 @@ class Req:
 
     @property
     def phase(self) -> ReqPhase:
-        if self.finished_reason is not None:
-            return ReqPhase.FINISHED
-        if self.kv.req_pool_idx is None:
-            return ReqPhase.WAITING
-        return ReqPhase.RUNNING if self.to_abort is None else ReqPhase.ABORTING
+        return self._phase
+
+    def phase_problem(self) -> str | None:
+        """Why its stored phase disagrees with what it holds (a row while WAITING, none while RUNNING), or None."""
+        holds_row = self.kv.req_pool_idx is not None
+        if holds_row != (self._phase in (_R, _A)) or (self._phase is _F) != (self.finished_reason is not None):
+            return f"{self.rid}: phase {self._phase.value}, row {self.kv.req_pool_idx}, finished {self.finished_reason}"
+        return None
+
+    def _move(self, to: ReqPhase) -> None:
+        if to not in PHASE_MOVES[self._phase]:
+            raise PhaseError(f"request {self.rid}: no move from {self._phase.value} to {to.value}")
+        self._phase = to
 
     # ---- lifecycle transitions (the only writers of the lifecycle fields) -------------------------
-    def admit(self, longest_request: int) -> None:
-        """Accepted into the waiting queue: its output may not run past the context or the KV pool
-        (`RequestLimits.longest_request`), so a request alone always finishes."""
+    def start_running(self) -> None:
+        """A prefill gave it a row, slots and a lock (KVManager.alloc_extend): it runs until it ends, is retracted
+        or leaves for a jump-forward extend. No move when it already runs (its next chunk)."""
+        if self._phase is _W:
+            self._move(_R if self.to_abort is None else _A)
+
+    def leave_for_extend(self) -> None:
+        """Its KV went to the tree (KVManager.release) and it goes back to the queue, for one extend of its jump-forward
+        tokens (decode_planner.py)."""
+        self._move(_W)
+
+    def admit(self, longest_request: int, arrival_step: int = 0) -> None:
+        """Accepted into the waiting queue when the scheduler had launched `arrival_step` forwards: its output may
+        not run past the context or the KV pool (`RequestLimits.longest_request`), so a request alone always
+        finishes."""
         self.max_new_tokens = min(self.max_new_tokens, longest_request - len(self.origin_input_ids))
+        self.arrival_step = arrival_step
+
+    def note_first_token(self, launched: int) -> None:
+        """A result gives it a token when `launched` forwards were launched: its first one sets `queue_steps`."""
+        if self.queue_steps is None:
+            self.queue_steps = launched - self.arrival_step
 
     def mark_abort(self, reason: FinishReason) -> None:
         """Abort a request that is running (or in a batch being run): it ends at its next step."""
         self.to_abort = reason
+        if self._phase is not _W:  # NOTE: a retracted one moves when it runs again (start_running)
+            self._move(_A)
 
     def finish(self, reason: FinishReason) -> None:
+        self._move(_F)
         self.finished_reason = reason
 
     def set_grammar(self, grammar: Grammar) -> None:
         """Its grammar compiled: from now on each appended token is accepted by the matcher."""
         self.grammar = grammar
+
+    def set_lora(self, adapter: LoraAdapter, extra_key: Any) -> None:
+        """Its LoRA adapter, and the cache namespace its KV lives in (an adapter never shares KV with another)."""
+        self.lora = adapter
+        self.extra_key = extra_key
+
+    def set_spec(self, state: SpecState) -> None:
+        """Speculative decoding's record of it, made by the drafter the first time it drafts."""
+        self.spec = state
 
     def note_match(self, matched: int) -> None:
         """The length of its cached prefix, as the cache-aware policy last matched it."""
@@ -288,30 +343,30 @@ class Req:
     def check_finished(self, tokenizer: Any = None) -> None:
         """Set `finished_reason` after a token was appended: abort, a token the grammar refused, length, stop token,
         then stop string."""
-        if self.finished_reason is not None:
+        if self._phase is _F:
             return
         if self.to_abort is not None:
-            self.finished_reason = self.to_abort
+            self.finish(self.to_abort)
             return
         if self.grammar is not None and self.grammar.rejected:
             # NOTE: before the length and stop checks: the token is one the grammar refused, whatever it is
-            self.finished_reason = self._grammar_rejected(self.output_ids[-1])
+            self.finish(self._grammar_rejected(self.output_ids[-1]))
             return
         if len(self.output_ids) >= self.max_new_tokens:
-            self.finished_reason = FinishReason("length", length=self.max_new_tokens)
+            self.finish(FinishReason("length", length=self.max_new_tokens))
             return
         last = self.output_ids[-1]
         if last in self.stop_token_ids or (not self.sampling_params.ignore_eos and last in self.eos_token_ids):
-            self.finished_reason = FinishReason("stop", matched=last)
+            self.finish(FinishReason("stop", matched=last))
             return
         if self.grammar is not None and self.grammar.is_terminated():
-            self.finished_reason = FinishReason("stop", matched=last)
+            self.finish(FinishReason("stop", matched=last))
             return
         if self.stop_str_max_len and tokenizer is not None:
             tail = tokenizer.decode(self.output_ids[-(self.stop_str_max_len + 1):], skip_special_tokens=True)
             for stop in self.sampling_params.stop:
                 if stop in tail:
-                    self.finished_reason = FinishReason("stop", matched=stop)
+                    self.finish(FinishReason("stop", matched=stop))
                     return
 
     def min_new_tokens_banned(self, done: int) -> frozenset[int]:
@@ -349,6 +404,7 @@ class Req:
 
     def reset_for_retract(self) -> None:
         """After its KV was released: keep the outputs, so the request resumes where it was."""
+        self._move(_W)
         self.is_chunked = 0
         self.is_retracted = True
         self.retracted_stain = True
@@ -359,3 +415,9 @@ class Req:
             # NOTE: under overlap the prefill that scored the prompt may still be in flight; its result is
             # dropped with the retraction, so scoring resumes after what has really arrived.
             self.input_logprob_next = max(start + len(self.input_token_logprobs), 1)
+
+
+if envs.CHECK_REQ_WRITES.get():  # NOTE: read once, at import: the tests set it before importing the package
+    from radixserve.managers.req_owners import guard_field_writes
+
+    guard_field_writes(Req)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from radixserve.managers.req import Req
+from radixserve.managers.req import Req, ReqPhase
 
 
 class RequestQueue:
@@ -51,3 +51,10 @@ class RequestQueue:
                    and now - r.wait_since > timeout_s]
         self.remove(expired)
         return expired
+
+    def phase_problems(self) -> list[str]:
+        """Live requests whose stored phase disagrees with what they hold, or queued ones not WAITING (tests and
+        strict checks; a scheduler bug when not empty)."""
+        problems = [p for r in self.live.values() if (p := r.phase_problem()) is not None]
+        problems += [f"{r.rid}: queued while {r.phase.value}" for r in self.waiting if r.phase is not ReqPhase.WAITING]
+        return problems

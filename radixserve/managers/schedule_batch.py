@@ -55,6 +55,7 @@ class ScheduleBatch:
         extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens, strict=True)]
         out_cache_loc = self.kv_manager.alloc_extend(reqs, seq_lens)
         for req, pre, seq in zip(reqs, prefix_lens, seq_lens, strict=True):
+            req.start_running()
             self._count_cached_tokens(req, pre, seq)
         self.prefill_new_tokens = sum(extend_lens)
         input_ids = [t for r, p in zip(reqs, prefix_lens, strict=True) for t in r.fill_ids[p:]]

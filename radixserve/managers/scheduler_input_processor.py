@@ -53,8 +53,7 @@ class InputProcessor:
             logger.warning("Reject %s: %s", msg.rid, error)
             self.output.finish_now(req, FinishReason.abort(error, status_code=status))
             return
-        req.admit(self.limits.longest_request)
-        req.arrival_step = self.launched_steps()
+        req.admit(self.limits.longest_request, arrival_step=self.launched_steps())
         self.stats.num_requests += 1
         if not self.grammars.submit(req):  # NOTE: a request with a grammar is queued once it has compiled
             self.queue.add(req)

@@ -60,8 +60,7 @@ class LoraControl:
         adapter = self.manager.get(name)
         if adapter is None:
             return f"LoRA adapter {name!r} is not loaded (loaded: {', '.join(self.manager.registry) or 'none'})", 404
-        req.lora = adapter
-        req.extra_key = adapter_namespace(req.extra_key, adapter)
+        req.set_lora(adapter, adapter_namespace(req.extra_key, adapter))
         return None
 
     def admits(self, adapters: set[str], req: Req) -> bool:

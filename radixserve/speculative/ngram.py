@@ -194,7 +194,8 @@ class BudgetedDrafter:
     def state(self, req: Any) -> SpecState:
         state = getattr(req, "spec", None)
         if state is None:
-            state = req.spec = SpecState(self.new_index(), DraftBudget(self.config.num_draft_tokens))
+            state = SpecState(self.new_index(), DraftBudget(self.config.num_draft_tokens))
+            req.set_spec(state)
         return state
 
     def new_index(self) -> NgramIndex | None:
