@@ -1,7 +1,7 @@
 """`--dtype float32` decode with the float32 GEMV's row limit at its default and at another value, side by side.
 
 The row table's `f32_gemv_rows` (configs/row_table.py) is where `f32_gemv` hands a product to oneDNN, and so the
-largest decode batch the float32 C decode step takes. One process holds two Engines, one per limit
+largest decode batch the float32 C decoder takes. One process holds two Engines, one per limit
 (RADIXSERVE_F32_GEMV_MAX_ROWS, read when each plans), and times them in alternating rounds so that a busy moment of
 a shared machine falls on both; a batch's decode rate is its requests' tokens after the first over the wall of
 generating `--new-tokens` less the wall of generating one (the prompts are unique 100-token ones, the same per round).
@@ -48,8 +48,8 @@ def main() -> None:
     for rows in limits:
         os.environ["RADIXSERVE_F32_GEMV_MAX_ROWS"] = str(rows)
         engine = Engine(dtype="float32", max_total_tokens=16384, max_running_requests=128, log_level="warning")
-        step = engine.model_runner.model.decode_step
-        print(f"f32_gemv_rows {rows}: the C decode step takes up to {step.max_rows if step else 0} rows", flush=True)
+        step = engine.model_runner.model.c_decoder
+        print(f"f32_gemv_rows {rows}: the C decoder takes up to {step.max_rows if step else 0} rows", flush=True)
         engines[rows] = engine
     rates: dict[tuple[int, int], list[float]] = {(r, b): [] for r in limits for b in batches}
     for k in range(args.rounds):

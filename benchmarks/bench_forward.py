@@ -4,7 +4,7 @@ Paths (--paths): `before` is the old code path, through its switches (`--linear-
 --disable-fused-ops`: F.linear and eager elementwise torch); `after` is the default (linear methods
 chosen per shape, fused compiled ops); `onednn` is `after` with oneDNN for every linear layer (no
 GEMV kernel for decode's few rows); `python-layers` is `after` with decode's decoder layers called one
-op at a time from Python (RADIXSERVE_DECODE_STEP=0) instead of in one C call (models/decode_step.py).
+op at a time from Python (RADIXSERVE_DECODE_STEP=0) instead of in one C call (models/c_decoder.py).
 The runners and transformers load the same weights.
 Prefill: one prompt of --prefill-len tokens (logits of the last token only, as generate does).
 Decode: batches of --batches requests, each with --context tokens of context, --steps steps per
@@ -46,7 +46,7 @@ PLOT = ROOT / "docs" / "bench_forward.png"
 BEGIN, END = "<!-- bench_forward:begin -->", "<!-- bench_forward:end -->"
 PATHS = {"before": {"linear_method": "dense", "disable_fused_ops": True}, "after": {},
          "onednn": {"linear_method": "onednn"},  # `after` without our decode kernels (layers/gemv.py)
-         "python-layers": {"env": {"RADIXSERVE_DECODE_STEP": "0"}}}  # `after` without the C decode step
+         "python-layers": {"env": {"RADIXSERVE_DECODE_STEP": "0"}}}  # `after` without the C decoder
 HF = "transformers"
 
 
@@ -252,13 +252,13 @@ matrix products as separate eager torch ops. `after` is the default: each weight
 linear method that measured fastest here (in bf16 on this CPU `onednn_gemv`: our AMX kernel up to 32
 rows, oneDNN's prepacked layout above; layers/linear_tuning.py, layers/gemv.py), and residual add +
 RMSNorm, rotary + KV write and SiLU-and-mul run as compiled ops (AOTInductor; layers/fused_ops.py),
-and a decode batch of up to 32 rows runs all decoder layers in one C call (models/decode_step.py).
+and a decode batch of up to 32 rows runs all decoder layers in one C call (models/c_decoder.py).
 `onednn` is `after` with oneDNN for every linear layer; `python-layers` is `after` with a decode
-batch's layers run op by op from Python instead of in one C call (models/decode_step.py). Attention is the same in every path (the CPU
+batch's layers run op by op from Python instead of in one C call (models/c_decoder.py). Attention is the same in every path (the CPU
 backend's kernels: on this CPU AMX tiles for bf16 prefill, the C decode kernel), so this table does not
 show it; benchmarks/bench_prefill_attention.py does. Decode contexts hold random K/V; prefill computes
 the last token's logits only, as generate does. In the profile, `after`'s decode steps are one call
-(column `C decode step`: its linear products, attention and passes together); the LM head has its own column
+(column `C decoder`: its linear products, attention and passes together); the LM head has its own column
 (and so does sampling, not run here), so their GEMM column is empty."""
 
 

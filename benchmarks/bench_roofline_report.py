@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import platform
 
-LAYER_PARTS = ("GEMM", "attention", "KV write", "fused ops")  # what the C decode step does, told apart by python-layers
+LAYER_PARTS = ("GEMM", "attention", "KV write", "fused ops")  # what the C decoder does, told apart by python-layers
 
 
 def render(results: list[dict], args: argparse.Namespace, load: tuple[float, float]) -> str:
@@ -46,7 +46,7 @@ def render(results: list[dict], args: argparse.Namespace, load: tuple[float, flo
 def trace_table(results: list[dict]) -> str:
     """Per batch size: the Engine's step, the runner's own step split by category, the scheduler's share."""
     lines = ["Where a decode step's time goes (ms per step; the runner's step profiled alone at the decode's mean "
-             "context with greedy sampling, torch.profiler self times; `decoder layers` is the C decode step, split "
+             "context with greedy sampling, torch.profiler self times; `decoder layers` is the C decoder, split "
              "into products / attention / passes in the proportions of the `python-layers` path, which runs the same "
              "kernels one call at a time; `Python` is the runner step's wall no op accounts for; `scheduler & idle` "
              "is the Engine's step period less the runner's step; `CPU busy` the process's CPU time over the decode's "
@@ -60,7 +60,7 @@ def trace_table(results: list[dict]) -> str:
         for (size, path), trace in by.items():
             if path != "after":
                 continue
-            ms, layers = trace["ms"], trace["ms"]["C decode step"]
+            ms, layers = trace["ms"], trace["ms"]["C decoder"]
             split = by.get((size, "python-layers"))
             parts = "-"
             if layers and split:

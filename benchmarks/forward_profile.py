@@ -2,7 +2,7 @@
 
 `machine_limits` measures the bf16 and float32 GEMM peak (a large square matmul) and the memory read
 bandwidth (summing 1 GiB). `profile_step` runs one forward under torch.profiler and sorts the self
-CPU time of its ops into GEMMs, attention, fused ops, the C decode step (all decoder layers of a decode
+CPU time of its ops into GEMMs, attention, fused ops, the C decoder (all decoder layers of a decode
 step in one call: its GEMMs, attention and passes are not told apart), other ops; whatever of the step's wall time (timed
 without the profiler) no op accounts for is Python and dispatch between ops. It also counts the process's minor
 page faults per step (`getrusage`): a block over malloc's mmap threshold, mapped afresh at every call, shows there
@@ -25,7 +25,7 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwis
 ATTENTION_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu", "aten::bmm", "aten::_softmax",
                  "aten::index_select"}
 KV_WRITE_OPS = {"aten::_index_put_impl_", "aten::index_put_"}
-CATEGORIES = ("GEMM", "attention", "KV write", "fused ops", "C decode step", "LM head", "sampling", "other ops",
+CATEGORIES = ("GEMM", "attention", "KV write", "fused ops", "C decoder", "LM head", "sampling", "other ops",
               "Python & dispatch")
 MARKS = {"bench::lm_head": "LM head", "bench::sampling": "sampling"}  # profiler ranges set by `instrument`
 
@@ -59,7 +59,7 @@ def machine_limits(size: int = 2048, seconds: float = 1.0) -> Limits:
 
 def categorize(name: str) -> str:
     if name == "radixserve::decode_step":  # every decoder layer of a decode step, in one call
-        return "C decode step"
+        return "C decoder"
     if name in GEMM_OPS or name.startswith("radixserve::linear::"):
         return "GEMM"
     if name.startswith("radixserve::fused::"):

@@ -96,10 +96,10 @@ BF16W_BLOCKED_PREFILL = _declare("RADIXSERVE_BF16W_BLOCKED_PREFILL", True, parse
                                  "blocked order")
 GEMV_MAX_ROWS = _declare("RADIXSERVE_GEMV_MAX_ROWS", None, int,
                          "most rows of a bf16 decode product our GEMV takes on CPUs without AMX, at most 64 "
-                         "(unset: the row table's 32; oneDNN above; the C decode step takes batches up to it there)")
+                         "(unset: the row table's 32; oneDNN above; the C decoder takes batches up to it there)")
 F32_GEMV_MAX_ROWS = _declare("RADIXSERVE_F32_GEMV_MAX_ROWS", None, int,
                              "most rows of a float32 product our float32 GEMV (f32_gemv) takes (unset: the row "
-                             "table's; oneDNN above; the float32 C decode step takes batches up to it)")
+                             "table's; oneDNN above; the float32 C decoder takes batches up to it)")
 CPU_MALLOC_TUNING = _declare("RADIXSERVE_CPU_MALLOC_TUNING", True, parse_bool,
                              "0: leave glibc's malloc alone: its thresholds, and no block mapped once the model is "
                              "loaded (large CPU tensors then fault pages in on every forward)")

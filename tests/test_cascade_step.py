@@ -1,4 +1,4 @@
-"""Cascade attention in the one-call C decode step, and cascade's part (a) on AMX tiles.
+"""Cascade attention in the one-call C decoder, and cascade's part (a) on AMX tiles.
 
 - The AMX prefix kernel (`AmxExtendKernel.shared_prefix`, csrc/extend_amx.c) against torch's attention over the
   same gathered keys: output and log-sum-exp, GQA ratios 1-8, head dims 32-256, across its 16-query and 32-key
@@ -8,7 +8,7 @@
 - A decode batch that shares a prefix runs cascade inside the C step wherever part (a) is a C function (the AMX
   kernel in bf16; the C prefix kernel under float32 compute over a bf16 cache): logits and KV equal to the
   Python layers', which call the same functions (bit-equal in bf16; to float32 rounding in the float32 build,
-  whose passes differ from inductor's as in test_decode_step_f32.py). Elsewhere the step declines such a batch and the Python layers
+  whose passes differ from inductor's as in test_c_decoder_f32.py). Elsewhere the step declines such a batch and the Python layers
   run it. The conservation identity holds after each run.
 """
 
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from direct_driver import DirectDriver
-from test_decode_step import Recorder
+from test_c_decoder import Recorder
 from test_model_support import rel_err, save_tiny_tokenizer
 
 from radixserve.layers.attention import create_attention_backend
@@ -130,7 +130,7 @@ def test_cpu_backend_runs_part_a_on_amx(monkeypatch):
     assert not isinstance(backend.prefix_kernel_for(q, 3, torch.bfloat16, bounds=True), AmxExtendKernel)
 
 
-# ---- cascade inside the C decode step ------------------------------------------------------------------------
+# ---- cascade inside the C decoder ------------------------------------------------------------------------
 
 SHARED, BATCH = 300, 16  # what CascadePolicy takes for decode: a prefix >= 256 tokens, >= 16 requests
 
@@ -159,8 +159,8 @@ def _shared_prefix_run(runner: ModelRunner):
     reqs = [first] + [driver.new_request(share_prefix_of=first, prefix_len=SHARED) for _ in range(BATCH - 1)]
     driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(1 + 3 * i % 20)] for i in range(BATCH)])
     recorder = None
-    if runner.model.decode_step is not None:
-        recorder = runner.model.decode_step = Recorder(runner.model.decode_step)
+    if runner.model.c_decoder is not None:
+        recorder = runner.model.c_decoder = Recorder(runner.model.c_decoder)
     logits = [driver.decode(reqs, [(i + s) % 200 + 3 for i in range(BATCH)]) for s in range(3)]
     slots = torch.cat([runner.req_to_token_pool.req_to_token[r.row, : len(r.token_ids)] for r in reqs]).long()
     kv = torch.stack([torch.cat([b[slots].float() for b in runner.token_to_kv_pool.get_kv_buffer(i)])
@@ -190,8 +190,8 @@ def test_c_step_runs_cascade_like_the_python_layers(folder, monkeypatch, kw):
     runs = {}
     for on in (False, True):
         runner = _runner(folder, monkeypatch, on, **kw)
-        if on and runner.model.decode_step is None:
-            pytest.skip(f"no C decode step for {kw['dtype']} on this CPU: {runner.device_setup.describe()}")
+        if on and runner.model.c_decoder is None:
+            pytest.skip(f"no C decoder for {kw['dtype']} on this CPU: {runner.device_setup.describe()}")
         runs[on] = _shared_prefix_run(runner)
         if on:
             q = torch.empty(1, 4, 64, dtype=runner.dtype)

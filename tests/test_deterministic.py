@@ -51,7 +51,7 @@ def make_engine(model_path, dtype: str, quantization: str = "none", **extra):
 
 
 def save_tiny_llama(folder, head_dim: int = 32) -> None:
-    """A random two-layer Llama whose widths the C decode step takes (multiples of 32) unless `head_dim` is not."""
+    """A random two-layer Llama whose widths the C decoder takes (multiples of 32) unless `head_dim` is not."""
     import torch
     from test_model_support import save_tiny_tokenizer, tiny_hf_config
     from transformers import AutoModelForCausalLM

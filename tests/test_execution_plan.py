@@ -40,14 +40,14 @@ def test_the_plan_gives_a_reason_for_every_choice(float32_engine: Engine) -> Non
         assert part in parts
     assert all(e.reason for e in plan.entries)
     assert plan.choice("dtype") == "float32"
-    # float32 weights (--dtype float32): every decoder layer on our float32 GEMV (f32_gemv), so the C decode step runs,
+    # float32 weights (--dtype float32): every decoder layer on our float32 GEMV (f32_gemv), so the C decoder runs,
     # whether timing chose it shape by shape or the plan gave it (test below)
     decoder_methods = {method for shape, method in plan.linear_methods.items()
                        if shape[0] != float32_engine.model_runner.model_config.vocab_size}
     reason = plan.as_dict()["decoder"]["reason"]
     assert decoder_methods == {"f32_gemv"}
-    assert plan.choice("decoder") == "C decode step" and reason.startswith("float32 on the float32 GEMV")
-    assert float32_engine.model_runner.model.decode_step is not None
+    assert plan.choice("decoder") == "C decoder" and reason.startswith("float32 on the float32 GEMV")
+    assert float32_engine.model_runner.model.c_decoder is not None
     assert float32_engine.model_runner.platform_info()["execution_plan"] == plan.as_dict()
 
 
@@ -71,11 +71,11 @@ def test_bfloat16_on_an_avx512_bf16_cpu_plans_the_c_decode_step_where_it_runs() 
     from radixserve import platform
 
     if platform.kernel_isa() != "avx512_bf16":
-        pytest.skip(f"the C decode step needs the avx512_bf16 level; this CPU runs {platform.kernel_isa()}")
+        pytest.skip(f"the C decoder needs the avx512_bf16 level; this CPU runs {platform.kernel_isa()}")
     engine = Engine(dtype="bfloat16", max_total_tokens=1024, log_level="warning")
     try:
         plan = engine.model_runner.execution_plan
-        assert (plan.choice("decoder") == "C decode step") == (engine.model_runner.model.decode_step is not None)
+        assert (plan.choice("decoder") == "C decoder") == (engine.model_runner.model.c_decoder is not None)
     finally:
         engine.shutdown()
 
@@ -124,7 +124,7 @@ def test_one_row_table_built_by_the_plan_reaches_every_part(monkeypatch) -> None
         assert all(layer.method.rows is rows for _, layer in linear_layers(runner.model))
         assert runner.attn_backend.plan.rows is rows and runner.attn_backend.cascade is rows.cascade
         assert runner.lora.batch.rows is rows
-        step = runner.model.decode_step
+        step = runner.model.c_decoder
         assert step is None or step.max_rows in rows.linear_row_limits()
     finally:
         engine.shutdown()
@@ -218,10 +218,10 @@ def test_a_shape_timed_faster_elsewhere_does_not_turn_the_c_decoder_off(monkeypa
         vocab = runner.model_config.vocab_size
         assert {m for shape, m in plan.linear_methods.items() if shape[0] != vocab} == {"f32_gemv"}
         assert {m for shape, m in plan.linear_methods.items() if shape[0] == vocab} == {"dense"}
-        assert plan.choice("decoder") == "C decode step"
+        assert plan.choice("decoder") == "C decoder"
         reason = plan.as_dict()["decoder"]["reason"]
         assert "where timing alone chose" in reason and "576x576 dense" in reason
-        assert runner.model.decode_step is not None
+        assert runner.model.c_decoder is not None
         out = engine.generate("The sky is", {"max_new_tokens": 4, "temperature": 0})
         assert out["meta_info"]["completion_tokens"] == 4
     finally:

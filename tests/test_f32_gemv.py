@@ -69,7 +69,7 @@ def test_method_on_both_sides_of_its_threshold(rows):
     method.process_weights_after_loading(layer)
     got = layer(x)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5)
-    # NOTE: the C decode step calls the same function the method runs below the threshold, and none above
+    # NOTE: the C decoder calls the same function the method runs below the threshold, and none above
     assert (method.c_linear(rows, torch.float32) is not None) == (rows <= DEFAULT_ROWS.f32_gemv_rows)
     assert method.c_linear(1, torch.bfloat16) is None
     # NOTE: the layer's parameter is emptied by the loader (oneDNN's copy is the method's own weight); the GEMV

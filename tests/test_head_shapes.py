@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from kernel_levels import LEVELS, force_level, kernel_at, select_everything
+from test_c_decoder import _decode_run, _runner
 from test_cascade_attention import SMALL, _backends, _both, _path
 from test_cascade_attention import _decode_batch as _cascade_decode_batch
 from test_cascade_attention import _extend_batch as _cascade_extend_batch
-from test_decode_step import _decode_run, _runner
 from test_model_attention import _decode_batch, _reference
 from test_model_support import one_torch_thread, rel_err, save_tiny_tokenizer
 from test_prefill_attention import _amx_kernel, _check, _check_amx, _problem
@@ -212,7 +212,7 @@ def _tiny_llama(path: Path, dim: int, group: int, kv_heads: int) -> Path:
 @pytest.mark.parametrize("dim, group, kv_heads", DECODER_SHAPES)
 def test_c_decoder(tmp_path, monkeypatch, dim, group, kv_heads):
     if load_gemv_kernel() is None:
-        pytest.skip("needs AVX512-BF16 (the GEMV kernel); the C decode step is not built here")
+        pytest.skip("needs AVX512-BF16 (the GEMV kernel); the C decoder is not built here")
     folder = _tiny_llama(tmp_path, dim, group, kv_heads)
     runs = {}
     for on in (False, True):
@@ -232,16 +232,16 @@ F32_DECODER_SHAPES = [pytest.param(dim, group, kv_heads, id=_shape_id(dim, group
 
 @pytest.mark.parametrize("dim, group, kv_heads", F32_DECODER_SHAPES)
 def test_c_decoder_f32(tmp_path, monkeypatch, dim, group, kv_heads):
-    """The float32 build over bf16 weights at the AVX2 level (the lowest it runs; test_decode_step_f32.py covers
+    """The float32 build over bf16 weights at the AVX2 level (the lowest it runs; test_c_decoder_f32.py covers
     each level): equal to the Python layers to float32 rounding for these heads."""
-    from test_decode_step_f32 import _runner as f32_runner
+    from test_c_decoder_f32 import _runner as f32_runner
 
     force_level("avx2", monkeypatch)
     folder = _tiny_llama(tmp_path, dim, group, kv_heads)
     runs = {}
     for on in (False, True):
         runner = f32_runner(folder, monkeypatch, on)
-        assert runner.model.config.head_dim == dim and (runner.model.decode_step is not None) == on
+        assert runner.model.config.head_dim == dim and (runner.model.c_decoder is not None) == on
         runs[on] = _decode_run(runner, len(LENS), LENS)
         assert runs[on][2] == ([len(LENS)] * 3 if on else [])
     (off_logits, off_kv, _), (on_logits, on_kv, _) = runs[False], runs[True]

@@ -160,7 +160,7 @@ def test_decode_over_a_bf16_pool_matches_the_reference(backend_isa, kv_heads, he
     assert torch.allclose(got.view(len(seq_lens), heads, dim).double(), ref, atol=2e-5)
 
 
-# --- the model runner and the C decode step over a bf16 cache ---------------------------------------------------
+# --- the model runner and the C decoder over a bf16 cache ---------------------------------------------------
 
 STEP_LEVELS = [pytest.param("avx2", id="avx2"), pytest.param("avx512", id="avx512")]
 
@@ -168,11 +168,11 @@ STEP_LEVELS = [pytest.param("avx2", id="avx2"), pytest.param("avx512", id="avx51
 @pytest.mark.parametrize("isa", STEP_LEVELS)
 @pytest.mark.parametrize("bs", [1, 5])
 def test_c_step_writes_and_reads_a_bf16_cache_as_the_python_layers_do(isa, bs, monkeypatch, tmp_path_factory):
-    """float32 compute over bf16 weights with --kv-cache-dtype bfloat16: the C decode step rounds the new K/V to bf16
+    """float32 compute over bf16 weights with --kv-cache-dtype bfloat16: the C decoder rounds the new K/V to bf16
     as the Python layers' write does and reads them through the mixed kernel; logits and cache agree with the
     Python layers, greedy tokens are identical, and the pool is bf16 at half the bytes per token."""
     from kernel_levels import force_level
-    from test_decode_step_f32 import _decode_run, _prompt_lens, _runner
+    from test_c_decoder_f32 import _decode_run, _prompt_lens, _runner
     from test_model_support import rel_err
 
     from radixserve.configs.row_table import DEFAULT_ROWS
@@ -183,7 +183,7 @@ def test_c_step_writes_and_reads_a_bf16_cache_as_the_python_layers_do(isa, bs, m
     for on in (False, True):
         runner = _runner(folder, monkeypatch, on, kv_cache_dtype="bfloat16")
         assert runner.token_to_kv_pool.k_buffer[0].dtype == torch.bfloat16 and runner.dtype == torch.float32
-        assert (runner.model.decode_step is not None) == on
+        assert (runner.model.c_decoder is not None) == on
         runs[on] = _decode_run(runner, bs)
     (off_logits, off_kv, _, off_tokens), (on_logits, on_kv, calls, on_tokens) = runs[False], runs[True]
     assert calls == [bs] * 4 and on_kv.dtype == torch.bfloat16
@@ -204,7 +204,7 @@ _FOLDER = {}
 
 
 def _tiny_folder(tmp_path_factory):
-    from test_decode_step_f32 import folder as make_folder
+    from test_c_decoder_f32 import folder as make_folder
 
     if "path" not in _FOLDER:
         _FOLDER["path"] = make_folder.__wrapped__(tmp_path_factory)

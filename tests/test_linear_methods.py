@@ -116,7 +116,7 @@ def test_a_timing_tie_goes_to_the_preferred_method():
 
 def test_only_the_decode_rows_decide_between_onednn_and_the_gemv():
     """Above its decode rows `onednn_gemv` runs oneDNN's product, so a slow prefill-point sample (noise) cannot
-    hand a shape to `onednn`, which would turn the C decode step off for the whole model. The cached timings of
+    hand a shape to `onednn`, which would turn the C decoder off for the whole model. The cached timings of
     Qwen2.5-0.5B's 9728x896 on the AMX Xeon, which did that, now choose the GEMV; `dense` keeps its own time."""
     cached = [Timing("dense", 1, 1.10e-3), Timing("onednn", 1, 0.761e-3), Timing("onednn_gemv", 1, 0.705e-3),
               Timing("dense", 32, 1.41e-3), Timing("onednn", 32, 0.893e-3), Timing("onednn_gemv", 32, 0.934e-3),

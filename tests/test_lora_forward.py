@@ -101,8 +101,8 @@ def test_base_rows_alone_take_no_lora_path(runner, driver, models):
 
 @pytest.mark.long
 def test_the_c_decode_step_runs_lora_rows(tmp_path, monkeypatch):
-    """bf16 with the C decode step on: a decode batch with an adapter row runs in the C step too (its LoRA rows:
-    models/decode_step_lora.py) and matches PEFT within bf16 rounding; a base-only batch as well. Long: a bf16
+    """bf16 with the C decoder on: a decode batch with an adapter row runs in the C step too (its LoRA rows:
+    models/c_decoder_lora.py) and matches PEFT within bf16 rounding; a base-only batch as well. Long: a bf16
     start times and builds the kernels for its shapes."""
     from test_model_support import save_tiny_tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -110,7 +110,7 @@ def test_the_c_decode_step_runs_lora_rows(tmp_path, monkeypatch):
     from radixserve.layers.gemv import load_gemv_kernel
 
     if load_gemv_kernel() is None:
-        pytest.skip("needs AVX512-BF16 (the GEMV kernel): no bf16 C decode step here")
+        pytest.skip("needs AVX512-BF16 (the GEMV kernel): no bf16 C decoder here")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -123,7 +123,7 @@ def test_the_c_decode_step_runs_lora_rows(tmp_path, monkeypatch):
     runner = ModelRunner(ServerArgs(model_path=str(tmp_path / "base"), dtype="bfloat16", device="cpu",
                                     max_total_tokens=512, attention_backend="cpu", linear_method="onednn_gemv",
                                     lora_paths=(f"chat={tmp_path / 'a'}",)))
-    step = runner.model.decode_step
+    step = runner.model.c_decoder
     assert step is not None
     calls: list[int] = []
 

@@ -1,8 +1,8 @@
-"""LoRA adapters over packed int4 / int8 base weights (tiny Llama in the C decode step's shapes, two PEFT adapters):
+"""LoRA adapters over packed int4 / int8 base weights (tiny Llama in the C decoder's shapes, two PEFT adapters):
 
 - a row's decode logits do not depend on the rows beside it: a base row between adapter rows, and each adapter's rows
   (one contiguous run or scattered: an index segment), equal the same request decoded alone, bit for bit, at 1 row, at
-  2-4 rows (the tiled kernel's lockstep group) and up to the C decode step's row limit (`DecodeStep.max_rows`); above
+  2-4 rows (the tiled kernel's lockstep group) and up to the C decoder's row limit (`CDecoder.max_rows`); above
   it the Python layers run the batch (the weights expanded, float activations), where a row equals itself alone on
   that path and a base row equals itself in a batch without adapters;
 - the C step adds the deltas the Python layers add (after the packed product, to the same rows);
@@ -45,7 +45,7 @@ SMALL_SIZES = (1, 2, 3, 4, 9)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    """A tiny Llama whose widths the tiled kernels and the C decode step take, saved with the two adapters; returns
+    """A tiny Llama whose widths the tiled kernels and the C decoder take, saved with the two adapters; returns
     (root, the HF base model)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -70,7 +70,7 @@ def _runner(root: Path, quantization: str) -> ModelRunner:
 
 
 class _Recorder:
-    """Stands in for the C decode step and notes the batch size of each forward it ran."""
+    """Stands in for the C decoder and notes the batch size of each forward it ran."""
 
     def __init__(self, step: Any) -> None:
         self.step, self.calls = step, []
@@ -119,9 +119,9 @@ def test_a_row_of_a_mixed_decode_batch_equals_the_row_alone(models, monkeypatch,
     monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1")
     runner = _runner(root, quantization)
     assert runner.model.model.layers[0].mlp.down_proj.method.chosen_by_format  # NOTE: packed weights, truly
-    step = runner.model.decode_step
+    step = runner.model.c_decoder
     if step is None:
-        pytest.skip("no C decode step here (no tiled kernels): the product path changes with the batch size")
+        pytest.skip("no C decoder here (no tiled kernels): the product path changes with the batch size")
     recorder = _Recorder(step)
     runner.model.set_decoder(recorder)
     alone: dict[tuple[int, str | None], list[torch.Tensor]] = {}
@@ -161,16 +161,16 @@ def test_a_row_of_a_mixed_decode_batch_equals_the_row_alone(models, monkeypatch,
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_the_c_step_adds_the_deltas_the_python_layers_add(models, monkeypatch, quantization):
-    """The C step's LoRA rows (decode_step_lora.py) against the Python layers' (LoraLinear.add_to after the packed
+    """The C step's LoRA rows (c_decoder_lora.py) against the Python layers' (LoraLinear.add_to after the packed
     method), for one adapter row and for mixed batches."""
     root, _ = models
     logits = {}
     for on in (True, False):
         monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
         runner = _runner(root, quantization)
-        if on and runner.model.decode_step is None:
-            pytest.skip("no C decode step here (no tiled kernels)")
-        assert (runner.model.decode_step is None) != on
+        if on and runner.model.c_decoder is None:
+            pytest.skip("no C decoder here (no tiled kernels)")
+        assert (runner.model.c_decoder is None) != on
         logits[on] = {size: _decode_rows(runner, list(range(size)), _pattern(size)) for size in (1, 4, 9)}
     for size, c_step in logits[True].items():
         for s, (ours, theirs) in enumerate(zip(c_step, logits[False][size], strict=True)):

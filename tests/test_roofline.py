@@ -24,7 +24,7 @@ def test_parameter_counts_of_smollm2() -> None:
     assert roofline.weight_bytes(SMOLLM2, 4) == 537_919_488
 
 
-def test_decode_step_bytes_and_flops_batch_1() -> None:
+def test_c_decoder_bytes_and_flops_batch_1() -> None:
     cost = roofline.decode_step(SMOLLM2, [100], bytes_per_weight=2, kv_bytes=4)
     assert cost.weight_bytes == 268_959_744
     # K and V of one token in one layer at float32: 2 x 3 x 64 x 4 = 1,536 bytes; 100 read + 1 written, 30 layers.
@@ -35,7 +35,7 @@ def test_decode_step_bytes_and_flops_batch_1() -> None:
     assert cost.attention_flops == 4 * 576 * 100 * 30 == 6_912_000
 
 
-def test_decode_step_batch_32_is_the_issue_figure() -> None:
+def test_c_decoder_batch_32_is_the_issue_figure() -> None:
     cost = roofline.decode_step(SMOLLM2, [200] * 32, bytes_per_weight=2, kv_bytes=2)
     assert cost.linear_flops + cost.head_flops == 8_606_711_808  # ~8.6 GFLOP of products
     assert cost.head_flops / (cost.linear_flops + cost.head_flops) == pytest.approx(HEAD / (LAYERS + HEAD))  # ~a fifth

@@ -188,13 +188,13 @@ def test_health_health_generate_and_server_info(api_server: ServerHandle) -> Non
     # the execution plan: every choice with its reason, the same one the scheduler logged at start-up
     plan = info["platform"]["execution_plan"]
     assert plan["dtype"] == {"choice": "float32", "reason": "explicit --dtype"}
-    # float32 weights (explicit --dtype float32): the float32 C decode step runs where timing gave every decoder layer
+    # float32 weights (explicit --dtype float32): the float32 C decoder runs where timing gave every decoder layer
     # our float32 GEMV, and otherwise the plan names the method that stopped it
     decoder_layers = {e["choice"].rsplit(" x", 1)[0] for part, e in plan.items()
                       if part.startswith("linear ") and not part.startswith(f"linear {model['vocab_size']}x")}
     if decoder_layers == {"f32_gemv"}:
         # where timing alone chose another method for a shape, the plan gives it f32_gemv and says so after this
-        assert plan["decoder"]["choice"] == "C decode step"
+        assert plan["decoder"]["choice"] == "C decoder"
         assert plan["decoder"]["reason"].startswith("float32 on the float32 GEMV: every decoder layer in one C call")
     else:
         assert (plan["decoder"]["choice"] == "python layers"

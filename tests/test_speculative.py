@@ -432,7 +432,7 @@ def test_step_cost_fits_rows_and_prices_draft_tokens():
 
 
 def test_verify_rows_stop_at_the_fast_path_when_a_step_past_it_yields_less():
-    """Past the model's fast rows (the C decode step's limit) a step runs another path: one fit on each side,
+    """Past the model's fast rows (the C decoder's limit) a step runs another path: one fit on each side,
     and the drafts are cut to the fast rows when that step yields more tokens a second, by the measured times."""
     from types import SimpleNamespace
 

@@ -22,6 +22,11 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Gemma3ForCausalLM": {"attention_bias": False, "qk_norm": True},
 }
 GEMMA2, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM"
+
+
+def register_architecture(name: str, attention_bias: bool = False, qk_norm: bool = False) -> None:
+    """Accept configs naming `name` (models/registry.register_model calls this with the model's definition)."""
+    SUPPORTED_ARCHITECTURES[name] = {"attention_bias": attention_bias, "qk_norm": qk_norm}
 GEMMAS = (GEMMA2, GEMMA3)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 

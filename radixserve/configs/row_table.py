@@ -54,7 +54,7 @@ class RowTable:
     bf16_weights_rows: int = 255  # bf16w_gemv; from 256 rows (a prefill chunk) the weight is widened once for oneDNN
     packed_rows: int = 4  # the row-layout int8/int4 kernel (no tiled layout), expansion + dense GEMM above
     tiled_rows: int = 32  # the tiled int8/int4 kernel, expansion + dense GEMM above
-    # the C decode step's SiLU-and-mul and add + RMSNorm loops over prefill batches from this many rows
+    # the C decoder's SiLU-and-mul and add + RMSNorm loops over prefill batches from this many rows
     prefill_passes_from: int = 64
     # LoRA: one C SGMV call per layer for every segment up to this many rows, torch matmuls for larger ones
     lora_segment_rows_f32: int = 127

@@ -51,12 +51,12 @@ KERNELS = ("decode", "extend", "prefix")
 # - prefix (cascade's part (a)) lost to torch's CPU flash op on every class (0.3x-0.9x).
 _SIMD_CLASSES = ("avx512_bf16", "avx512", "avx2")
 # (kernel class, dtype) where cascade attention (a shared prefix attended once by torch's CPU flash op, the rest by
-# the C kernels, merged; decode then on the Python layers, which the C decode step does not replace) measured
-# slower end to end than the C kernels alone over the whole context (the C decode step included): on a Zen 4 EPYC
+# the C kernels, merged; decode then on the Python layers, which the C decoder does not replace) measured
+# slower end to end than the C kernels alone over the whole context (the C decoder included): on a Zen 4 EPYC
 # in bf16, 32 requests of a shared prefix + 40 own tokens, 32 new tokens each, 3.46-3.50 s without against
 # 4.04-4.40 s with at a 1,000-token prefix, 11.6-11.7 against 16.3-16.7 s at 3,000 (docs/attention.md, "When").
 # Forced to the AVX2 class in float32 cascade won (6.6-6.8 against 7.4-7.7 s), at AVX-512 it tied. With AMX in bf16,
-# where part (a) runs on the tiles and the C decode step takes cascade batches, it wins: 1.38-1.59 s against
+# where part (a) runs on the tiles and the C decoder takes cascade batches, it wins: 1.38-1.59 s against
 # 1.93-2.26 s at a 1,000-token prefix (the AMX Xeon, 2026-12-05).
 CASCADE_LOSES: frozenset[tuple[str, torch.dtype]] = frozenset({("avx512_bf16", torch.bfloat16)})
 SELECTED: dict[tuple[str, torch.dtype], frozenset[str]] = {
@@ -87,12 +87,12 @@ class DecodeKernel:
 
     def decode_address(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
         """The decode kernel's C function for `dtype` queries over a `kv_dtype` cache (default: the same) (for C
-        code that calls it itself: models/decode_step.py)."""
+        code that calls it itself: models/c_decoder.py)."""
         return ctypes.cast(self._fns[dtype, kv_dtype or dtype], ctypes.c_void_p).value
 
     def prefix_address(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int | None:
         """The prefix kernel's C function (cascade's part (a)) for `dtype` queries over a `kv_dtype` cache, or None
-        (the C decode step calls it for cascade batches)."""
+        (the C decoder calls it for cascade batches)."""
         fn = self._prefix_fns.get((dtype, kv_dtype or dtype))
         return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 

@@ -5,7 +5,7 @@ the products on the tiles and the softmax in AVX-512, and measured 1.4-2.4x fast
 tokens (benchmarks/bench_prefill_attention.py). It reads K/V in place from the pool like the C extend
 kernel (same `reqs` rows), without seeds or log-sum-exps. The same blocks run unmasked, with log-sum-exps,
 as cascade's part (a) (`shared_prefix`: every query of the batch over the prefix it shares), in the Python
-layers and in the C decode step alike. `RADIXSERVE_CPU_PREFILL_KERNEL=0` turns it off with the other extend
+layers and in the C decoder alike. `RADIXSERVE_CPU_PREFILL_KERNEL=0` turns it off with the other extend
 kernel.
 """
 
@@ -45,7 +45,7 @@ class AmxExtendKernel:
                 and dim % 32 == 0 and dim <= MAX_DIM and heads % num_kv_heads == 0)
 
     def prefix_address(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> int | None:
-        """The C function of `shared_prefix` for a `dtype` q over a `kv_dtype` cache (the C decode step calls it
+        """The C function of `shared_prefix` for a `dtype` q over a `kv_dtype` cache (the C decoder calls it
         for cascade batches), or None."""
         if (dtype, kv_dtype) != (torch.bfloat16, torch.bfloat16):
             return None

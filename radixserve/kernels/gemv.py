@@ -23,7 +23,7 @@ HEADERS = (CSRC / "gemv_one_row.h",)
 
 class LinearKernel:
     """ctypes binding of a C product with the linear signature (weight, x, bias, y, m, n, k, threads), the one
-    the C decode step calls through its layer table. ctypes releases the GIL; the kernel runs on torch's OpenMP
+    the C decoder calls through its layer table. ctypes releases the GIL; the kernel runs on torch's OpenMP
     pool."""
 
     def __init__(self, fn: ctypes._CFuncPtr, name: str) -> None:
@@ -34,7 +34,7 @@ class LinearKernel:
 
     @property
     def address(self) -> int:
-        """The C function's address (for C code that calls the kernel itself: models/decode_step.py)."""
+        """The C function's address (for C code that calls the kernel itself: models/c_decoder.py)."""
         return ctypes.cast(self._fn, ctypes.c_void_p).value
 
     def _product(self, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, n: int,

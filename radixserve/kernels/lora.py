@@ -1,6 +1,6 @@
 """ctypes binding of the segment-grouped LoRA shrink/expand kernel (csrc/lora_sgmv.c), the CPU form of the
 LoRA products of a mixed batch (lora/layers.py uses it on the CPU when it loads; torch matmuls otherwise). The
-one-call C decode step calls the same function from C (`LoraKernel.address`, csrc/decode_lora.h)."""
+one-call C decoder calls the same function from C (`LoraKernel.address`, csrc/decode_lora.h)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ class TiledKernel:
 
     def linear_address(self, dtype: torch.dtype) -> int | None:
         """The C function of the product in `dtype` with the decode step's linear signature (for C code that
-        calls it itself: models/decode_step.py), or None for another dtype."""
+        calls it itself: models/c_decoder.py), or None for another dtype."""
         fn = self._linear.get(dtype)
         return None if fn is None else ctypes.cast(fn, ctypes.c_void_p).value
 

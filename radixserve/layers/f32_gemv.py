@@ -2,7 +2,7 @@
 
 `--dtype float32` keeps every weight in float32 (no rounding). csrc/f32_gemv.c streams the weight rows in
 their own layout at the kernel level this process runs (AVX-512, AVX2 + FMA, or plain C); it is the function
-the float32 C decode step calls for such a layer, so small decode batches run every decoder layer in one C
+the float32 C decoder calls for such a layer, so small decode batches run every decoder layer in one C
 call. It beats oneDNN's prepacked product at one row and ties it at four; above `RowTable.f32_gemv_rows` oneDNN
 is faster (benchmarks/bench_f32_linear.py), so those rows keep oneDNN's product. Like `onednn_gemv` in bf16,
 the layer keeps two copies of its weight (the loaded one for the GEMV, oneDNN's blocked one): `--linear-method
@@ -19,7 +19,7 @@ from radixserve.layers.linear import LinearBase, OneDNNLinearMethod, register_li
 
 class F32GemvLinearMethod(OneDNNLinearMethod):
     name = "f32_gemv"
-    preference = 1  # NOTE: oneDNN's own product above the GEMV rows, and the one the float32 C decode step calls
+    preference = 1  # NOTE: oneDNN's own product above the GEMV rows, and the one the float32 C decoder calls
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:

@@ -8,7 +8,7 @@ weight as one sequential stream with software prefetch:
 * csrc/bf16_gemv.c (register-blocked vdpbf16ps) for up to `RowTable.bf16_gemv_rows` (32, RADIXSERVE_GEMV_MAX_ROWS)
   without AMX (or in_features % 32 != 0): 0.66-0.90x oneDNN's time at 8-32 rows on a Zen 4 EPYC, where it beat
   oneDNN at every decoder shape of the shape ladder from 1 to 32 rows (benchmarks/bench_decode_linear.py); up to
-  that size a decode batch (or a speculative verify step: requests + drafts) runs the C decode step.
+  that size a decode batch (or a speculative verify step: requests + drafts) runs the C decoder.
 Larger batches and prefill keep oneDNN's prepacked weight, so the layer keeps two copies of its weight:
 `--linear-method onednn` keeps one.
 """
@@ -49,7 +49,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
     (`large_rows`, LARGE_GRID points planned by linear_tuning.plan_large_rows)."""
 
     name = "onednn_gemv"
-    preference = 1  # NOTE: oneDNN's own product above the decode rows, and the one the C decode step needs
+    preference = 1  # NOTE: oneDNN's own product above the decode rows, and the one the C decoder needs
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
@@ -77,7 +77,7 @@ class GemvLinearMethod(OneDNNLinearMethod):
         self.large_rows: frozenset[int] = frozenset()
 
     def decode_kernel(self, rows: int) -> Bf16Gemv | None:
-        """The kernel for a decode batch of `rows` rows (the C decode step asks too), None above them."""
+        """The kernel for a decode batch of `rows` rows (the C decoder asks too), None above them."""
         if self.amx is not None and 0 < rows <= self.rows.amx_rows:
             return self.amx
         return self.kernel if 0 < rows <= self.rows.bf16_gemv_rows else None

@@ -65,7 +65,7 @@ class LinearMethod(ABC):
 
     def c_linear(self, rows: int, dtype: torch.dtype) -> int | None:
         """The address of the C function that multiplies `rows` rows of `dtype` as `apply` would (for C code that
-        calls it itself: the C decode step, models/decode_step.py), or None. Its arguments: `c_weight`'s data,
+        calls it itself: the C decoder, models/c_decoder.py), or None. Its arguments: `c_weight`'s data,
         x, bias, y (all `dtype`), m, n, k, threads."""
         return None
 

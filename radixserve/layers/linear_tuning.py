@@ -183,7 +183,7 @@ def best_method(timings: list[Timing], rows: RowTable = DEFAULT_ROWS) -> str:
     """The method with the lowest sum of (its time / the best time) over the token counts; among methods within
     TIE_MARGIN of it, the most preferred. NOTE: `onednn_gemv` runs the very same oneDNN product as `onednn` above
     its decode rows, so at the prefill point their times differ by noise alone; on Qwen2.5-1.5B's 2048x1536 qkv
-    shape that noise picked `onednn` by 0.2%, and one such layer turns the C decode step off for the model. A wider
+    shape that noise picked `onednn` by 0.2%, and one such layer turns the C decoder off for the model. A wider
     noise event did it again (Qwen2.5-0.5B's 9728x896 on the AMX Xeon: 7.15 ms against 5.63 at 512 rows, cached;
     timed again, 5.4-5.6 ms both), so above its decode rows `onednn_gemv` is credited with the faster of the two
     times: only the decode rows, where they run different kernels, decide between them."""

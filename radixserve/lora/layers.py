@@ -26,8 +26,8 @@ from radixserve.lora.adapter import LoraAdapter
 
 # The C kernel takes a segment of fewer rows than this (decode steps, small prefills); a larger one runs torch
 # matmuls (oneDNN's GEMM), which were as fast or faster there for rank 64 (docs/lora.md, bench_lora_kernel.py).
-# NOTE: the C decode step takes a batch's LoRA rows only where every segment is below this (it calls the kernel
-# for all of them, models/decode_step_lora.py), so that it and these layers always take the same products.
+# NOTE: the C decoder takes a batch's LoRA rows only where every segment is below this (it calls the kernel
+# for all of them, models/c_decoder_lora.py), so that it and these layers always take the same products.
 # fused layer -> its modules in output order (models/llama.py fuses them in this order)
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                  "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}

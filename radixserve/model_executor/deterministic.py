@@ -4,7 +4,7 @@ A token's numbers must not depend on what else runs: how many rows a forward has
 how its prompt was split into chunks, whether its prefix came from the radix cache, which event loop ran it, or
 whether speculation verified it. The mode gets that by running every forward through one computation per row:
 
-- every forward's tokens go through the C decode step (models/decode_step.py) as rows, a prompt chunk too: the
+- every forward's tokens go through the C decoder (models/c_decoder.py) as rows, a prompt chunk too: the
   token at position p attends over its request's slots 0 .. p with the decode attention kernel, which walks them in
   order for that row alone; the step's norm, rotary and SiLU loops are per row;
 - every linear layer multiplies with its method's row kernel at every row count (f32_gemv, bf16w_gemv, the tiled
@@ -49,11 +49,11 @@ def deterministic_linear_method(requested: str, device: torch.device, dtype: tor
 
 
 def check_deterministic(decoder_refusal: str | None, windows: tuple[int, ...]) -> None:
-    """Raises DeterminismUnavailable where a forward of this model could not run as rows of the C decode step."""
+    """Raises DeterminismUnavailable where a forward of this model could not run as rows of the C decoder."""
     if windows:
         raise DeterminismUnavailable(f"{FLAG}: sliding-window layers ({', '.join(map(str, windows))}) are not covered")
     if decoder_refusal is not None:
-        raise DeterminismUnavailable(f"{FLAG} runs every forward in the C decode step, which does not run here: "
+        raise DeterminismUnavailable(f"{FLAG} runs every forward in the C decoder, which does not run here: "
                                      f"{decoder_refusal}")
 
 
@@ -61,7 +61,7 @@ def deterministic_entry(on: bool) -> tuple[str, str]:
     """The plan's entry for the mode: (choice, reason)."""
     if not on:
         return "off", f"{FLAG} not given: kernels chosen per row count for speed"
-    return "on", ("every forward's tokens as rows of the C decode step (prompt chunks too: the decode attention "
+    return "on", ("every forward's tokens as rows of the C decoder (prompt chunks too: the decode attention "
                   "kernel per token), each linear layer's row kernel at every row count, no cascade, the final "
                   "norm's C loop at every row count: a request's logprobs are the same bits in any batch, "
                   "chunking, cache state, loop or speculation")

@@ -17,7 +17,7 @@ from radixserve.layers.linear import linear_layers
 from radixserve.layers.linear_tuning import apply_linear_plan
 from radixserve.layers.quantization.model_quant import tile_packed_weights
 from radixserve.model_executor.deterministic import FLAG, DeterminismUnavailable
-from radixserve.models.decode_step import load_decode_step
+from radixserve.models.c_decoder import load_c_decoder
 from radixserve.models.prefill_passes import c_prefill_passes
 
 if TYPE_CHECKING:
@@ -28,18 +28,18 @@ if TYPE_CHECKING:
 class DeviceSetup:
     linear_methods: dict[str, int]  # method name -> number of linear layers running it
     fused_ops: bool  # the compiled passes are attached (else eager torch)
-    decode_step: bool  # decode batches run the decoder layers in one C call
+    c_decoder: bool  # decode batches run the decoder layers in one C call
     seconds: float
 
     def describe(self) -> str:
         linear = ", ".join(f"{name} x{n}" for name, n in sorted(self.linear_methods.items()))
         return (f"linear {linear} | fused ops {'on' if self.fused_ops else 'off'}"
-                f" | decode step {'C' if self.decode_step else 'python'}")
+                f" | decoder {'C' if self.c_decoder else 'python'}")
 
 
 def setup_model_for_device(model: torch.nn.Module, device: torch.device, plan: ExecutionPlan) -> DeviceSetup:
     """Applies the plan's linear methods, tiles packed weights for their kernels (CPU), then attaches the fused
-    ops and the decoder (the C decode step over the model's weight view where the plan chose it)."""
+    ops and the decoder (the C decoder over the model's weight view where the plan chose it)."""
     start = time.perf_counter()
     counts = apply_linear_plan(model, dict(plan.linear_methods), dict(plan.large_rows))
     for _, layer in linear_layers(model):
@@ -59,6 +59,5 @@ def setup_model_for_device(model: torch.nn.Module, device: torch.device, plan: E
             raise DeterminismUnavailable(f"{FLAG}: layer {name} ({layer.method.describe()}) has no row kernel")
     passes = c_prefill_passes(ops, model.config.rms_norm_eps, every, plan.rows) if c_decoder and ops is not None else None
     model.set_fused_ops(ops, passes)
-    if hasattr(model, "set_decoder"):
-        model.set_decoder(load_decode_step(model.decoder_weights(), plan.dtype, every, plan.rows) if c_decoder else None)
+    model.set_decoder(load_c_decoder(model.decoder_weights(), plan.dtype, every, plan.rows) if c_decoder else None)
     return DeviceSetup(counts, ops is not None, c_decoder, time.perf_counter() - start)

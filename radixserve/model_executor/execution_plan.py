@@ -4,7 +4,7 @@
 cache's dtype (`resolve_kv_dtype`), each
 float linear weight shape's method and, for the GEMV method, the row counts where its large AMX product wins
 (layers/linear_tuning.py, measured here and cached), the fused ops (compiled ahead of time and cached), which
-decoder runs decode batches (the Python layers or the C decode step over the model's exported weight view),
+decoder runs decode batches (the Python layers or the C decoder over the model's exported weight view),
 and the attention backend with the C kernels it uses per phase (layers/attention/registry.plan_attention).
 Then the parts receive their share and nothing decides again: `device_setup.setup_model_for_device(model,
 plan)` gives the linear layers their methods and the model its fused ops and decoder; the attention backend
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from radixserve.server_args import ServerArgs
 
 Shape = tuple[int, int]
-C_DECODER, PYTHON_DECODER = "C decode step", "python layers"
+C_DECODER, PYTHON_DECODER = "C decoder", "python layers"
 _C_DECODER_REASON = {
     torch.bfloat16: "bf16 on the AVX512-BF16 GEMV: every decoder layer in one C call",
     torch.float32: "float32 on the bf16-weight kernel: every decoder layer in one C call",
@@ -61,7 +61,7 @@ class ExecutionPlan:
     large_rows: Mapping[Shape, frozenset[int]]  # onednn_gemv shapes -> row counts for the large AMX product
     fused_ops: FusedOps | None  # the compiled passes between products; None: eager torch
     decoder: str  # C_DECODER or PYTHON_DECODER
-    decoder_refusal: str | None  # why not the C decode step; None when it runs
+    decoder_refusal: str | None  # why not the C decoder; None when it runs
     attention: AttentionPlan
     prefill_copy_bytes: int  # bf16-weight decoder layers' resident float32 copies for prefill (0: none)
     entries: tuple[PlanEntry, ...]
@@ -108,7 +108,7 @@ def plan_execution(model: Any, device: torch.device, dtype_choice: DtypeChoice, 
         # NOTE: after the timed choices above (a compiler beside them would skew them): on a first start the
         # attention kernels build while the fused ops compile, instead of after them
         build_in_background()
-    fused = not args.disable_fused_ops and getattr(model, "uses_fused_ops", True)
+    fused = not args.disable_fused_ops and model.uses_fused_ops
     ops = load_fused_ops(model.config, dtype, device, kv_dtype) if fused else None
     refusal = _decoder_refusal(model, device, dtype, ops, methods, kv_dtype)
     if refusal is not None and requested == "auto":
@@ -181,13 +181,11 @@ def _requested_linear_method(requested: str, dtype_choice: DtypeChoice, device: 
 
 def _decoder_refusal(model: Any, device: torch.device, dtype: torch.dtype, ops: FusedOps | None,
                      methods: Mapping[Shape, str], kv_dtype: torch.dtype) -> str | None:
-    from radixserve.models.decode_step import decode_step_refusal
+    from radixserve.models.c_decoder import c_decoder_refusal
 
-    if not hasattr(model, "decoder_weights"):
-        return "this model has no decoder seam"
     if device.type != "cpu":
-        return "the C decode step runs on the CPU only"
-    return decode_step_refusal(model.decoder_weights(), dtype, ops, methods, kv_dtype)
+        return "the C decoder runs on the CPU only"
+    return c_decoder_refusal(model.decoder_weights(), dtype, ops, methods, kv_dtype)
 
 
 def _methods_for_the_c_decoder(model: Any, device: torch.device, dtype: torch.dtype, ops: FusedOps | None,
@@ -200,7 +198,7 @@ def _methods_for_the_c_decoder(model: Any, device: torch.device, dtype: torch.dt
     decode 27 tokens/s on the Python layers against 81 in the C decoder). Returns (methods, refusal, why)."""
     from radixserve.layers.f32_gemv import F32GemvLinearMethod
 
-    weights = model.decoder_weights() if hasattr(model, "decoder_weights") else None
+    weights = model.decoder_weights()
     if (dtype != torch.float32 or weights is None or "a linear layer runs" not in refusal
             or not F32GemvLinearMethod.supports(device, dtype)):
         return methods, refusal, ""
@@ -354,7 +352,7 @@ def _softcap_entries(cap: float | None, backend: str) -> list[PlanEntry]:
 def _fused_reason(args: ServerArgs, device: torch.device, ops: FusedOps | None, model: Any = None) -> str:
     if args.disable_fused_ops:
         return "--disable-fused-ops"
-    if not getattr(model, "uses_fused_ops", True):
+    if not model.uses_fused_ops:
         return "this model's layers are not the fused ops' structure (eager torch)"
     if device.type != "cpu":
         return "the fused ops are compiled for the CPU only"

@@ -183,9 +183,9 @@ class ModelRunner:
 
     @property
     def fast_decode_rows(self) -> int | None:
-        """The most rows the model's fast decode path (the one-call C decode step) takes; None without one."""
-        step = getattr(self.model, "decode_step", None)
-        return step.max_rows if step is not None and step.max_rows > 0 else None
+        """The most rows the model's fast decode path (the one-call C decoder) takes; None without one."""
+        decoder = self.model.c_decoder
+        return decoder.max_rows if decoder is not None and decoder.max_rows > 0 else None
 
     def _context_len(self) -> int:
         model_len = self.model_config.context_len

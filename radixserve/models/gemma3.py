@@ -12,14 +12,13 @@ What differs from the Llama family (models/llama.py), each where it happens:
 - the attention scale is query_pre_attn_scalar ** -0.5; window layers attend to the last W tokens only
   (`ModelConfig.layer_windows`, handed to each layer's `RadixAttention`) and use their own rotary base;
 - logits may be soft-capped (cap * tanh(logits / cap)).
-Weights load under Hugging Face names with q/k/v and gate/up fused, by the same code as the Llama family.
-The layers run eager torch (no fused ops: those are the Llama layers'); decode batches run them in one C call
-where the plan allows (`decoder_weights`, csrc/decode_gemma.h), except with soft-capped attention (Gemma 2).
+Weights load under Hugging Face names with q/k/v and gate/up fused, and the forward is every model's
+(causal_lm.py). The layers run eager torch (no fused ops: those are the Llama layers'); decode batches run them in
+one C call where the plan allows (`decoder_weights`, csrc/decode_gemma.h), except with soft-capped attention
+(Gemma 2).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +28,9 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.cpu_memory import in_row_pieces
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.linear import LinearBase
-from radixserve.layers.pooler import pool_hidden
 from radixserve.layers.radix_attention import RadixAttention
 from radixserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from radixserve.models.llama import DecoderLayerWeights, DecoderWeights, LlamaForCausalLM, _last_token_index
+from radixserve.models.causal_lm import CausalLM, DecoderLayerWeights, DecoderWeights
 
 
 class GemmaRMSNorm(nn.Module):
@@ -118,34 +116,38 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """forward(input_ids, positions, forward_batch) -> float32 logits of each request's last token."""
-
-    # NOTE: checkpoint loading is the Llama family's, unchanged (same HF names, same q/k/v and gate/up fusion).
-    stacked_params = LlamaForCausalLM.stacked_params
-    load_weights = LlamaForCausalLM.load_weights
-    _target_of = LlamaForCausalLM._target_of
-    _shard_range = LlamaForCausalLM._shard_range
-    _check_complete = LlamaForCausalLM._check_complete
-    tie_weights = LlamaForCausalLM.tie_weights
-    # NOTE: the layer structure is not the fused ops' (execution_plan reads this); the C decode step has a loop for it
-    uses_fused_ops = False
+class Gemma3ForCausalLM(CausalLM):
+    """Gemma 3's layers (causal_lm.py runs them): the residual stream stays whole through them (residual None)."""
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Gemma3Model(config)
-        self.lm_head = LinearBase(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope, config.context_len + 1)
+        super().__init__(config, Gemma3Model(config))
         # None: one rotary for every layer (Gemma 2)
         self.local_rotary = (None if config.local_rope is None else
                              RotaryEmbedding(config.head_dim, config.local_rope, config.context_len + 1))
         self.embed_scale = config.hidden_size**0.5
-        self.decode_step = None  # the decoder layers of a decode batch in one C call (decode_step.py)
-        self.tie_weights()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        # NOTE: the scale is rounded to the model dtype before the product, as transformers does
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                   fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        global_rope = self.rotary.cos_sin(positions, hidden.dtype)
+        local_rope = global_rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, *(local_rope if layer.is_sliding else global_rope), fb)
+        return hidden, None
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        return self.model.norm(hidden if residual is None else hidden + residual)
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def decoder_weights(self) -> DecoderWeights | None:
-        """The weight view the C decode step reads (style "gemma": every norm as the float32 table 1 + w); None
+        """The weight view the C decoder reads (style "gemma": every norm as the float32 table 1 + w); None
         with soft-capped attention scores (Gemma 2), which its attention kernel does not compute."""
         if self.config.attn_logit_softcapping:
             return None
@@ -160,42 +162,3 @@ class Gemma3ForCausalLM(nn.Module):
             post_ff_norm=one_plus(layer.post_feedforward_layernorm)) for layer in self.model.layers)
         return DecoderWeights(self.config, layers, self.rotary, self.model.layers[0].self_attn.attn.scaling,
                               style="gemma", local_rotary=self.local_rotary)
-
-    def set_decoder(self, decode_step: Any) -> None:
-        """The decoder of decode batches: None, the Python layers; else the C decode step, which runs a decode
-        forward when it `takes` it."""
-        self.decode_step = decode_step
-
-    def set_fused_ops(self, ops: Any, passes: Any = None) -> None:
-        """Gemma layers run eager torch; the plan never hands them fused ops (`uses_fused_ops`)."""
-        if ops is not None:
-            raise ValueError("Gemma layers take no fused ops")
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        # NOTE: the scale is rounded to the model dtype before the product, as transformers does
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
-        if self.decode_step is not None and fb.forward_mode.is_decode() and self.decode_step.takes(fb):
-            _, hidden = self.decode_step(hidden, fb)  # NOTE: Gemma's loop leaves the residual stream, whole
-        else:
-            hidden = self._layers(hidden, positions, fb)
-        every = hidden
-        if fb.forward_mode.is_extend():
-            rows = _last_token_index(fb, hidden.device)
-            if fb.extra_logits_indices is not None:
-                rows = torch.cat([rows, fb.extra_logits_indices])  # NOTE: after the bs sampling rows
-            hidden = hidden[rows]
-        normed = self.model.norm(hidden)
-        if fb.pooling is not None:  # embedding requests: the final norm's output (layers/pooler.py)
-            pool_hidden(fb, normed, lambda a, b: self.model.norm(every[a:b]))
-        logits = self.lm_head(normed).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        global_rope = self.rotary.cos_sin(positions, hidden.dtype)
-        local_rope = global_rope if self.local_rotary is None else self.local_rotary.cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(hidden, *(local_rope if layer.is_sliding else global_rope), fb)
-        return hidden

@@ -1,9 +1,9 @@
-"""The C decode step's row passes over prefill batches (kernels/csrc/decode_step.c and decode_step_f32.c).
+"""The C decoder's row passes over prefill batches (kernels/csrc/decode_step.c and decode_step_f32.c).
 
 RowSiluAndMul and RowAddRMSNorm stand in for the compiled nn.Modules SiluAndMul and AddRMSNorm of
 layers/fused_ops.py from `RowTable.prefill_passes_from` rows (named apart so each name means one thing).
 
-A model whose decode batches run the C decode step has that step's loops for the passes between matrix products:
+A model whose decode batches run the C decoder has that step's loops for the passes between matrix products:
 in bf16 bit-equal to the compiled fused ops (layers/fused_ops.py) or rounding alike, in float32 equal to them to
 float32 rounding. On a prefill chunk they are faster than inductor's code, so from that many rows the layers call
 them too (and a float32 prefill then rounds as its decode steps do); below, the compiled op's call is the cheaper
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
-from radixserve.kernels.decode_step import DecodeStepKernel, load_decode_step_kernel
+from radixserve.kernels.c_decoder import CDecoderKernel, load_c_decoder_kernel
 
 
-def _takes(kernel: DecodeStepKernel, x: torch.Tensor, min_rows: int) -> bool:
+def _takes(kernel: CDecoderKernel, x: torch.Tensor, min_rows: int) -> bool:
     return x.shape[0] >= min_rows and x.dtype == kernel.dtype and x.is_contiguous()
 
 
@@ -31,7 +31,7 @@ class RowSiluAndMul:
     """SiLU-and-mul of a fused [gate | up] batch: the C loop from `min_rows` rows (in bf16 the compiled op's
     rounding steps: a result differs, if at all, by one bf16 unit in a few places), the compiled op below."""
 
-    def __init__(self, kernel: DecodeStepKernel, compiled: Any, min_rows: int) -> None:
+    def __init__(self, kernel: CDecoderKernel, compiled: Any, min_rows: int) -> None:
         self._kernel, self._compiled, self._min_rows = kernel, compiled, min_rows
 
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -49,7 +49,7 @@ class RowAddRMSNorm:
     compiled op; in float32 the sum is, the norm to float32 rounding), the compiled op below. `eps`: the model's, the
     one the compiled op was built with."""
 
-    def __init__(self, kernel: DecodeStepKernel, compiled: Any, eps: float, min_rows: int) -> None:
+    def __init__(self, kernel: CDecoderKernel, compiled: Any, eps: float, min_rows: int) -> None:
         self._kernel, self._compiled, self.eps, self._min_rows = kernel, compiled, eps, min_rows
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor,
@@ -72,10 +72,10 @@ class PrefillPasses:
 
 
 def c_prefill_passes(ops: Any, eps: float, every_row: bool = False, rows: RowTable = DEFAULT_ROWS) -> PrefillPasses | None:
-    """The C decode step's passes in the dtype of the compiled ops `ops` (FusedOps), over them, for a model with
+    """The C decoder's passes in the dtype of the compiled ops `ops` (FusedOps), over them, for a model with
     RMSNorm `eps`, from `rows.prefill_passes_from` rows; None where that build cannot run. `every_row` (deterministic inference): the C loops at every
     row count (the final norm of a decode batch and of a prompt's last rows then round alike)."""
-    kernel = load_decode_step_kernel(ops.dtype)
+    kernel = load_c_decoder_kernel(ops.dtype)
     if kernel is None:
         return None
     start = 1 if every_row else rows.prefill_passes_from

@@ -11,7 +11,7 @@ each forward took on its stream.
 of B requests yields B tokens in a + b * B seconds; a draft token accepted with probability q yields q tokens
 for b more seconds; it pays when q / b > B / (a + b * B), that is q > b * B / (a + b * B).
 
-The line breaks where the model has a faster path for small batches (the C decode step, up to `fast_rows`
+The line breaks where the model has a faster path for small batches (the C decoder, up to `fast_rows`
 rows): a step of one more row than that runs another path, at another a and b. `StepCost` then keeps one fit
 on each side, and `step_seconds(rows)` answers from the side that `rows` falls on (drafter.py compares a verify
 step cut to the fast rows with one that goes past them).

@@ -159,7 +159,7 @@ class TorchAttnBackend(AttentionBackend):
     def decode_kernel_for(self, q: torch.Tensor, num_kv_heads: int,
                           kv_dtype: torch.dtype | None = None) -> DecodeKernel | None:
         """The C decode kernel where the plan uses it in q's dtype and it takes q's shape over a `kv_dtype` cache
-        (default q's; the C decode step asks too); None: torch."""
+        (default q's; the C decoder asks too); None: torch."""
         kernel = self.decode_kernel
         ok = (kernel is not None and self.plan.uses("decode", q.dtype)
               and kernel.supports(q, num_kv_heads, kv_dtype or q.dtype))
@@ -174,7 +174,7 @@ class TorchAttnBackend(AttentionBackend):
 
     def prefix_kernel_for(self, q: torch.Tensor, num_kv_heads: int, kv_dtype: torch.dtype, decode: bool = False,
                           bounds: bool = False) -> DecodeKernel | AmxExtendKernel | None:
-        """The C kernel of cascade's part (a) for `q` over a `kv_dtype` cache (the C decode step asks too): on AMX
+        """The C kernel of cascade's part (a) for `q` over a `kv_dtype` cache (the C decoder asks too): on AMX
         tiles where the plan uses them and no query has a lower bound (`bounds`: a window layer's plan), else the C
         prefix kernel where the plan uses it; None: torch's op."""
         amx = self.amx_extend

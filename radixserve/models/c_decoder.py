@@ -17,7 +17,7 @@ has evicted its code (docs/cpu_fast_path.md). It takes a decode forward when the
 kernel under float32 over a bf16 cache), which the step calls before the seeded decode kernel, as the Python
 layers do. Anything else runs the layers in Python. Sliding-window layers (Mistral, Qwen2/3) read their
 window's attention group (`_groups`). A batch with LoRA rows runs in the step too: after each linear layer it adds
-the adapters' deltas with the SGMV kernel the Python layers call (decode_step_lora.py). Switch:
+the adapters' deltas with the SGMV kernel the Python layers call (c_decoder_lora.py). Switch:
 RADIXSERVE_DECODE_STEP=0.
 """
 
@@ -33,13 +33,13 @@ import torch
 from radixserve import envs
 from radixserve.configs.row_table import DEFAULT_ROWS, RowTable
 from radixserve.kernels.build import is_x86
-from radixserve.kernels.decode_step import (
+from radixserve.kernels.c_decoder import (
     STYLES,
-    DecodeStepKernel,
+    CDecoderKernel,
     GroupTable,
     ModelStruct,
     attention_groups,
-    load_decode_step_kernel,
+    load_c_decoder_kernel,
 )
 from radixserve.kernels.gemv import load_gemv_kernel
 from radixserve.layers.attention.torch_metadata import TorchAttnMetadata, metadata_of
@@ -48,12 +48,12 @@ from radixserve.layers.bf16_weights import Bf16WeightLinearMethod
 from radixserve.layers.f32_gemv import F32GemvLinearMethod
 from radixserve.layers.gemv import GemvLinearMethod
 from radixserve.layers.quantization.linear import PackedLinearMethod
-from radixserve.models.decode_step_lora import StepLora
+from radixserve.models.c_decoder_lora import CDecoderLora
 
 if TYPE_CHECKING:
     from ctypes import Array as ctypes_array
 
-    from radixserve.models.llama import DecoderWeights
+    from radixserve.models.causal_lm import DecoderWeights
 
 logger = logging.getLogger(__name__)
 ROWS_UNBOUNDED = 1 << 30  # deterministic inference: the step takes a forward of any number of rows
@@ -63,13 +63,13 @@ class StepFunctions(NamedTuple):
     prefix: int | None  # cascade's part (a): the prefix kernel's C function
 
 
-class DecodeStep:
+class CDecoder:
     """`__call__(hidden, fb)` runs every decoder layer of a decode forward; `takes(fb)` says whether it can.
 
     It reads the model through its exported weight view (`LlamaForCausalLM.decoder_weights`) and the KV pool
     through `get_kv_buffer`: the layer table of pointers it hands to C is built from those two, nothing else."""
 
-    def __init__(self, weights: DecoderWeights, kernel: DecodeStepKernel, every_forward: bool = False,
+    def __init__(self, weights: DecoderWeights, kernel: CDecoderKernel, every_forward: bool = False,
                  rows: RowTable = DEFAULT_ROWS) -> None:
         config, self._weights, self._kernel = weights.config, weights, kernel
         self._config, self.dtype = config, kernel.dtype
@@ -89,7 +89,7 @@ class DecodeStep:
         if self.every_forward:
             self.max_rows = ROWS_UNBOUNDED
         if self.max_rows == 0:
-            logger.warning("the C decode step finds a linear layer without a C kernel here; decode runs the Python layers")
+            logger.warning("the C decoder finds a linear layer without a C kernel here; decode runs the Python layers")
         # NOTE: each layer's row names its rotary tables: the window layers' own where the model has a local rotary
         rotaries = [weights.rotary if weights.local_rotary is None or config.window_of(i) is None
                     else weights.local_rotary for i in range(config.num_layers)]
@@ -108,7 +108,7 @@ class DecodeStep:
         self._pool = None  # the KV pool whose buffers the layer table points at
         # (backend, KV cache dtype) -> the C functions the step calls: decode attention, cascade's part (a)
         self._functions: tuple[object, StepFunctions] = (None, StepFunctions(None, None))
-        self._lora = StepLora(weights, self.dtype)  # the forward's LoRA rows (the manager's segments)
+        self._lora = CDecoderLora(weights, self.dtype)  # the forward's LoRA rows (the manager's segments)
 
     def takes(self, fb) -> bool:
         if fb.forward_mode.is_extend():
@@ -129,15 +129,16 @@ class DecodeStep:
                 and fns.attention is not None
                 and self._lora.refusal() is None)
 
-    def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden]; Gemma's
-        layers add their last output into the stream themselves (the first is then scratch)."""
+    def __call__(self, hidden: torch.Tensor, fb) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: the embeddings [bs, hidden] -> (last MLP output, residual stream), both [bs, hidden], as the
+        Python layers' `run_layers` returns them; Gemma's layers add their last output into the stream themselves:
+        (the whole stream, None)."""
         bs, backend = hidden.shape[0], fb.attn_backend
         fns = self._functions_for(backend, fb.token_to_kv_pool.dtype)
         rows = fb.forward_mode.is_extend()
         plain = rows or metadata_of(fb).decode is not None
         if fns.attention is None or bs > self.max_rows or not (plain or fns.prefix is not None) or (rows and not self.every_forward):
-            raise ValueError("the C decode step does not take this forward (check `takes` first)")
+            raise ValueError("the C decoder does not take this forward (check `takes` first)")
         if fb.token_to_kv_pool is not self._pool:
             self._bind_pool(fb.token_to_kv_pool)
         hidden = hidden.contiguous()
@@ -149,16 +150,17 @@ class DecodeStep:
         status = self._kernel.run(self._struct, fns.attention, hidden, residual, positions, groups, work, lora)
         del keep, keep_lora  # NOTE: the group and LoRA tables' tensors live until the C call returns
         if status == 1:
-            raise ValueError("decode step: a position beyond the rotary table, a slot beyond the KV pool or a LoRA "
+            raise ValueError("C decoder: a position beyond the rotary table, a slot beyond the KV pool or a LoRA "
                              "row beyond the batch")
         if status != 0:
-            raise RuntimeError(f"decode step failed in layer {status // 1000 - 1}, call {status % 1000}")
-        return hidden, residual
+            raise RuntimeError(f"C decoder failed in layer {status // 1000 - 1}, call {status % 1000}")
+        return (residual, None) if self._weights.style == "gemma" else (hidden, residual)
 
     def _takes_rows(self, fb) -> bool:
         """An extend forward as rows (deterministic inference): a model without windows, the C decode kernel, no
         LoRA rows."""
-        return (self.every_forward and not self._windows and fb.req_to_token_pool is not None
+        return (self.every_forward and not self._windows and self._weights.style == "llama"
+                and fb.req_to_token_pool is not None
                 and fb.lora_adapters is None and isinstance(fb.attn_metadata, TorchAttnMetadata)
                 and self._functions_for(fb.attn_backend, fb.token_to_kv_pool.dtype).attention is not None)
 
@@ -211,7 +213,7 @@ class DecodeStep:
 
     def _bind_pool(self, pool) -> None:
         if pool.dtype not in (self.dtype, torch.bfloat16):
-            raise ValueError(f"the C decode step writes a {self.dtype} or bf16 KV cache, not {pool.dtype}")
+            raise ValueError(f"the C decoder writes a {self.dtype} or bf16 KV cache, not {pool.dtype}")
         # NOTE: the f32 build rounds the new K/V to bf16 as it writes them (decode_loop.h's rotary_kv_row)
         self._struct.kv_bf16 = int(pool.dtype != self.dtype)
         rows, fns = [], iter(self._fns)
@@ -237,14 +239,14 @@ class DecodeStep:
         self._pool = pool
 
 
-def load_decode_step(weights: DecoderWeights, dtype: torch.dtype, every_forward: bool = False,
-                     rows: RowTable = DEFAULT_ROWS) -> DecodeStep:
-    """The C decode step over a model's weight view; only where `decode_step_refusal` found no reason against it.
+def load_c_decoder(weights: DecoderWeights, dtype: torch.dtype, every_forward: bool = False,
+                     rows: RowTable = DEFAULT_ROWS) -> CDecoder:
+    """The C decoder over a model's weight view; only where `c_decoder_refusal` found no reason against it.
     `every_forward` (deterministic inference): extend forwards run in it too, a row per token."""
-    return DecodeStep(weights, load_decode_step_kernel(dtype), every_forward, rows)
+    return CDecoder(weights, load_c_decoder_kernel(dtype), every_forward, rows)
 
 
-def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops: Any,
+def c_decoder_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops: Any,
                         methods: Mapping[tuple[int, int], str], kv_dtype: torch.dtype | None = None) -> str | None:
     """Why decode batches of the model with this weight view (to run the fused ops `ops`, its float linear shapes
     planned on `methods`, over a `kv_dtype` cache, default `dtype`) run the decoder layers in Python rather than in
@@ -252,11 +254,11 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
     if not envs.DECODE_STEP.get():
         return f"{envs.DECODE_STEP.name}=0"
     if dtype not in LINEAR_OF_BUILD:
-        return f"the C decode step is bfloat16 and float32 only (dtype {str(dtype).removeprefix('torch.')})"
+        return f"the C decoder is bfloat16 and float32 only (dtype {str(dtype).removeprefix('torch.')})"
     if kv_dtype not in (None, dtype, torch.bfloat16):
-        return f"the C decode step writes a KV cache in the compute dtype or bf16, not {kv_dtype}"
+        return f"the C decoder writes a KV cache in the compute dtype or bf16, not {kv_dtype}"
     if not is_x86():
-        return "the C decode step is x86 only"
+        return "the C decoder is x86 only"
     if weights is None:
         return "the model exports no decoder weight view the C step runs (Llama q/k norms, soft-capped attention)"
     # NOTE: the Llama loop rounds as the fused ops do; Gemma's layers run without them (eager torch)
@@ -267,9 +269,9 @@ def decode_step_refusal(weights: DecoderWeights | None, dtype: torch.dtype, ops:
     shape = _shape_refusal(weights, LINEAR_OF_BUILD[dtype], methods)
     if shape is not None:
         return shape
-    if load_decode_step_kernel(dtype) is None:
-        return "the C decode step has no build for this kernel level" if dtype == torch.float32 else \
-            "the C decode step did not build here"
+    if load_c_decoder_kernel(dtype) is None:
+        return "the C decoder has no build for this kernel level" if dtype == torch.float32 else \
+            "the C decoder did not build here"
     return None
 
 

@@ -1,7 +1,7 @@
 """ctypes binding of the one-call decode step: the model struct it reads and the library's functions, in two
 builds: bf16 (csrc/decode_step.c, AVX512-BF16) and float32 (csrc/decode_step_f32.c, at the AVX2 or AVX-512
 kernel level this process runs). Both share the layer loop (csrc/decode_loop.h). The C decoder built on it is
-models/decode_step.py."""
+models/c_decoder.py."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def attention_groups(tables: list[GroupTable]) -> tuple[ctypes.Array, list[torch
     return groups, keep
 
 
-class DecodeStepKernel:
+class CDecoderKernel:
     """One build's functions: the size of the work buffer and a decode step over every layer (elements of
     `dtype`); and the step's SiLU-and-mul and add + RMSNorm loops, for prefill chunks (models/prefill_passes.py)."""
 
@@ -132,12 +132,12 @@ class DecodeStepKernel:
                              out.data_ptr(), rows, width // 2, torch.get_num_threads())
 
 
-def load_decode_step_kernel(dtype: torch.dtype = torch.bfloat16) -> DecodeStepKernel | None:
+def load_c_decoder_kernel(dtype: torch.dtype = torch.bfloat16) -> CDecoderKernel | None:
     """The build for `dtype` (float32: at this process's kernel level, read at each call so that a forced lower
     RADIXSERVE_CPU_ISA gets its own), or None where it cannot run or build."""
     if dtype == torch.bfloat16:
         lib = _bf16_library()
-        return None if lib is None else DecodeStepKernel(lib, dtype)
+        return None if lib is None else CDecoderKernel(lib, dtype)
     level = rs_platform.kernel_isa() if is_x86() else "portable"
     if dtype != torch.float32 or level not in F32_LEVELS:
         return None
@@ -151,7 +151,7 @@ def _bf16_library() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _f32_kernel(level: str) -> DecodeStepKernel | None:
+def _f32_kernel(level: str) -> CDecoderKernel | None:
     lib = load_library(F32_SOURCE, f"decode-step-f32-{level}", rs_platform.ISA_FLAGS[level],
                        "float32 decode step kernel", "decode runs the layers in Python", HEADERS)
-    return None if lib is None else DecodeStepKernel(lib, torch.float32)
+    return None if lib is None else CDecoderKernel(lib, torch.float32)

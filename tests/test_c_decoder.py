@@ -1,4 +1,4 @@
-"""The one-call C decode step (models/decode_step.py): bit-equal logits and KV to the Python layers at every
+"""The one-call C decoder (models/c_decoder.py): bit-equal logits and KV to the Python layers at every
 batch size it takes (the GEMV's and the AMX kernel's), over ragged contexts; what it declines falls back to
 the Python layers; the switch turns it off."""
 
@@ -12,11 +12,11 @@ from test_model_support import save_tiny_tokenizer
 from radixserve.configs.row_table import DEFAULT_ROWS
 from radixserve.layers.gemv import load_gemv_kernel
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.models import decode_step, prefill_passes
+from radixserve.models import c_decoder, prefill_passes
 from radixserve.server_args import ServerArgs
 
 pytestmark = pytest.mark.skipif(load_gemv_kernel() is None,
-                                reason="needs AVX512-BF16 (the GEMV kernel); the C decode step is not built here")
+                                reason="needs AVX512-BF16 (the GEMV kernel); the C decoder is not built here")
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +38,15 @@ def _runner(folder, monkeypatch, on: bool, **kw) -> ModelRunner:
     monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
     runner = ModelRunner(ServerArgs(model_path=str(folder), dtype="bfloat16", device="cpu", max_total_tokens=4096,
                                     attention_backend="cpu", linear_method="onednn_gemv", **kw))
-    assert (runner.model.decode_step is not None) == on
-    assert runner.device_setup.decode_step == on
+    assert (runner.model.c_decoder is not None) == on
+    assert runner.device_setup.c_decoder == on
     return runner
 
 
 class Recorder:
     """Stands in for the model's decode step and notes the batch size of each forward it ran."""
 
-    def __init__(self, step: decode_step.DecodeStep) -> None:
+    def __init__(self, step: c_decoder.CDecoder) -> None:
         self.step, self.calls = step, []
 
     def takes(self, fb) -> bool:
@@ -66,8 +66,8 @@ def _decode_run(runner: ModelRunner, bs: int,
     lens = prompt_lens or [5 + 11 * i % 40 for i in range(bs)]
     driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)])
     recorder = None
-    if runner.model.decode_step is not None:
-        recorder = runner.model.decode_step = Recorder(runner.model.decode_step)
+    if runner.model.c_decoder is not None:
+        recorder = runner.model.c_decoder = Recorder(runner.model.c_decoder)
     logits = [driver.decode(reqs, [(i + s) % 200 + 3 for i in range(bs)]) for s in range(3)]
     slots = torch.cat([runner.req_to_token_pool.req_to_token[r.row, : len(r.token_ids)] for r in reqs]).long()
     kv = torch.stack([torch.cat([b[slots].float() for b in runner.token_to_kv_pool.get_kv_buffer(i)])
@@ -81,7 +81,7 @@ def test_c_step_matches_python_layers(folder, monkeypatch, bs):
     runs = {}
     for on in (False, True):
         runner = _runner(folder, monkeypatch, on)
-        limit = runner.model.decode_step.max_rows if on else 0
+        limit = runner.model.c_decoder.max_rows if on else 0
         runs[on] = _decode_run(runner, bs)
         assert runs[on][2] == ([bs] * 3 if bs <= limit else [])
     (off_logits, off_kv, _), (on_logits, on_kv, _) = runs[False], runs[True]
@@ -105,7 +105,7 @@ def test_c_step_on_tiled_packed_weights_is_bit_equal(folder, monkeypatch, quanti
         runner = _runner(folder, monkeypatch, on, quantization=quantization)
         assert "packed" in runner.device_setup.describe()
         if on:
-            assert runner.model.decode_step.max_rows == 32
+            assert runner.model.c_decoder.max_rows == 32
         runs[on] = _decode_run(runner, 6)
     (off_logits, off_kv, _), (on_logits, on_kv, calls) = runs[False], runs[True]
     assert calls == [6] * 3
@@ -120,7 +120,7 @@ def test_embedded_model_bit_equal(monkeypatch):
     for on in (False, True):
         monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1" if on else "0")
         runner = ModelRunner(ServerArgs(dtype="bfloat16", device="cpu", max_total_tokens=2048))
-        assert (runner.model.decode_step is not None) == on
+        assert (runner.model.c_decoder is not None) == on
         driver = DirectDriver(runner)
         reqs = [driver.new_request() for _ in range(2)]
         logits = [driver.extend(reqs, [list(range(100, 140)), list(range(500, 517))])]
@@ -204,10 +204,10 @@ def test_the_step_reads_the_exported_weight_view_and_says_why_it_declines(folder
     assert len(view.layers) == runner.model.config.num_layers
     assert view.layers[1].gate_up is runner.model.model.layers[1].mlp.gate_up_proj
     plan = runner.execution_plan
-    assert decode_step.decode_step_refusal(view, torch.bfloat16, plan.fused_ops, plan.linear_methods) is None
+    assert c_decoder.c_decoder_refusal(view, torch.bfloat16, plan.fused_ops, plan.linear_methods) is None
     monkeypatch.setenv("RADIXSERVE_DECODE_STEP", "1")
     onednn = ModelRunner(ServerArgs(model_path=str(folder), dtype="bfloat16", device="cpu", max_total_tokens=4096,
                                     attention_backend="cpu", linear_method="onednn"))
-    assert onednn.model.decode_step is None
+    assert onednn.model.c_decoder is None
     assert onednn.execution_plan.decoder_refusal == "layer 0: a linear layer runs onednn, not onednn_gemv or packed"
     assert onednn.execution_plan.as_dict()["decoder"]["reason"] == onednn.execution_plan.decoder_refusal

@@ -1,4 +1,4 @@
-"""The LoRA rows of a decode batch inside the one-call C decode step (models/decode_step.py, csrc/decode_lora.h).
+"""The LoRA rows of a decode batch inside the one-call C decoder (models/c_decoder.py, csrc/decode_lora.h).
 
 The LoRA manager fills one `LoraSegments` per forward, shared by every fused linear layer of the model
 (lora/layers.py); the step finds it through its weight view (`linear.lora.batch`), so it reads the same
@@ -20,18 +20,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.kernels.decode_step import LoraDescriptor
+from radixserve.kernels.c_decoder import LoraDescriptor
 from radixserve.lora.layers import LoraSegments, PackedLora
 
 if TYPE_CHECKING:
-    from radixserve.models.llama import DecoderWeights
+    from radixserve.models.causal_lm import DecoderWeights
 
 # NOTE: the order of csrc/decode_lora.h's LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN and of
 # DecoderLayerWeights.linears
 FUSED_ORDER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-class StepLora:
+class CDecoderLora:
     """What the decode step needs of the current forward's LoRA rows: whether it can take them (`refusal`) and the
     C descriptor of them (`descriptor`)."""
 

@@ -1,4 +1,4 @@
-"""LoRA rows inside the one-call C decode step (models/decode_step_lora.py, csrc/decode_lora.h): decode batches
+"""LoRA rows inside the one-call C decoder (models/c_decoder_lora.py, csrc/decode_lora.h): decode batches
 mixing rows of the base model with rows of two to four PEFT adapters (ranks 2-16, different target sets,
 rslora; lora_support.SPECS), an adapter on non-contiguous rows, run in the C step, against the Python layers:
 bf16 logits bit-equal (both add the deltas with the same SGMV kernel on the same inputs), float32 at each vector
@@ -12,12 +12,12 @@ import torch
 from direct_driver import DirectDriver
 from kernel_levels import force_level
 from lora_support import SPECS, make_peft_adapter
-from test_decode_step import Recorder
+from test_c_decoder import Recorder
 from test_model_gemma3 import make_tiny_gemma3
 from test_model_support import one_torch_thread, rel_err, save_tiny_tokenizer
 
 from radixserve.configs.row_table import DEFAULT_ROWS
-from radixserve.kernels.decode_step import F32_LEVELS
+from radixserve.kernels.c_decoder import F32_LEVELS
 from radixserve.kernels.lora import load_lora_kernel
 from radixserve.layers.gemv import load_gemv_kernel
 from radixserve.mem_cache.conservation import check_conservation
@@ -26,7 +26,7 @@ from radixserve.server_args import ServerArgs
 
 pytestmark = pytest.mark.skipif(load_lora_kernel() is None, reason="the C LoRA kernel does not build here")
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
-needs_bf16 = pytest.mark.skipif(load_gemv_kernel() is None, reason="needs AVX512-BF16 (the bf16 C decode step)")
+needs_bf16 = pytest.mark.skipif(load_gemv_kernel() is None, reason="needs AVX512-BF16 (the bf16 C decoder)")
 F32 = [pytest.param(isa, id=isa) for isa in reversed(F32_LEVELS) if isa != "avx512_bf16"]
 
 # Four adapters and the base model; "sql" and "chat" on non-contiguous rows (index segments)
@@ -71,7 +71,7 @@ def _runner(root, monkeypatch, on: bool, dtype: str, linear_method: str) -> Mode
     runner = ModelRunner(ServerArgs(model_path=str(root / "base"), dtype=dtype, device="cpu", max_total_tokens=4096,
                                     attention_backend="cpu", linear_method=linear_method, lora_paths=paths,
                                     max_loras_per_batch=4))
-    assert (runner.model.decode_step is not None) == on, runner.execution_plan.as_dict()["decoder"]
+    assert (runner.model.c_decoder is not None) == on, runner.execution_plan.as_dict()["decoder"]
     return runner
 
 
@@ -85,8 +85,8 @@ def _lora_run(runner: ModelRunner, names: list[str | None],
     lens = [5 + 11 * i % 40 for i in range(len(names))]
     logits = [driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)], adapters)]
     recorder = None
-    if runner.model.decode_step is not None:
-        recorder = runner.model.decode_step = Recorder(runner.model.decode_step)
+    if runner.model.c_decoder is not None:
+        recorder = runner.model.c_decoder = Recorder(runner.model.c_decoder)
     tokens = [logits[-1].argmax(-1).tolist()]
     for _ in range(STEPS):
         logits.append(driver.decode(reqs, tokens[-1], adapters))
@@ -98,7 +98,7 @@ def _lora_run(runner: ModelRunner, names: list[str | None],
 
 
 def _bf16_max_rows(root, monkeypatch) -> int:
-    return _runner(root, monkeypatch, True, "bfloat16", "onednn_gemv").model.decode_step.max_rows
+    return _runner(root, monkeypatch, True, "bfloat16", "onednn_gemv").model.c_decoder.max_rows
 
 
 def _both(root, monkeypatch, names, dtype: str, linear_method: str):
@@ -142,7 +142,7 @@ def test_the_adapters_move_their_rows_and_leave_the_base_rows(llama, monkeypatch
     prompts, and the base rows are bit-equal to a batch without any adapter."""
     runner = _runner(llama, monkeypatch, True, "bfloat16", "onednn_gemv")
     with_lora, calls, _ = _lora_run(runner, MIXED4)
-    runner.model.decode_step = runner.model.decode_step.step  # NOTE: unwrap the Recorder
+    runner.model.c_decoder = runner.model.c_decoder.step  # NOTE: unwrap the Recorder
     base, _, _ = _lora_run(runner, MIXED4, lora=False)
     assert calls == [len(MIXED4)] * STEPS
     for row, name in enumerate(MIXED4):

@@ -1,4 +1,4 @@
-"""The one-call C decode step on Gemma 3's layers (csrc/decode_gemma.h): q/k norms, four (1 + w) norms per layer,
+"""The one-call C decoder on Gemma 3's layers (csrc/decode_gemma.h): q/k norms, four (1 + w) norms per layer,
 GeGLU, a rotary per layer type, window and full layers in their attention groups, with a hybrid KV pool and
 without. Against the Python layers on a tiny random Gemma 3 (window 8, prompts past it); Gemma 2's soft-capped
 attention is declined with its reason. The pool is conserved after every run (`_step_run`)."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_levels import force_level
-from test_decode_step_window import _step_run
+from test_c_decoder_window import _step_run
 from test_model_gemma3 import make_tiny_gemma3
 from test_model_support import one_torch_thread, rel_err
 
-from radixserve.kernels.decode_step import F32_LEVELS
+from radixserve.kernels.c_decoder import F32_LEVELS
 from radixserve.layers.gemv import load_gemv_kernel
 from radixserve.model_executor.model_runner import ModelRunner
 from radixserve.server_args import ServerArgs
@@ -32,11 +32,11 @@ def _runner(folder, monkeypatch, on: bool, dtype: str, linear_method: str, hybri
     runner = ModelRunner(ServerArgs(model_path=str(folder), dtype=dtype, device="cpu", max_total_tokens=2048,
                                     attention_backend="cpu", linear_method=linear_method,
                                     disable_hybrid_swa_memory=not hybrid))
-    assert (runner.model.decode_step is not None) == on, runner.execution_plan.as_dict()["decoder"]
+    assert (runner.model.c_decoder is not None) == on, runner.execution_plan.as_dict()["decoder"]
     return runner
 
 
-@pytest.mark.skipif(load_gemv_kernel() is None, reason="needs AVX512-BF16 (the bf16 C decode step)")
+@pytest.mark.skipif(load_gemv_kernel() is None, reason="needs AVX512-BF16 (the bf16 C decoder)")
 @pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "one-pool"])
 @pytest.mark.parametrize("bs", [1, 4])
 def test_bf16_gemma_step_matches_python_layers(folder, monkeypatch, hybrid, bs):
@@ -75,7 +75,7 @@ def test_the_plan_runs_gemma3_in_c_and_says_why_gemma2_stays_in_python(folder, t
     args = {"dtype": "float32", "device": "cpu", "max_total_tokens": 512, "attention_backend": "cpu",
             "linear_method": "bf16_weights"}
     gemma3 = ModelRunner(ServerArgs(model_path=str(folder), **args)).execution_plan.as_dict()["decoder"]
-    assert gemma3["choice"] == "C decode step", gemma3
+    assert gemma3["choice"] == "C decoder", gemma3
     make_tiny_gemma2(tmp_path)
     gemma2 = ModelRunner(ServerArgs(model_path=str(tmp_path), **args)).execution_plan.as_dict()["decoder"]
     assert gemma2["choice"] == "python layers" and "soft-capped attention" in gemma2["reason"], gemma2

@@ -1,4 +1,4 @@
-"""The float32 build of the one-call C decode step (csrc/decode_step_f32.c) over bf16 weights (`bf16_weights`,
+"""The float32 build of the one-call C decoder (csrc/decode_step_f32.c) over bf16 weights (`bf16_weights`,
 what `--dtype auto` picks on CPUs without bf16 products), at every vector level this CPU runs: logits and KV
 equal to the Python layers' to float32 rounding at every batch size it takes, greedy tokens identical, the
 plan's reason, and what it declines."""
@@ -9,14 +9,14 @@ import pytest
 import torch
 from direct_driver import DirectDriver
 from kernel_levels import force_level
-from test_decode_step import Recorder
+from test_c_decoder import Recorder
 from test_model_support import rel_err, save_tiny_tokenizer
 
 from radixserve.configs.row_table import DEFAULT_ROWS
-from radixserve.kernels.decode_step import F32_LEVELS
+from radixserve.kernels.c_decoder import F32_LEVELS
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
-from radixserve.models import decode_step, prefill_passes
+from radixserve.models import c_decoder, prefill_passes
 from radixserve.server_args import ServerArgs
 
 LEVELS = [pytest.param(isa, id=isa) for isa in reversed(F32_LEVELS) if isa != "avx512_bf16"]
@@ -61,8 +61,8 @@ def _decode_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], torch
     lens = _prompt_lens(bs)
     logits = [driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)])]
     recorder = None
-    if runner.model.decode_step is not None:
-        recorder = runner.model.decode_step = Recorder(runner.model.decode_step)
+    if runner.model.c_decoder is not None:
+        recorder = runner.model.c_decoder = Recorder(runner.model.c_decoder)
     tokens = [logits[-1].argmax(-1).tolist()]
     for _ in range(4):
         logits.append(driver.decode(reqs, tokens[-1]))
@@ -92,7 +92,7 @@ def test_f32_step_matches_python_layers(folder, monkeypatch, isa, bs):
     runs = {}
     for on in (False, True):
         runner = _runner(folder, monkeypatch, on)
-        assert (runner.model.decode_step is not None) == on
+        assert (runner.model.c_decoder is not None) == on
         assert runner.execution_plan.as_dict()["decoder"]["reason"] == (
             "float32 on the bf16-weight kernel: every decoder layer in one C call" if on else "RADIXSERVE_DECODE_STEP=0")
         runs[on] = _decode_run(runner, bs)
@@ -118,9 +118,9 @@ def test_f32_step_runs_tiled_packed_weights(folder, monkeypatch, isa, quantizati
     for on in (False, True):
         runner = _runner(folder, monkeypatch, on, quantization=quantization)
         assert "packed" in runner.device_setup.describe()
-        assert (runner.model.decode_step is not None) == on
+        assert (runner.model.c_decoder is not None) == on
         if on:
-            assert runner.model.decode_step.max_rows == 32
+            assert runner.model.c_decoder.max_rows == 32
         runs[on] = _decode_run(runner, 5)
     (off_logits, off_kv, _, _), (on_logits, on_kv, calls, _) = runs[False], runs[True]
     assert calls == [5] * 4
@@ -143,7 +143,7 @@ def test_bf16_step_adds_the_qkv_bias_of_packed_layers_as_python_does(folder, mon
     for on in (False, True):
         runner = _runner(folder, monkeypatch, on, linear_method="onednn_gemv", dtype="bfloat16", quantization="int4")
         assert runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
-        assert (runner.model.decode_step is not None) == on
+        assert (runner.model.c_decoder is not None) == on
         runs[on] = _decode_run(runner, 3)
     (off_logits, off_kv, _, _), (on_logits, on_kv, calls, _) = runs[False], runs[True]
     assert calls == [3] * 4
@@ -157,18 +157,18 @@ def test_f32_step_off_a_bf16_weight_layer_declines(folder, monkeypatch, isa):
     and the plan says which layer and method stopped it."""
     force_level(isa, monkeypatch)
     runner = _runner(folder, monkeypatch, True, linear_method="dense")
-    assert runner.model.decode_step is None
+    assert runner.model.c_decoder is None
     assert runner.execution_plan.decoder_refusal == "layer 0: a linear layer runs dense, not bf16_weights or f32_gemv or packed"
 
 
 def test_f32_refusals_name_the_dtype_and_level(folder, monkeypatch):
     runner = _runner(folder, monkeypatch, True)
     view, plan = runner.model.decoder_weights(), runner.execution_plan
-    assert decode_step.decode_step_refusal(view, torch.float16, plan.fused_ops, plan.linear_methods) == (
-        "the C decode step is bfloat16 and float32 only (dtype float16)")
+    assert c_decoder.c_decoder_refusal(view, torch.float16, plan.fused_ops, plan.linear_methods) == (
+        "the C decoder is bfloat16 and float32 only (dtype float16)")
     monkeypatch.setenv("RADIXSERVE_CPU_ISA", "portable")
-    refusal = decode_step.decode_step_refusal(view, torch.float32, plan.fused_ops, plan.linear_methods)
-    assert refusal == "the C decode step has no build for this kernel level"
+    refusal = c_decoder.c_decoder_refusal(view, torch.float32, plan.fused_ops, plan.linear_methods)
+    assert refusal == "the C decoder has no build for this kernel level"
 
 
 @pytest.mark.parametrize("isa", LEVELS)
@@ -180,9 +180,9 @@ def test_f32_step_runs_float32_weights(folder, monkeypatch, isa, bs):
     runs = {}
     for on in (False, True):
         runner = _runner(folder, monkeypatch, on, linear_method="f32_gemv")
-        assert (runner.model.decode_step is not None) == on
+        assert (runner.model.c_decoder is not None) == on
         if on:
-            assert runner.model.decode_step.max_rows == DEFAULT_ROWS.f32_gemv_rows
+            assert runner.model.c_decoder.max_rows == DEFAULT_ROWS.f32_gemv_rows
             assert runner.execution_plan.as_dict()["decoder"]["reason"] == (
                 "float32 on the float32 GEMV: every decoder layer in one C call")
         runs[on] = _decode_run(runner, bs)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from direct_driver import DirectDriver
 from kernel_levels import force_level
-from test_decode_step import Recorder
+from test_c_decoder import Recorder
 from test_model_support import TINY_VOCAB, one_torch_thread, rel_err, save_tiny_tokenizer
 
 from radixserve.configs.model_config import ModelConfig
-from radixserve.kernels.decode_step import F32_LEVELS
+from radixserve.kernels.c_decoder import F32_LEVELS
 from radixserve.layers.gemv import load_gemv_kernel
 from radixserve.mem_cache.conservation import check_conservation
 from radixserve.model_executor.model_runner import ModelRunner
@@ -123,8 +123,8 @@ def _step_run(runner: ModelRunner, bs: int) -> tuple[list[torch.Tensor], list[in
     lens = [5 + 11 * i % 40 for i in range(bs)]
     logits = [driver.extend(reqs, [[(7 * i + j) % 250 + 3 for j in range(n)] for i, n in enumerate(lens)])]
     recorder = None
-    if runner.model.decode_step is not None:
-        recorder = runner.model.decode_step = Recorder(runner.model.decode_step)
+    if runner.model.c_decoder is not None:
+        recorder = runner.model.c_decoder = Recorder(runner.model.c_decoder)
     tokens = [logits[-1].argmax(-1).tolist()]
     for _ in range(5):
         logits.append(driver.decode(reqs, tokens[-1]))
@@ -140,11 +140,11 @@ def _runner(folder, monkeypatch, on: bool, dtype: str, linear_method: str, hybri
     runner = ModelRunner(ServerArgs(model_path=str(folder), dtype=dtype, device="cpu", max_total_tokens=2048,
                                     attention_backend="cpu", linear_method=linear_method,
                                     disable_hybrid_swa_memory=not hybrid))
-    assert (runner.model.decode_step is not None) == on
+    assert (runner.model.c_decoder is not None) == on
     return runner
 
 
-@pytest.mark.skipif(load_gemv_kernel() is None, reason="needs AVX512-BF16 (the bf16 C decode step)")
+@pytest.mark.skipif(load_gemv_kernel() is None, reason="needs AVX512-BF16 (the bf16 C decoder)")
 @pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "one-pool"])
 @pytest.mark.parametrize("bs", [1, 4])
 def test_bf16_step_with_windows_is_bit_equal(qwen2_folder, monkeypatch, hybrid, bs):
