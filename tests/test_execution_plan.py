@@ -226,3 +226,54 @@ def test_a_shape_timed_faster_elsewhere_does_not_turn_the_c_decoder_off(monkeypa
         assert out["meta_info"]["completion_tokens"] == 4
     finally:
         engine.shutdown()
+
+
+def test_the_decoder_choice_weighs_the_whole_step(monkeypatch, tmp_path) -> None:
+    """decoder_choice.decoder_trade: a decode step's products both ways from the cached timings, plus the Python
+    layers' calls; the C decoder loses where its method is slower at 1 row by more than those calls save."""
+    from radixserve.layers.linear_tuning import CACHE_FILE, Timing, TimingCache, cache_key
+    from radixserve.model_executor import decoder_choice
+
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    cache = TimingCache(tmp_path / CACHE_FILE)
+    a, b = (576, 576), (1536, 576)
+    for shape, gemv_1, dense_1 in ((a, 20e-6, 30e-6), (b, 50e-6, 40e-6)):
+        cache.put(cache_key(shape, torch.float32), [Timing("f32_gemv", 1, gemv_1), Timing("dense", 1, dense_1),
+                                                    Timing("f32_gemv", 512, 1e-3), Timing("dense", 512, 0.9e-3)])
+    shapes = Counter({a: 60, b: 30})
+    trade = decoder_choice.decoder_trade(shapes, {a: "dense", b: "dense"}, "f32_gemv", 30, torch.float32)
+    calls = 30 * decoder_choice.PYTHON_CALLS_PER_LAYER * decoder_choice.PYTHON_CALL_S
+    assert trade.c_step_s == pytest.approx(60 * 20e-6 + 30 * 50e-6)
+    assert trade.python_step_s == pytest.approx(60 * 30e-6 + 30 * 40e-6 + calls)
+    assert trade.c_prefill_s == pytest.approx(90e-3) and trade.python_prefill_s == pytest.approx(81e-3)
+    assert trade.c_wins and "ms in the C decoder against" in trade.describe()
+    # NOTE: f32_gemv 1 ms slower per product at 1 row: more than the Python calls it would save
+    cache.put(cache_key(a, torch.float32), [Timing("f32_gemv", 1, 1e-3), Timing("dense", 1, 30e-6)])
+    slow = decoder_choice.decoder_trade(shapes, {a: "dense", b: "dense"}, "f32_gemv", 30, torch.float32)
+    assert not slow.c_wins and slow.c_prefill_s is None  # NOTE: a's 512-row timings are gone: no prefill figure
+    assert decoder_choice.decoder_trade(Counter({(7, 7): 1}), {}, "f32_gemv", 1, torch.float32) is None  # untimed
+
+
+def test_a_c_decoder_that_would_be_slower_is_not_taken(monkeypatch) -> None:
+    """Where the whole step would be slower with f32_gemv on every decoder shape, the plan keeps timing's methods and
+    the Python layers, and says why with both estimates."""
+    from test_model_support import assert_engine_conserved
+
+    from radixserve.layers import linear_tuning
+    from radixserve.model_executor import decoder_choice
+
+    monkeypatch.setattr(linear_tuning, "choose_methods", lambda shapes, *a, **k: dict.fromkeys(shapes, "dense"))
+    slower = decoder_choice.DecoderTrade(c_step_s=9e-3, python_step_s=5e-3, c_prefill_s=None, python_prefill_s=None)
+    monkeypatch.setattr(decoder_choice, "decoder_trade", lambda *a, **k: slower)
+    engine = Engine(dtype="float32", max_total_tokens=1024, log_level="warning")
+    try:
+        plan = engine.model_runner.execution_plan
+        assert plan.choice("decoder") == "python layers"
+        reason = plan.as_dict()["decoder"]["reason"]
+        assert "would be slower" in reason and "9.00 ms in the C decoder against 5.00 ms" in reason, reason
+        assert set(plan.linear_methods.values()) == {"dense"} and engine.model_runner.model.c_decoder is None
+        out = engine.generate("The sky is", {"max_new_tokens": 4, "temperature": 0})
+        assert out["meta_info"]["completion_tokens"] == 4
+        assert_engine_conserved(engine)
+    finally:
+        engine.shutdown()

@@ -1,7 +1,7 @@
 """The offline Engine: the scheduler in a background thread of this process, driven through its queue.
 
-It is the scheduler's client (radixserve/client/, shared with the HTTP server) over an in-process
-transport: the scheduler's `input_queue` in, its `output_sink` called on the scheduler thread out.
+It drives the scheduler through a `SchedulerClient` (radixserve/client/, the one the HTTP server drives too) over
+an in-process transport: the scheduler's `input_queue` in, its `output_sink` called on the scheduler thread out.
 
     from radixserve import Engine
     engine = Engine(max_total_tokens=4096)
@@ -20,13 +20,10 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from radixserve.client.replies import ControlReplies
-from radixserve.client.tracker import RequestTracker
+from radixserve.client.scheduler_client import InProcessTransport, SchedulerClient
 from radixserve.entrypoints.request_state import RequestHandle, RequestState
 from radixserve.protocol.io_struct import (
     NO_LOGPROBS,
-    AbortReq,
-    BatchTokenIDOut,
     FlushCacheOut,
     FlushCacheReq,
     GetInternalStateOut,
@@ -59,15 +56,14 @@ class Engine:
 
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         _configure_logging(self.server_args.log_level)
-        self._tracker: RequestTracker[RequestState] = RequestTracker()
-        self._replies = ControlReplies()
         self._control_lock = threading.Lock()
         self._error: BaseException | None = None
         self.scheduler, self.info = build_scheduler(self.server_args, self._on_output, loaded_model)
         self.model_runner = self.scheduler.model_runner
         self.tokenizer = self.info.tokenizer
         self.limits = self.info.limits
-        self._send = self.scheduler.input_queue.put  # NOTE: the transport; the rest is the shared client
+        # NOTE: the scheduler's client, the HTTP server's too; this class adds threads and the in-process transport
+        self.client: SchedulerClient[RequestState] = SchedulerClient(InProcessTransport(self.scheduler.input_queue.put))
         self._thread = threading.Thread(target=self._run_scheduler, name="radixserve-scheduler", daemon=True)
         self._thread.start()
 
@@ -127,13 +123,13 @@ class Engine:
         self._check_adapter(lora_path)
         rid = rid or uuid.uuid4().hex
         state = RequestState(rid, list(input_ids), params, self.tokenizer, stream, logprob)
-        self._tracker.add(rid, state)
-        self._send(generate_message(rid, input_ids, params, extra_key, logprob, lora_path))
+        self.client.track(rid, state)
+        self.client.send_generate(generate_message(rid, input_ids, params, extra_key, logprob, lora_path))
         return RequestHandle(state, self)
 
     def abort(self, rid: str) -> None:
         """Abort a request at any stage; its KV is released within one scheduler step."""
-        self._send(AbortReq(rid))
+        self.client.abort(rid)
 
     def flush_cache(self) -> dict[str, Any]:
         """Empty the radix cache when no request holds KV; says whether it did."""
@@ -218,8 +214,7 @@ class Engine:
         with self._control_lock:  # NOTE: one at a time, so a reply cannot outrun the shutdown check
             self._raise_if_dead()
             future: Future = Future()
-            self._replies.expect(reply_type, future)
-            self._send(msg)
+            self.client.ask(msg, reply_type, future)
             while True:
                 try:
                     return future.result(timeout=0.5)
@@ -232,12 +227,11 @@ class Engine:
 
     def _on_output(self, out: Any) -> None:
         """Called on the scheduler thread for every message it sends."""
-        if isinstance(out, BatchTokenIDOut):
+        batch = self.client.receive(out)
+        if batch is not None:
             now = time.perf_counter()
-            for state, record in self._tracker.route(out):
+            for state, record in self.client.route(batch):
                 state.on_output(record, now)
-        elif not self._replies.resolve(out):
-            logger.warning("unexpected message from the scheduler: %r", type(out).__name__)
 
     def _run_scheduler(self) -> None:
         try:
@@ -248,9 +242,8 @@ class Engine:
             self._fail_all(e)
 
     def _fail_all(self, error: BaseException) -> None:
-        for state in self._tracker.take_all():
+        for state in self.client.fail_all(error):
             state.fail(error)
-        self._replies.fail_all(error)
 
     def _raise_if_dead(self) -> None:
         if self._error is not None:

@@ -1,13 +1,16 @@
-"""The Engine's per-request state: tokens arriving from the scheduler thread, waited on by the caller."""
+"""The Engine's per-request state: tokens arriving from the scheduler thread, waited on by the caller.
+
+`RequestState` extends the client's (client/request_state.py, the HTTP server's base too) with every token and
+logprob kept for a result or a stream."""
 
 from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from radixserve.client.request_state import RequestState as ClientRequestState
 from radixserve.client.shaping import native_logprobs
 from radixserve.client.text_stream import IncrementalDetokenizer, final_text
 from radixserve.mem_cache.tiers import tier_details
@@ -18,12 +21,12 @@ if TYPE_CHECKING:
     from radixserve.entrypoints.engine import Engine
 
 
-class RequestState:
+class RequestState(ClientRequestState):
     """Written by the scheduler thread (`on_output`, `fail`), read by the caller's thread."""
 
     def __init__(self, rid: str, input_ids: list[int], params: SamplingParams, tokenizer: Any,
                  stream: bool, logprob: LogprobSpec = NO_LOGPROBS) -> None:
-        self.rid = rid
+        super().__init__(rid, len(input_ids))
         self.input_ids = input_ids
         self.params = params
         self.tokenizer = tokenizer
@@ -33,15 +36,6 @@ class RequestState:
         self.top_logprobs: list[list[tuple[int, float]]] = []
         self.input_logprobs: list[float | None] = []  # prompt positions logprob_start_len.. (when >= 0)
         self.input_top_logprobs: list[list[tuple[int, float]]] = []
-        self.finish_reason: dict[str, Any] | None = None
-        self.prompt_tokens = len(input_ids)
-        self.completion_tokens = 0
-        self.cached_tokens = 0
-        self.cached_tokens_details: dict[str, int] | None = None  # by tier, with the hierarchical cache
-        self.figures: dict[str, float] | None = None  # the scheduler's (TokenIDOut.figures)
-        self.submitted_at = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.increments: queue.Queue | None = queue.Queue() if stream else None
@@ -51,19 +45,11 @@ class RequestState:
         if out.input_token_logprobs is not None:  # NOTE: before the tokens, whose finish may end the request
             self.input_logprobs, self.input_top_logprobs = list(out.input_token_logprobs), list(out.input_top_logprobs)
         new_ids, finish_reason = out.new_token_ids, out.finished_reason
-        if new_ids and self.first_token_at is None:
-            self.first_token_at = now
+        self.observe(out, now)
         start = len(self.output_ids)
         self.output_ids.extend(new_ids)
         self.logprobs.extend(out.output_logprobs or ())
         self.top_logprobs.extend(out.output_top_logprobs or ())
-        self.prompt_tokens, self.completion_tokens, self.cached_tokens = (
-            out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        self.cached_tokens_details = out.cached_tokens_details or self.cached_tokens_details
-        self.figures = out.figures or self.figures
-        if finish_reason is not None:
-            self.finish_reason = finish_reason
-            self.finished_at = now
         if self.increments is not None:
             self.increments.put((list(new_ids), finish_reason, start))
         if finish_reason is not None:
@@ -77,8 +63,6 @@ class RequestState:
 
     def meta_info(self, start: int = 0, end_index: int | None = None) -> dict[str, Any]:
         """The request's figures; with return_logprob, the logprobs of output tokens [start, end_index)."""
-        end = self.finished_at or time.perf_counter()
-        ttft = None if self.first_token_at is None else self.first_token_at - self.submitted_at
         info = {
             "id": self.rid,
             "prompt_tokens": self.prompt_tokens,
@@ -86,8 +70,8 @@ class RequestState:
             "cached_tokens": self.cached_tokens,
             **tier_details(self.cached_tokens_details),
             "finish_reason": self.finish_reason,
-            "e2e_latency": end - self.submitted_at,
-            "ttft": ttft,
+            "e2e_latency": self.elapsed(),
+            "ttft": self.ttft(),
             **(self.figures or {}),
         }
         spec = self.logprob

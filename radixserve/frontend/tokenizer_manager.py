@@ -23,12 +23,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.client.replies import ControlReplies
+from radixserve.client.request_state import RequestState
+from radixserve.client.scheduler_client import SchedulerClient
 from radixserve.client.text_stream import IncrementalDetokenizer, max_prompt_chars
-from radixserve.client.tracker import RequestTracker
 from radixserve.frontend.fair_admission import FairAdmission, Ticket
 from radixserve.frontend.fair_work import FairWork, FrontendBusy
 from radixserve.frontend.frontend_io import FrontendConfig, GenerateOutput, GenerateReq, TopLogprobs
@@ -37,7 +36,6 @@ from radixserve.frontend.scheduler_supervisor import Launcher, SchedulerSupervis
 from radixserve.frontend.tenant_namespace import api_key_id, cache_namespace, namespace_owner
 from radixserve.frontend.tokenizer_metrics import ServerMetrics
 from radixserve.protocol.io_struct import (
-    AbortReq,
     BatchTokenIDOut,
     CheckSessionReq,
     CloseSessionReq,
@@ -62,22 +60,23 @@ __all__ = ["FrontendBusy", "FrontendConfig", "GenerateOutput", "GenerateReq", "S
 _PARSER_MODULES = ("radixserve.entrypoints.http_errors", "radixserve.entrypoints.openai_protocol")
 
 
-@dataclass
-class _ReqState:
-    rid: str
-    prompt_len: int
-    detok: IncrementalDetokenizer
-    ticket: Ticket | None = None  # from fair admission, once granted
-    held: asyncio.Future | None = None  # while waiting for the ticket: resolved to end it before it is sent
-    link: SchedulerLink | None = None  # the link it was sent on
-    sent: bool = False
-    created: float = field(default_factory=time.monotonic)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    last_token_at: float | None = None
-    cached_tokens: int = 0
-    done: bool = False
-    client_rid: str | None = None
-    owner: str | None = None
+class _ReqState(RequestState):
+    """The client's request state (client/request_state.py, the Engine's base too) with the HTTP side's delivery:
+    its admission ticket, its detokenizer and the asyncio queue its generator reads."""
+
+    def __init__(self, rid: str, prompt_len: int, detok: IncrementalDetokenizer, client_rid: str | None = None,
+                 owner: str | None = None) -> None:
+        super().__init__(rid, prompt_len)
+        self.prompt_len = prompt_len  # NOTE: the prompt as sent (the records' prompt_tokens are the scheduler's)
+        self.detok = detok
+        self.ticket: Ticket | None = None  # from fair admission, once granted
+        self.held: asyncio.Future | None = None  # while waiting for the ticket: resolved to end it before it is sent
+        self.link: SchedulerLink | None = None  # the link it was sent on
+        self.sent = False
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False  # finished, or aborted here: later records are dropped
+        self.client_rid = client_rid
+        self.owner = owner
 
 
 class TokenizerManager:
@@ -95,10 +94,10 @@ class TokenizerManager:
         self.admission = FairAdmission(info.max_running_requests, self.config.fair_share_slice)
         self.supervisor = SchedulerSupervisor(self, self.config, launcher)
         self._link = link
-        # NOTE: the scheduler's client (radixserve/client/), shared with the Engine: requests in flight and
-        # control replies; this class adds the ZMQ transport, fair admission and asyncio.
-        self._states: RequestTracker[_ReqState] = RequestTracker()
-        self._replies = ControlReplies()
+        # NOTE: the scheduler's client (radixserve/client/), the Engine's too: requests in flight, control replies,
+        # over the link as its transport; this class adds fair admission, detokenizing and asyncio.
+        self.client: SchedulerClient[_ReqState] = SchedulerClient(link)
+        self._states = self.client.requests
         self._handle_task: asyncio.Task | None = None
         # NOTE: tokenizing, detokenizing and the other CPU work have threads of their own, so requests in are
         # never queued behind outputs out; the tokenizer and detokenizer threads have one tokenizer copy each
@@ -170,7 +169,7 @@ class TokenizerManager:
                 state.done = True
                 self._observe_finished(state, aborted=True)
             state.queue.put_nowait(error)
-        self._replies.fail_all(error)
+        self.client.replies.fail_all(error)
 
     async def detach(self) -> None:
         if self._handle_task is not None:
@@ -181,6 +180,7 @@ class TokenizerManager:
 
     def attach(self, link: SchedulerLink, process: Any, info: SchedulerInfo) -> None:
         self._link, self.process, self.info = link, process, info
+        self.client.transport = link
         self._handle_task = asyncio.create_task(self._handle_loop(link))
 
     @property
@@ -231,7 +231,7 @@ class TokenizerManager:
                 return
             self.supervisor.ensure_alive()
             state.link = self._link
-            self._link.send_request(generate_message(
+            self.client.send_generate(generate_message(
                 rid, req.input_ids, req.sampling_params, req.extra_key,
                 LogprobSpec(req.return_logprob, req.top_logprobs_num, req.logprob_start_len), req.lora_name,
                 req.embed, req.session_id, req.session_field))
@@ -296,7 +296,7 @@ class TokenizerManager:
         # NOTE: only to the scheduler that got the request; a restarted one never heard of it.
         if state.sent and state.link is self._link and self.supervisor.dead is None:
             try:
-                self._link.send_control(AbortReq(state.rid))
+                self.client.abort(state.rid)
             except SchedulerUnavailable:
                 pass
 
@@ -317,12 +317,7 @@ class TokenizerManager:
         """Send a control message that the scheduler answers with one `reply_type` message (in order)."""
         self.supervisor.ensure_alive()
         future = asyncio.get_running_loop().create_future()
-        self._replies.expect(reply_type, future)
-        try:
-            self._link.send_control(msg)
-        except SchedulerUnavailable:
-            self._replies.withdraw(reply_type, future)
-            raise
+        self.client.ask(msg, reply_type, future)
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout_s or self.config.control_timeout_s)
         except asyncio.TimeoutError:
@@ -343,8 +338,7 @@ class TokenizerManager:
             else:
                 if isinstance(out, GetInternalStateOut):
                     self.scheduler_state = out.state
-                if not self._replies.resolve(out):
-                    logger.warning("unexpected message from the scheduler: %r", type(out).__name__)
+                self.client.receive(out)
 
     def _detokenize(self, out: BatchTokenIDOut) -> list[str | None]:
         """On the detokenizer thread: each request's text delta (None for requests no longer here)."""
@@ -359,7 +353,7 @@ class TokenizerManager:
         return deltas
 
     def _dispatch(self, out: BatchTokenIDOut, deltas: list[str | None]) -> None:
-        now = time.monotonic()
+        now = time.perf_counter()
         for record, delta in zip(out.outputs, deltas, strict=True):
             state = self._states.get(record.rid)
             if state is None or state.done or delta is None:
@@ -367,7 +361,7 @@ class TokenizerManager:
             new_ids = list(record.new_token_ids)
             self.admission.started(state.ticket)
             self._observe_step(state, len(new_ids), now)
-            state.cached_tokens = record.cached_tokens
+            state.observe(record, now)
             finished = record.finished_reason
             state.queue.put_nowait(GenerateOutput(
                 rid=record.rid, text_delta=delta, token_ids=new_ids, finish=finished, prompt_tokens=state.prompt_len, completion_tokens=record.completion_tokens,
@@ -383,14 +377,13 @@ class TokenizerManager:
         if num_new == 0:
             return
         if state.last_token_at is None:
-            self.metrics.observe_first_token(now - state.created)
+            self.metrics.observe_first_token(now - state.submitted_at)
             self.metrics.observe_tokens(num_new, None)
         else:
             self.metrics.observe_tokens(num_new, now - state.last_token_at)
-        state.last_token_at = now
 
     def _observe_finished(self, state: _ReqState, aborted: bool) -> None:
-        self.metrics.observe_finished(state.prompt_len, state.cached_tokens, time.monotonic() - state.created,
+        self.metrics.observe_finished(state.prompt_len, state.cached_tokens, state.elapsed(),
                                       aborted)
 
 def _private_copy(tokenizer: Any) -> Any:

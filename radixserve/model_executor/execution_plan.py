@@ -193,10 +193,13 @@ def _methods_for_the_c_decoder(model: Any, device: torch.device, dtype: torch.dt
                                ) -> tuple[dict[Shape, str], str | None, str]:
     """Where timing shape by shape chose a method the C decoder cannot call for some float32 decoder layer (dense
     timed a few percent faster at 512 rows, say), the float32 GEMV for every decoder shape instead, if that lets the
-    C decoder run: it is our GEMV up to `RowTable.f32_gemv_rows` rows and oneDNN's product above, and the C decoder saves
-    every decode step ~10 Python calls per layer (measured on a 2-core AVX2 EPYC, SmolLM2 in float32: batch-1
-    decode 27 tokens/s on the Python layers against 81 in the C decoder). Returns (methods, refusal, why)."""
+    C decoder run and the whole choice is faster (decoder_choice.py: a decode step's products both ways, from the
+    timings, and the Python layers' calls): it is our GEMV up to `RowTable.f32_gemv_rows` rows and oneDNN's product
+    above, and the C decoder saves every decode step ~10 Python calls per layer (measured on a 2-core AVX2 EPYC,
+    SmolLM2 in float32: batch-1 decode 27 tokens/s on the Python layers against 81 in the C decoder). Returns
+    (methods, refusal, why)."""
     from radixserve.layers.f32_gemv import F32GemvLinearMethod
+    from radixserve.model_executor.decoder_choice import decoder_trade
 
     weights = model.decoder_weights()
     if (dtype != torch.float32 or weights is None or "a linear layer runs" not in refusal
@@ -209,8 +212,13 @@ def _methods_for_the_c_decoder(model: Any, device: torch.device, dtype: torch.dt
     again = _decoder_refusal(model, device, dtype, ops, tried, kv_dtype)
     if again is not None:
         return methods, refusal, ""
+    counts = Counter(linear.shape for layer in weights.layers for linear in layer.linears)
+    trade = decoder_trade(counts, methods, F32GemvLinearMethod.name, len(weights.layers), dtype)
+    if trade is not None and not trade.c_wins:
+        return methods, f"{refusal} (kept: f32_gemv on every decoder shape would be slower, {trade.describe()})", ""
+    why = "not timed here" if trade is None else trade.describe()
     return tried, None, (f" (f32_gemv given to every decoder shape, where timing alone chose "
-                         f"{', '.join(overridden)}: that would run every decode step in the Python layers)")
+                         f"{', '.join(overridden)}: that would run every decode step in the Python layers; {why})")
 
 
 def _op_names(ops: FusedOps | None) -> tuple[str, ...]:
