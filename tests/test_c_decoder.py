@@ -157,7 +157,7 @@ def test_silu_and_mul_of_prefill_batches_is_the_step_loop(folder, monkeypatch):
     the compiled op."""
     runner = _runner(folder, monkeypatch, True)
     act, compiled = runner.model.model.layers[0].mlp.act, runner.model.fused_ops.silu_and_mul
-    assert isinstance(act, prefill_passes.SiluAndMul)
+    assert isinstance(act, prefill_passes.RowSiluAndMul)
     g = torch.Generator().manual_seed(0)
     for rows in (1, DEFAULT_ROWS.prefill_passes_from - 1, DEFAULT_ROWS.prefill_passes_from, 300):
         gate_up = (torch.randn(rows, 512, generator=g) * 4).bfloat16()
@@ -166,7 +166,7 @@ def test_silu_and_mul_of_prefill_batches_is_the_step_loop(folder, monkeypatch):
         assert (got.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
         assert (got != want).float().mean() < 0.01
     off = _runner(folder, monkeypatch, False)
-    assert not isinstance(off.model.model.layers[0].mlp.act, prefill_passes.SiluAndMul)
+    assert not isinstance(off.model.model.layers[0].mlp.act, prefill_passes.RowSiluAndMul)
 
 
 def test_add_rmsnorm_of_prefill_batches_is_the_step_loop_bit_for_bit(folder, monkeypatch):
@@ -176,7 +176,7 @@ def test_add_rmsnorm_of_prefill_batches_is_the_step_loop_bit_for_bit(folder, mon
     runner = _runner(folder, monkeypatch, True)
     norms = [n for layer in runner.model.model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     fused, compiled = norms[0].fused_add, runner.model.fused_ops.add_rmsnorm
-    assert isinstance(fused, prefill_passes.AddRMSNorm)
+    assert isinstance(fused, prefill_passes.RowAddRMSNorm)
     assert all(n.fused_add is fused for n in norms) and runner.model.model.norm.fused_add is fused
     width = runner.model.config.hidden_size
     g = torch.Generator().manual_seed(0)
@@ -189,7 +189,8 @@ def test_add_rmsnorm_of_prefill_batches_is_the_step_loop_bit_for_bit(folder, mon
         got, want = fused(x, residual, weight), compiled(x, residual, weight)
         assert len(calls) - before == (rows >= DEFAULT_ROWS.prefill_passes_from)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), rows
-    odd = prefill_passes.AddRMSNorm(fused._kernel, lambda *a: ("compiled",), fused.eps)
+    odd = prefill_passes.RowAddRMSNorm(fused._kernel, lambda *a: ("compiled",), fused.eps,
+                                       DEFAULT_ROWS.prefill_passes_from)
     x = torch.randn(DEFAULT_ROWS.prefill_passes_from, 48).bfloat16()
     assert odd(x, x.clone(), torch.ones(48, dtype=torch.bfloat16)) == ("compiled",)
     off = _runner(folder, monkeypatch, False)

@@ -64,6 +64,7 @@ class World:
         out = self.kv.alloc_extend(reqs, [len(r.fill_ids) for r in reqs])
         assert out.dtype == SLOT_DTYPE and len(out) == sum(len(r.fill_ids) for r in reqs) - sum(prefix_lens)
         for req, pre in zip(reqs, prefix_lens, strict=True):
+            req.start_running()  # NOTE: what ScheduleBatch.prepare_for_extend does once the KV manager gave a row
             self._record(req, pre, len(req.fill_ids))
             self.kv.commit(req, len(req.fill_ids))  # the forward's result is processed
         self.check()

@@ -14,6 +14,7 @@ from lora_support import SPECS, AdapterSpec, hf_greedy, make_peft_adapter, tiny_
 from test_model_support import assert_engine_conserved, one_torch_thread
 
 from radixserve import Engine
+from radixserve.client.scheduler_client import InProcessTransport
 
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 
@@ -235,7 +236,7 @@ def _generate_together(engine, prompts, params, names, monkeypatch) -> list[dict
     scheduler may start on the first before the last is in: then no decode batch holds them all (it flaked so)."""
     sent: list = []
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "_send", sent.append)
+        patch.setattr(engine.client, "transport", InProcessTransport(sent.append))
         handles = [engine.submit(ids, params, lora_path=name) for ids, name in zip(prompts, names, strict=True)]
     queue = engine.scheduler.input_queue
     with queue.mutex:

@@ -108,14 +108,6 @@ def test_a_draft_stops_before_the_token_that_ends_its_grammar(grammars):
     assert allowed_at_end == [tokenizer.eos_token_id]  # after "abab" the grammar can only end
 
 
-INVOICE = {"type": "object", "additionalProperties": False, "properties": {
-    "customer_full_name_as_written_on_the_invoice": {"type": "string", "maxLength": 12},
-    "customer_billing_address_country_code": {"enum": ["FR", "IT"]},
-    "total_amount_including_all_taxes_in_euros": {"type": "integer", "minimum": 0, "maximum": 999}},
-    "required": ["customer_full_name_as_written_on_the_invoice", "customer_billing_address_country_code",
-                 "total_amount_including_all_taxes_in_euros"]}
-
-
 def test_an_accepted_draft_run_ends_at_a_jump_point():
     """A prompt holding the JSON to copy: n-gram drafts run across the schema's keys and are accepted, but the keys
     are a jump-forward's. The accepted run ends where the grammar forces text, so the request jumps at the same
@@ -123,13 +115,15 @@ def test_an_accepted_draft_run_ends_at_a_jump_point():
     tokens: which tokens a request writes depended on where its verify steps ended; the feature soak found it)."""
     import json
 
+    from test_structured_outputs import LONG_KEYS
+
     from radixserve import Engine
 
     example = json.dumps({"customer_full_name_as_written_on_the_invoice": "Ada",
                           "customer_billing_address_country_code": "FR",
                           "total_amount_including_all_taxes_in_euros": 12})
     prompt = f"Copy this invoice exactly: {example}\nCopy: "
-    params = {"json_schema": json.dumps(INVOICE), "temperature": 0, "max_new_tokens": 80}
+    params = {"json_schema": json.dumps(LONG_KEYS), "temperature": 0, "max_new_tokens": 80}
     runs = {}
     for spec, overlap in (("none", False), ("ngram", False), ("ngram", True)):
         engine = Engine(dtype="float32", speculative_algorithm=spec, disable_overlap_schedule=not overlap,
