@@ -340,23 +340,23 @@ class TokenizerManager:
                     self.scheduler_state = out.state
                 self.client.receive(out)
 
-    def _detokenize(self, out: BatchTokenIDOut) -> list[str | None]:
-        """On the detokenizer thread: each request's text delta (None for requests no longer here)."""
-        deltas: list[str | None] = []
+    def _detokenize(self, out: BatchTokenIDOut) -> dict[str, str]:
+        """On the detokenizer thread: each request's text delta, by rid (none for requests no longer here)."""
+        deltas: dict[str, str] = {}
         for record in out.outputs:
             state = self._states.get(record.rid)
             if state is None or state.done:
-                deltas.append(None)
                 continue
             ids, finished = list(record.new_token_ids), record.finished_reason
-            deltas.append(state.detok.feed(ids) if finished is None else state.detok.finish(ids, finished))
+            deltas[record.rid] = state.detok.feed(ids) if finished is None else state.detok.finish(ids, finished)
         return deltas
 
-    def _dispatch(self, out: BatchTokenIDOut, deltas: list[str | None]) -> None:
+    def _dispatch(self, out: BatchTokenIDOut, deltas: dict[str, str]) -> None:
+        """On the event loop: each record to its request's generator, routed by the client (the Engine's routing)."""
         now = time.perf_counter()
-        for record, delta in zip(out.outputs, deltas, strict=True):
-            state = self._states.get(record.rid)
-            if state is None or state.done or delta is None:
+        for state, record in self.client.route(out):
+            delta = deltas.get(record.rid)
+            if state.done or delta is None:
                 continue  # aborted here already; late outputs are dropped
             new_ids = list(record.new_token_ids)
             self.admission.started(state.ticket)
