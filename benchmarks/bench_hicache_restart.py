@@ -4,7 +4,7 @@ Each run is a new process (a real restart: empty KV pool, empty tree) with `--en
 directory: run 1 computes the prompt and stores its pages; run 2 loads them. Both generate greedily; the tokens
 must be identical. A third process with the tier off gives the plain cold TTFT.
 
-    python benchmarks/bench_hicache_restart.py [--system-tokens 4000] [--dtype float32] [--repeat 1]
+    python benchmarks/bench_hicache_restart.py [--system-tokens 4000] [--dtype auto] [--repeat 1]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def first_difference(a: dict, b: dict) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system-tokens", type=int, default=4000)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="the server's default (auto); float32 doubles the page bytes")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--repeat", type=int, default=1, help="cold/restart pairs, each on a fresh directory")
     parser.add_argument("--with-plain", action="store_true", help="also time a process with the tier off")
