@@ -16,27 +16,19 @@ from radixserve.configs.model_config import ModelConfig
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.layernorm import RMSNorm
 from radixserve.models.causal_lm import CausalLM
-from radixserve.models.llama import LlamaAttention, LlamaMLP
+from radixserve.models.llama import LlamaDecoderLayer
 
 pytestmark = pytest.mark.slow
 _single_thread = pytest.fixture(scope="module", autouse=True)(one_torch_thread)
 TOY = "ToyParallelForCausalLM"
 
 
-class ToyLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class ToyModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(ToyLayer(config, i) for i in range(config.num_layers))
+        # NOTE: Llama's layer modules (attention, MLP, two norms) under Llama's names; the toy runs them its own way
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

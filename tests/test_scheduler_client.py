@@ -17,7 +17,6 @@ from radixserve.protocol.io_struct import (
     BatchTokenIDOut,
     FlushCacheOut,
     FlushCacheReq,
-    GetInternalStateOut,
     TokenIDOut,
 )
 
@@ -136,4 +135,3 @@ def test_the_front_ends_send_only_through_the_client():
         calls = [c for c in calls if not c.startswith(("state.queue", "state.increments"))]
         assert not calls, (path.name, calls)
     assert AbortReq.__name__ not in (PACKAGE / "entrypoints" / "engine.py").read_text()
-    assert GetInternalStateOut  # NOTE: imported for the reply types the tests name

@@ -97,7 +97,6 @@ class TokenizerManager:
         # NOTE: the scheduler's client (radixserve/client/), the Engine's too: requests in flight, control replies,
         # over the link as its transport; this class adds fair admission, detokenizing and asyncio.
         self.client: SchedulerClient[_ReqState] = SchedulerClient(link)
-        self._states = self.client.requests
         self._handle_task: asyncio.Task | None = None
         # NOTE: tokenizing, detokenizing and the other CPU work have threads of their own, so requests in are
         # never queued behind outputs out; the tokenizer and detokenizer threads have one tokenizer copy each
@@ -160,8 +159,8 @@ class TokenizerManager:
         return await self.get_internal_state(timeout_s=timeout_s)
 
     def fail_in_flight(self, error: SchedulerUnavailable) -> None:
-        logger.error("%s; failing %d request(s) in flight", error, len(self._states))
-        for _, state in self._states.items():
+        logger.error("%s; failing %d request(s) in flight", error, len(self.client.requests))
+        for _, state in self.client.requests.items():
             if state.held is not None and not state.held.done():
                 state.held.set_exception(error)
                 continue
@@ -185,11 +184,11 @@ class TokenizerManager:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._states)
+        return len(self.client.requests)
 
     def in_flight_rids(self, owner: Any = ...) -> list[str]:
         """Every request id in flight, or only `owner`'s."""
-        return [rid for rid, s in self._states.items() if owner is ... or s.owner == owner]
+        return [rid for rid, s in self.client.requests.items() if owner is ... or s.owner == owner]
 
     # ------------------------------------------------------------------------------ requests
 
@@ -220,7 +219,7 @@ class TokenizerManager:
         detok = IncrementalDetokenizer(self._detok_tokenizer, req.sampling_params.stop,
                                        req.sampling_params.skip_special_tokens)
         state = _ReqState(rid, len(req.input_ids), detok, client_rid=req.client_rid, owner=owner)
-        self._states.add(rid, state)
+        self.client.track(rid, state)
         try:
             state.ticket = await self._admit(state, rid if req.group is None else req.group)
             if state.ticket is None:  # aborted while it waited: it never reaches the scheduler
@@ -244,7 +243,7 @@ class TokenizerManager:
                 if item.finish_reason is not None:
                     return
         finally:
-            self._states.pop(rid)
+            self.client.requests.pop(rid)
             if state.held is not None and not state.held.done():
                 state.held.cancel()
             if state.sent and not state.done:
@@ -277,7 +276,7 @@ class TokenizerManager:
         """Ask the scheduler to abort `owner`'s requests named `client_rid` (all of them with `abort_all`);
         `admin` reaches every owner's. They end as usual, with finish reason abort (status 499), and
         their partial output; returns how many."""
-        hits = [s for _, s in self._states.items()
+        hits = [s for _, s in self.client.requests.items()
                 if not s.done and (admin or s.owner == owner) and (abort_all or s.client_rid == client_rid)]
         for state in hits:
             if state.held is not None and not state.held.done():
@@ -344,7 +343,7 @@ class TokenizerManager:
         """On the detokenizer thread: each request's text delta, by rid (none for requests no longer here)."""
         deltas: dict[str, str] = {}
         for record in out.outputs:
-            state = self._states.get(record.rid)
+            state = self.client.requests.get(record.rid)
             if state is None or state.done:
                 continue
             ids, finished = list(record.new_token_ids), record.finished_reason

@@ -192,7 +192,6 @@ class OutputProcessor:
                 continue  # NOTE: finished in an earlier result, aborted, or retracted: handled once
             live.append(req)
             tokens = accept_greedy(draft, result.next_token_ids[offset: offset + 1 + len(draft)])
-            self.kv_manager.commit(req, base + len(tokens))
             if draft:
                 self._count_draft(req, len(draft), len(tokens) - 1)
                 req.penalties_after_verify()
@@ -209,10 +208,10 @@ class OutputProcessor:
                         # NOTE: a jump point inside the accepted run ends it, so that requests jump where they would
                         # without drafts (the decision is a function of the tokens): the model's tokens after it go
                         tokens = tokens[: i + 1]
-                        self.kv_manager.commit(req, base + len(tokens))
                         break
             else:
                 req.check_finished(self.tokenizer)
+            self.kv_manager.commit(req, base + len(tokens))
             if req.finished():
                 self.release_finished_req(req)  # NOTE: frees the rejected slots with the rest
             else:
